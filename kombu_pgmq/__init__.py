@@ -1,0 +1,65 @@
+"""kombu_pgmq: PostgreSQL as a Kombu/Celery message broker, on PGMQ queues.
+
+``import kombu_pgmq`` registers the URL schemes ``postgresql://`` and ``postgres://``
+with kombu (kombu's own ``pgmq`` alias is left alone), so Celery can use
+``broker_url = "postgresql://user:password@host:5432/dbname"``.
+See :mod:`kombu_pgmq.transport` for behaviour and transport options.
+"""
+
+from __future__ import annotations
+
+from kombu.transport import TRANSPORT_ALIASES
+
+from .conninfo import SCHEMES
+from .errors import (
+    BootstrapError,
+    BrokerConnectionError,
+    ConfigurationError,
+    InvalidQueueName,
+    KombuPgmqError,
+    OperationalError,
+    QueueNotFound,
+    UnsupportedPgmqVersion,
+)
+
+__version__ = "0.1.0"
+
+#: Import path of the transport class (also usable as Celery's ``broker_transport``).
+TRANSPORT_PATH = "kombu_pgmq.transport:Transport"
+
+
+def register() -> None:
+    """Register ``postgresql://`` and ``postgres://`` as kombu transport aliases (idempotent)."""
+    for scheme in SCHEMES:
+        TRANSPORT_ALIASES[scheme] = TRANSPORT_PATH
+
+
+register()
+
+
+def __getattr__(name: str) -> object:
+    # Lazy: importing the transport pulls in kombu's virtual transport machinery.
+    if name == "Transport":
+        from .transport import Transport
+
+        return Transport
+    if name == "default_broker_url":
+        from .embedded import default_broker_url
+
+        return default_broker_url
+    raise AttributeError(name)
+
+
+__all__ = [
+    "BootstrapError",
+    "BrokerConnectionError",
+    "ConfigurationError",
+    "InvalidQueueName",
+    "KombuPgmqError",
+    "OperationalError",
+    "QueueNotFound",
+    "Transport",
+    "UnsupportedPgmqVersion",
+    "default_broker_url",
+    "register",
+]

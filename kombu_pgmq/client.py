@@ -1,0 +1,221 @@
+"""PGMQ client: the only module of kombu_pgmq that sends SQL.
+
+One :class:`PgmqClient` wraps one psycopg 3 connection in autocommit mode (every call is
+its own transaction unless inside :meth:`PgmqClient.transaction`). Statements come from
+``sql/queries.sql`` by name; psycopg prepares the frequent ones on the server after a
+few uses. Queue names given to it are PGMQ names (see :mod:`kombu_pgmq.naming`).
+
+Every psycopg error is translated by :func:`kombu_pgmq.errors.translate`; after a
+connection error the client is closed and later calls raise
+:class:`~kombu_pgmq.errors.BrokerConnectionError` (kombu then reconnects).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from functools import lru_cache
+from typing import Any, NamedTuple
+
+import psycopg
+from psycopg import sql
+
+from .errors import BrokerConnectionError, KombuPgmqError, translate
+from .queries import queries
+
+
+class Row(NamedTuple):
+    """One delivered message: ``message`` and ``headers`` are JSON text (headers may be None)."""
+
+    msg_id: int
+    read_ct: int
+    message: str
+    headers: str | None
+
+
+@lru_cache(maxsize=2048)
+def _with_table(name: str, queue: str) -> sql.Composed:
+    return sql.SQL(queries()[name]).format(queue_table=sql.Identifier("pgmq", f"q_{queue}"))
+
+
+class PgmqClient:
+    """Typed PGMQ operations over one connection.
+
+    Arguments:
+        conninfo: libpq connection string (``key=value``) or URL; may hold a password,
+            which is never shown by ``repr``.
+    """
+
+    def __init__(self, conninfo: str) -> None:
+        self._conninfo = conninfo
+        self._conn: psycopg.Connection[Any] | None = None
+        self._lock = threading.Lock()
+        self._q = queries()
+
+    def __repr__(self) -> str:
+        state = "open" if self._conn is not None and not self._conn.closed else "closed"
+        return f"<PgmqClient {state}>"
+
+    # -- connection ------------------------------------------------------------------
+
+    @property
+    def connection(self) -> psycopg.Connection[Any]:
+        """The open psycopg connection (connects on first use).
+
+        Raises:
+            BrokerConnectionError: the server cannot be reached.
+        """
+        conn = self._conn
+        if conn is None or conn.closed:
+            with self._lock:
+                conn = self._conn
+                if conn is None or conn.closed:
+                    try:
+                        conn = psycopg.connect(self._conninfo, autocommit=True)
+                    except psycopg.Error as exc:
+                        raise translate(exc) from exc
+                    self._conn = conn
+        return conn
+
+    def close(self) -> None:
+        """Close the connection (idempotent)."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+    @property
+    def backend_pid(self) -> int:
+        """PID of the server process serving this connection (for diagnostics and tests)."""
+        return self.connection.info.backend_pid
+
+    def _fail(self, exc: psycopg.Error) -> KombuPgmqError:
+        err = translate(exc)
+        if isinstance(err, BrokerConnectionError):
+            self.close()
+        return err
+
+    def _run(self, query: Any, params: Any = None) -> list[tuple[Any, ...]]:
+        try:
+            cur = self.connection.execute(query, params)
+            return cur.fetchall() if cur.description is not None else []
+        except psycopg.Error as exc:
+            raise self._fail(exc) from exc
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Run the calls inside the block in one transaction (commit, or rollback on error)."""
+        try:
+            with self.connection.transaction():
+                yield
+        except psycopg.Error as exc:
+            raise self._fail(exc) from exc
+
+    # -- messages --------------------------------------------------------------------
+
+    def send(self, queue: str, message: str, headers: str, delay_seconds: int = 0) -> int:
+        """Publish one message (``message``/``headers`` are JSON text); return its msg_id.
+
+        Raises:
+            QueueNotFound: the queue does not exist.
+            InvalidJsonBody: PostgreSQL rejected ``message`` as JSON.
+        """
+        if delay_seconds > 0:
+            rows = self._run(
+                self._q["send_delayed"],
+                {"queue": queue, "message": message, "headers": headers,
+                 "delay_seconds": delay_seconds},
+            )
+        else:
+            rows = self._run(
+                self._q["send"], {"queue": queue, "message": message, "headers": headers}
+            )
+        return int(rows[0][0])
+
+    def read(self, queue: str, vt_seconds: int, qty: int) -> list[Row]:
+        """Deliver up to ``qty`` visible messages, invisible for ``vt_seconds`` afterwards."""
+        rows = self._run(self._q["read"], {"queue": queue, "vt_seconds": vt_seconds, "qty": qty})
+        return [Row(*r) for r in rows]
+
+    def pop(self, queue: str, qty: int) -> list[Row]:
+        """Deliver and delete up to ``qty`` visible messages (no ack will follow)."""
+        return [Row(*r) for r in self._run(self._q["pop"], {"queue": queue, "qty": qty})]
+
+    def archive(self, queue: str, msg_ids: Sequence[int]) -> list[int]:
+        """Move messages to the archive ``pgmq.a_<queue>``; return the ids that were there."""
+        rows = self._run(self._q["archive"], {"queue": queue, "msg_ids": list(msg_ids)})
+        return [r[0] for r in rows]
+
+    def set_vt(self, queue: str, msg_ids: Sequence[int], vt_seconds: int) -> list[int]:
+        """Make messages visible again in ``vt_seconds`` (0: now); return the ids updated."""
+        rows = self._run(
+            self._q["set_vt"],
+            {"queue": queue, "msg_ids": list(msg_ids), "vt_seconds": vt_seconds},
+        )
+        return [r[0] for r in rows]
+
+    def dead_letter(
+        self,
+        queue: str,
+        msg_ids: Sequence[int],
+        *,
+        dead_letter_queue: str,
+        reason: str,
+        kombu_queue: str,
+    ) -> list[int]:
+        """Atomically move messages from ``queue`` to ``dead_letter_queue``.
+
+        The moved copy keeps message and headers and gains an ``x-dead-letter`` header:
+        ``{"queue", "pgmq_queue", "msg_id", "read_ct", "reason", "enqueued_at",
+        "dead_lettered_at"}``. Returns the new msg_ids in the dead-letter queue.
+
+        Raises:
+            QueueNotFound: ``dead_letter_queue`` does not exist (nothing was moved).
+        """
+        rows = self._run(
+            _with_table("dead_letter", queue),
+            {"queue": queue, "msg_ids": list(msg_ids), "dead_letter_queue": dead_letter_queue,
+             "reason": reason, "kombu_queue": kombu_queue},
+        )
+        return [r[0] for r in rows]
+
+    # -- queues ----------------------------------------------------------------------
+
+    def create_queue(self, queue: str, kombu_queue: str) -> None:
+        """Create the PGMQ queue (idempotent) and record its Kombu name."""
+        with self.transaction():
+            self._run(self._q["create_queue"], {"queue": queue})
+            self._run(self._q["register_queue"], {"queue": queue, "kombu_queue": kombu_queue})
+
+    def drop_queue(self, queue: str) -> bool:
+        """Drop the queue and its archive; False if it did not exist."""
+        with self.transaction():
+            rows = self._run(self._q["drop_queue"], {"queue": queue})
+            self._run(self._q["unregister_queue"], {"queue": queue})
+        return bool(rows[0][0])
+
+    def queue_exists(self, queue: str) -> bool:
+        return bool(self._run(self._q["queue_exists"], {"queue": queue})[0][0])
+
+    def size(self, queue: str) -> int:
+        """Number of ready (visible) messages."""
+        return int(self._run(_with_table("size", queue))[0][0])
+
+    def purge(self, queue: str) -> int:
+        """Delete the ready messages (not the unacked ones); return how many."""
+        return int(self._run(_with_table("purge", queue))[0][0])
+
+    # -- schema (used by kombu_pgmq.schema) ------------------------------------------
+
+    def scalar(self, name: str, params: dict[str, Any] | None = None) -> Any:
+        """Run the named statement and return the first column of its first row (or None)."""
+        rows = self._run(self._q[name], params)
+        return rows[0][0] if rows else None
+
+    def column(self, name: str, params: dict[str, Any] | None = None) -> list[Any]:
+        """Run the named statement and return the first column of every row."""
+        return [r[0] for r in self._run(self._q[name], params)]
+
+    def execute_script(self, script: str) -> None:
+        """Run a multi-statement SQL script (no parameters), e.g. a migration file."""
+        self._run(script)

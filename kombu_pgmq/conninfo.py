@@ -1,0 +1,118 @@
+"""Broker URL and connection parameters.
+
+Accepted URLs (the scheme picks this transport once ``kombu_pgmq`` is imported):
+
+* ``postgresql://user:password@host:5432/dbname?sslmode=require&application_name=w1``
+* ``postgres://...`` (as in a ``DATABASE_URL``)
+* ``pgmq+postgresql://...`` is *not* registered: kombu's own ``pgmq`` alias stays kombu's.
+
+Everything in the query string is passed to libpq (``sslmode``, ``application_name``,
+``connect_timeout``, ``host=/socket/dir``, ``options``, ...), so any libpq keyword works.
+Percent-encoded user names and passwords are decoded (``p%40ss`` is ``p@ss``).
+Passwords never appear in :func:`redact` output, in logs or in ``repr``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import parse_qsl, quote, unquote, urlsplit
+
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from .errors import ConfigurationError
+
+#: URL schemes this transport registers with kombu.
+SCHEMES = ("postgresql", "postgres")
+_DEFAULT_APPLICATION_NAME = "kombu_pgmq"
+
+
+def url_to_params(url: str) -> dict[str, Any]:
+    """Parse a broker URL into libpq keyword parameters.
+
+    Shapes: ``"postgresql://u:p@h:5432/db?k=v" -> {"user": "u", "password": "p",
+    "host": "h", "port": "5432", "dbname": "db", "k": "v"}``. Keys absent from the URL
+    are absent from the result (libpq then uses its defaults and ``PG*`` variables).
+
+    Raises:
+        ConfigurationError: the scheme is not ``postgresql``/``postgres`` or the URL
+        cannot be parsed (the message shows the URL with the password masked).
+    """
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise ConfigurationError(
+            f"cannot parse broker URL {redact(url)!r}: {exc}; expected "
+            "postgresql://user:password@host:5432/dbname"
+        ) from None
+    scheme = parts.scheme.split("+")[-1]
+    if scheme not in SCHEMES:
+        raise ConfigurationError(
+            f"broker URL {redact(url)!r} has scheme {parts.scheme!r}; kombu_pgmq takes "
+            "postgresql:// or postgres://"
+        )
+    params: dict[str, Any] = {}
+    if parts.hostname:
+        # urlsplit lower-cases hostname; keep the original spelling for socket paths.
+        host = parts.netloc.rpartition("@")[2]
+        if host.startswith("["):
+            host = host[1 : host.index("]")]
+        else:
+            host = host.split(":")[0]
+        params["host"] = unquote(host)
+    if port is not None:
+        params["port"] = str(port)
+    if parts.username:
+        params["user"] = unquote(parts.username)
+    if parts.password:
+        params["password"] = unquote(parts.password)
+    dbname = unquote(parts.path.lstrip("/"))
+    if dbname:
+        params["dbname"] = dbname
+    for key, value in parse_qsl(parts.query, keep_blank_values=True):
+        params[key] = value
+    return params
+
+
+def make_dsn(params: Mapping[str, Any]) -> str:
+    """Return a libpq ``key=value`` connection string (with ``application_name``).
+
+    Raises:
+        ConfigurationError: libpq rejects a parameter (the message names it).
+    """
+    merged = {"application_name": _DEFAULT_APPLICATION_NAME, **params}
+    merged = {k: v for k, v in merged.items() if v is not None and v != ""}
+    try:
+        return make_conninfo("", **merged)
+    except Exception as exc:  # psycopg.ProgrammingError: invalid keyword
+        raise ConfigurationError(
+            f"invalid connection parameter in {sorted(merged)}: {exc}; see libpq's "
+            "'Parameter Key Words' for valid names"
+        ) from None
+
+
+def redact(url_or_dsn: str) -> str:
+    """Return *url_or_dsn* with its password replaced by ``**`` (for logs and errors)."""
+    if "://" in url_or_dsn:
+        try:
+            parts = urlsplit(url_or_dsn)
+        except ValueError:
+            return "<unparseable URL>"
+        query = "&".join(
+            f"{k}=**" if k == "password" else f"{k}={quote(v, safe='/')}"
+            for k, v in parse_qsl(parts.query, keep_blank_values=True)
+        )
+        netloc = parts.netloc
+        if "@" in netloc:
+            userinfo, _, hostport = netloc.rpartition("@")
+            user = userinfo.split(":", 1)[0]
+            netloc = f"{user}:**@{hostport}" if ":" in userinfo else f"{user}@{hostport}"
+        return parts._replace(netloc=netloc, query=query).geturl()
+    try:
+        params = conninfo_to_dict(url_or_dsn)
+    except Exception:
+        return "<unparseable connection string>"
+    if "password" in params:
+        params["password"] = "**"
+    return " ".join(f"{k}={v}" for k, v in params.items())

@@ -1,0 +1,95 @@
+"""Error hierarchy of kombu_pgmq, and the one place psycopg errors are translated.
+
+Every error derives from :class:`KombuPgmqError`. Errors are picklable (they cross
+process boundaries in Celery's prefork pool), keep their message as ``args[0]`` and
+name the thing that is wrong and how to fix it.
+
+:func:`translate` maps a :class:`psycopg.Error` to one of these; callers use
+``raise translate(exc) from exc`` so the original error stays in ``__cause__``.
+"""
+
+from __future__ import annotations
+
+import psycopg
+from psycopg import errors as pg_errors
+
+__all__ = [
+    "BootstrapError",
+    "BrokerConnectionError",
+    "ConfigurationError",
+    "InvalidJsonBody",
+    "InvalidQueueName",
+    "KombuPgmqError",
+    "OperationalError",
+    "QueueNotFound",
+    "UnsupportedPgmqVersion",
+    "translate",
+]
+
+
+class KombuPgmqError(Exception):
+    """Base class of every error raised by kombu_pgmq."""
+
+
+class ConfigurationError(KombuPgmqError, ValueError):
+    """A broker URL or transport option is invalid (the message names it and the fix)."""
+
+
+class InvalidQueueName(KombuPgmqError, ValueError):
+    """A Kombu queue name cannot be used (e.g. empty, or not a ``str``)."""
+
+
+class UnsupportedPgmqVersion(KombuPgmqError):
+    """The installed PGMQ is older than :data:`kombu_pgmq.schema.MIN_PGMQ_VERSION`."""
+
+
+class BootstrapError(KombuPgmqError):
+    """Installing PGMQ or applying kombu_pgmq's migrations failed."""
+
+
+class BrokerConnectionError(KombuPgmqError, ConnectionError):
+    """The database is unreachable or the connection was lost.
+
+    Listed in ``Transport.connection_errors``: kombu's ``ensure``/retry logic and
+    Celery's consumer reconnect on it.
+    """
+
+
+class OperationalError(KombuPgmqError):
+    """A statement failed on the server for a reason other than a lost connection."""
+
+
+class QueueNotFound(OperationalError):
+    """The PGMQ queue table does not exist (deleted by another process?)."""
+
+
+class InvalidJsonBody(OperationalError):
+    """PostgreSQL rejected a body declared as JSON (e.g. invalid JSON, ``\\u0000``)."""
+
+
+_CONNECTION_SQLSTATE_CLASSES = ("08", "57")  # connection exception, operator intervention
+
+
+def translate(exc: psycopg.Error) -> KombuPgmqError:
+    """Return the kombu_pgmq error for a psycopg error (does not raise).
+
+    Shapes: ``psycopg.Error -> KombuPgmqError``. Connection loss, admin shutdown and
+    ``pg_terminate_backend`` become :class:`BrokerConnectionError`; a missing queue table
+    :class:`QueueNotFound`; a JSON body PostgreSQL cannot store :class:`InvalidJsonBody`;
+    anything else :class:`OperationalError`. The message keeps the server's text.
+    """
+    sqlstate = getattr(exc, "sqlstate", None) or ""
+    text = str(exc).strip() or type(exc).__name__
+    if isinstance(exc, psycopg.OperationalError) and (
+        not sqlstate or sqlstate[:2] in _CONNECTION_SQLSTATE_CLASSES
+    ):
+        return BrokerConnectionError(f"PostgreSQL connection failed or was lost: {text}")
+    if isinstance(exc, psycopg.InterfaceError):
+        return BrokerConnectionError(f"PostgreSQL connection is not usable: {text}")
+    if isinstance(exc, pg_errors.UndefinedTable):
+        return QueueNotFound(f"queue table does not exist: {text}")
+    if isinstance(
+        exc, (pg_errors.InvalidTextRepresentation, pg_errors.UntranslatableCharacter)
+    ):
+        return InvalidJsonBody(f"PostgreSQL rejected the JSON body: {text}")
+    return OperationalError(f"{sqlstate or 'error'}: {text}")

@@ -1,0 +1,61 @@
+"""Named SQL statements loaded from ``sql/queries.sql`` and ``sql/migrations/``.
+
+In a source checkout the files live in the top-level ``sql/`` directory; in an installed
+wheel they are shipped as ``kombu_pgmq/sql/`` (hatch ``force-include``).
+"""
+
+from __future__ import annotations
+
+import re
+from functools import cache
+from pathlib import Path
+from typing import NamedTuple
+
+_NAME = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
+_MIGRATION = re.compile(r"^(\d{4})_(\w+)\.sql$")
+
+
+def sql_dir() -> Path:
+    """Return the directory holding ``queries.sql`` and ``migrations/``."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "sql", here.parent / "sql"):
+        if (candidate / "queries.sql").is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"kombu_pgmq's SQL files are missing (looked in {here / 'sql'} and "
+        f"{here.parent / 'sql'}): reinstall the package"
+    )
+
+
+@cache
+def queries() -> dict[str, str]:
+    """Return ``{name: statement}`` for every ``-- name: <name>`` block of queries.sql."""
+    text = (sql_dir() / "queries.sql").read_text(encoding="utf-8")
+    parts = _NAME.split(text)
+    result: dict[str, str] = {}
+    for name, body in zip(parts[1::2], parts[2::2], strict=True):
+        lines = [line for line in body.strip().splitlines() if not line.startswith("--")]
+        result[name] = "\n".join(lines).strip()
+    return result
+
+
+class Migration(NamedTuple):
+    version: int
+    name: str
+    sql: str
+
+
+@cache
+def migrations() -> tuple[Migration, ...]:
+    """Return the migrations in ``sql/migrations`` (``NNNN_name.sql``) in version order."""
+    found = []
+    for path in sorted((sql_dir() / "migrations").iterdir()):
+        match = _MIGRATION.match(path.name)
+        if match:
+            found.append(
+                Migration(int(match[1]), match[2], path.read_text(encoding="utf-8"))
+            )
+    versions = [m.version for m in found]
+    if versions != list(range(1, len(found) + 1)):
+        raise RuntimeError(f"migrations must be numbered 1..N without gaps, found {versions}")
+    return tuple(found)

@@ -1,0 +1,194 @@
+"""Schema bootstrap: PGMQ itself, then kombu_pgmq's own migrations.
+
+:func:`bootstrap` is idempotent and safe when many workers start at once: after a cheap
+check (one query) it takes a transaction-level advisory lock and, in that one
+transaction, installs what is missing:
+
+1. PGMQ, the first way that works:
+
+   * ``extension``: the ``pgmq`` extension is already installed;
+   * ``sql``: a SQL-only PGMQ is already installed (schema ``pgmq`` without extension);
+   * ``create_extension``: the server offers the extension, ``CREATE EXTENSION pgmq``;
+   * ``install_sql``: the official SQL-only form bundled in the ``pgmq`` PyPI package
+     (``pgmq.install``), for managed servers without the extension. Its version is
+     recorded in ``kombu_pgmq.settings``.
+
+2. kombu_pgmq's migrations, ``sql/migrations/NNNN_name.sql``, each applied once and
+   recorded in ``kombu_pgmq.migrations``.
+
+PGMQ must provide every function kombu_pgmq calls (headers, batch ``set_vt``, ``pop``
+with a quantity) and be at least :data:`MIN_PGMQ_VERSION`; otherwise
+:class:`~kombu_pgmq.errors.UnsupportedPgmqVersion` says what to upgrade.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+from . import errors
+from .client import PgmqClient
+from .queries import migrations
+
+logger = logging.getLogger(__name__)
+
+#: Oldest PGMQ release kombu_pgmq runs on (headers column since 1.5.0; batch
+#: ``set_vt`` and ``pop(queue, qty)`` are checked by signature as well).
+MIN_PGMQ_VERSION = (1, 5, 0)
+#: Advisory lock key used while bootstrapping (``hashtext('kombu_pgmq.bootstrap')``-like
+#: constant; any other application using the same key would wait for us).
+BOOTSTRAP_LOCK_KEY = 0x6B6F6D62755F7067  # b"kombu_pg"
+
+_done: set[str] = set()
+_done_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class SchemaInfo:
+    """What :func:`bootstrap` found or did.
+
+    Attributes:
+        pgmq_version: PGMQ version string, e.g. ``"1.13.0"`` (``"unknown"`` for a SQL-only
+            PGMQ installed by something else).
+        method: ``"extension"``, ``"sql"``, ``"create_extension"`` or ``"install_sql"``.
+        schema_version: kombu_pgmq migration version now applied.
+        applied: migrations applied by this call (empty when already current).
+    """
+
+    pgmq_version: str
+    method: str
+    schema_version: int
+    applied: tuple[int, ...] = ()
+
+
+def _parse_version(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split("."):
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def _bundled_pgmq_sql() -> tuple[str, str]:
+    try:
+        from pgmq.install import get_embedded_install_sql, get_embedded_sql_version
+    except ImportError as exc:  # pragma: no cover - pgmq is a dependency
+        raise errors.BootstrapError(
+            "PGMQ is not installed in this database and the 'pgmq' Python package (which "
+            "bundles its SQL) is missing: pip install pgmq, or CREATE EXTENSION pgmq"
+        ) from exc
+    return get_embedded_sql_version(), get_embedded_install_sql()
+
+
+def _install_pgmq(client: PgmqClient) -> tuple[str, str]:
+    version = client.scalar("pgmq_extension_version")
+    if version:
+        return str(version), "extension"
+    if client.scalar("pgmq_schema_present"):
+        recorded = None
+        if client.scalar("schema_version"):
+            recorded = client.scalar("pgmq_sql_version")
+        return str(recorded or "unknown"), "sql"
+    available = client.scalar("pgmq_extension_available")
+    if available:
+        try:
+            with client.transaction():  # savepoint: a refused CREATE EXTENSION is undone
+                client.scalar("create_extension")
+            return str(client.scalar("pgmq_extension_version")), "create_extension"
+        except errors.OperationalError as exc:
+            logger.warning(
+                "CREATE EXTENSION pgmq failed (%s); installing PGMQ's SQL-only form instead",
+                exc,
+            )
+    version, script = _bundled_pgmq_sql()
+    logger.info("installing PGMQ %s from the bundled SQL (no pgmq extension here)", version)
+    client.execute_script(script)
+    return version, "install_sql"
+
+
+def _check_pgmq(client: PgmqClient, version: str) -> None:
+    missing = client.column("pgmq_missing_functions")
+    if version != "unknown" and _parse_version(version) < MIN_PGMQ_VERSION:
+        missing = missing or ["(version)"]
+    if missing:
+        minimum = ".".join(map(str, MIN_PGMQ_VERSION))
+        raise errors.UnsupportedPgmqVersion(
+            f"PGMQ {version} is too old for kombu_pgmq (needs >= {minimum}; missing "
+            f"{', '.join(missing)}): upgrade it with ALTER EXTENSION pgmq UPDATE, or drop "
+            "the SQL-only schema pgmq so kombu_pgmq installs the bundled release"
+        )
+
+
+def bootstrap(conninfo: str | PgmqClient) -> SchemaInfo:
+    """Install PGMQ (if needed) and apply kombu_pgmq's migrations; return what was found.
+
+    Arguments:
+        conninfo: libpq URL/DSN, or an open :class:`PgmqClient` (not inside a transaction).
+
+    Raises:
+        UnsupportedPgmqVersion: PGMQ is older than :data:`MIN_PGMQ_VERSION`.
+        BootstrapError: installing PGMQ or a migration failed (nothing is half-applied:
+            it all runs in one transaction).
+        BrokerConnectionError: the server cannot be reached.
+    """
+    own = not isinstance(conninfo, PgmqClient)
+    client = PgmqClient(conninfo) if isinstance(conninfo, str) else conninfo
+    try:
+        return _bootstrap(client)
+    finally:
+        if own:
+            client.close()
+
+
+def _bootstrap(client: PgmqClient) -> SchemaInfo:
+    latest = len(migrations())
+    try:
+        with client.transaction():
+            client.scalar("bootstrap_lock", {"key": BOOTSTRAP_LOCK_KEY})
+            version, method = _install_pgmq(client)
+            _check_pgmq(client, version)
+            client.execute_script(_migrations_table())
+            applied_before = set(client.column("applied_migrations"))
+            applied = []
+            for migration in migrations():
+                if migration.version in applied_before:
+                    continue
+                logger.info("applying kombu_pgmq migration %04d_%s", *migration[:2])
+                client.execute_script(migration.sql)
+                client.scalar("record_migration", {"version": migration.version,
+                                                   "name": migration.name})
+                applied.append(migration.version)
+            if method == "install_sql":
+                client.scalar("record_pgmq_install", {"version": version})
+    except (errors.UnsupportedPgmqVersion, errors.BrokerConnectionError):
+        raise
+    except errors.KombuPgmqError as exc:
+        raise errors.BootstrapError(f"schema bootstrap failed: {exc}") from exc
+    return SchemaInfo(version, method, latest, tuple(applied))
+
+
+def _migrations_table() -> str:
+    from .queries import queries
+
+    return queries()["migrations_table"]
+
+
+def ensure_schema(client: PgmqClient, key: str) -> None:
+    """Bootstrap once per process for ``key`` (e.g. the DSN); cheap when already done.
+
+    Used by the transport on connect: a single query when the schema is current.
+    """
+    if key in _done:
+        return
+    with _done_lock:
+        if key in _done:
+            return
+        applied = client.column("applied_migrations") if client.scalar("schema_version") else []
+        if len(applied) < len(migrations()) or not client.scalar("pgmq_schema_present"):
+            info = bootstrap(client)
+            logger.info(
+                "kombu_pgmq schema ready: PGMQ %s (%s), schema version %d",
+                info.pgmq_version, info.method, info.schema_version,
+            )
+        _done.add(key)

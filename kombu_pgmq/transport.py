@@ -1,0 +1,451 @@
+"""PostgreSQL transport for Kombu and Celery, on PGMQ queues.
+
+Each Kombu queue is a PGMQ queue (tables ``pgmq.q_<name>`` and the archive
+``pgmq.a_<name>``). Delivery is ``pgmq.read`` with a visibility timeout, ack is
+``pgmq.archive`` (the archive is the audit trail), reject with requeue is ``pgmq.set_vt``
+to now, and reject without requeue, or too many deliveries, moves the message to a
+dead-letter queue (a PGMQ queue too) with the reason recorded.
+
+Connection string
+=================
+
+.. code-block:: text
+
+    postgresql://[USER[:PASSWORD]@][HOST][:PORT][/DBNAME][?libpq_param=value&...]
+    postgres://...                      (as in a DATABASE_URL)
+
+``import kombu_pgmq`` registers both schemes. Query parameters go to libpq
+(``sslmode``, ``application_name``, ``connect_timeout``, ``host=/socket/dir``, ...).
+Percent-encode special characters of the password (``p@ss`` -> ``p%40ss``). Celery:
+``broker_url = "postgresql://..."`` or ``broker_transport = "kombu_pgmq:Transport"``.
+
+Delivery semantics
+==================
+
+* At least once. A delivered message stays in its queue table, invisible, until it is
+  acked (archived), rejected, or its visibility timeout passes; then it is delivered
+  again (``delivery_info['redelivered']`` is true when ``read_ct > 1``).
+* A consumer reads up to its free prefetch in one round trip (``read_batch_size`` when
+  prefetch is unlimited). Consumers with ``no_ack=True`` use ``pgmq.pop`` (delete on
+  delivery, as AMQP auto-ack).
+* Closing a channel makes its unacked messages visible at once (``set_vt`` to now);
+  it never publishes copies, unlike kombu's default ``_restore``.
+* Dead letters mirror SQS's redrive policy: after ``max_deliveries`` deliveries the next
+  read moves the message to ``dead_letter_queue`` instead of delivering it; a reject
+  without requeue does the same at once. The copy keeps body and headers and gains an
+  ``x-dead-letter`` header ``{queue, pgmq_queue, msg_id, read_ct, reason, enqueued_at,
+  dead_lettered_at}``; reasons are ``"max_deliveries"`` and ``"rejected"``.
+* ``queue_purge`` deletes ready messages only (unacked ones stay, as in AMQP) and
+  returns the count; ``celery purge`` uses it.
+
+Queue names
+===========
+
+Kombu names are mapped to PGMQ names by :func:`kombu_pgmq.naming.pgmq_queue_name`:
+plain lower-case names are kept (``celery``), others get a readable slug and a hash
+(``celery@host.celery.pidbox`` -> ``celery_host_celery_pidbox__<hash>``), always
+within PGMQ's 47 characters. ``kombu_pgmq.queues`` records the Kombu name of each.
+
+Transport Options
+=================
+
+* ``visibility_timeout`` (seconds, default 1800): how long a delivered, unacked
+  message stays invisible before it is delivered again. Longer than your longest task
+  (with ``acks_late``) or ETA wait, until lease renewal arrives.
+* ``max_deliveries`` (int, default ``None`` = unlimited): deliveries after which a
+  message is dead-lettered instead of delivered again.
+* ``dead_letter_queue`` (str, default ``"kombu_pgmq_dlq"``): Kombu name of the
+  dead-letter queue (not kombu's ``deadletter_queue`` option, which is for unroutable
+  messages).
+* ``read_batch_size`` (int, default 100): most messages read in one round trip.
+* ``polling_interval`` (seconds, default 0.1): sleep between polls of empty queues.
+* ``install_schema`` (bool, default True): on connect, install PGMQ (extension, or the
+  bundled SQL-only form) and kombu_pgmq's migrations if missing. When False, PGMQ and
+  the migrations must already be there.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from itertools import count
+from queue import Empty
+from typing import Any
+
+import psycopg
+from kombu.transport import virtual
+from kombu.utils.objects import cached_property
+
+from . import conninfo, encoding, errors
+from .client import PgmqClient, Row
+from .naming import pgmq_queue_name
+from .schema import ensure_schema
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Channel", "QoS", "Transport"]
+
+
+class QoS(virtual.QoS):
+    """Prefetch bookkeeping; acks archive, rejects requeue or dead-letter in PGMQ."""
+
+    channel: Channel
+
+    def _locate(self, delivery_tag: Any) -> tuple[str, int, str]:
+        info = self._delivered[delivery_tag].delivery_info
+        return info["pgmq_queue"], info["pgmq_msg_id"], info["kombu_queue"]
+
+    def ack(self, delivery_tag: Any) -> None:
+        queue, msg_id, _ = self._locate(delivery_tag)
+        self.channel.pgmq.archive(queue, [msg_id])
+        super().ack(delivery_tag)
+
+    def reject(self, delivery_tag: Any, requeue: bool = False) -> None:
+        queue, msg_id, kombu_queue = self._locate(delivery_tag)
+        if requeue:
+            self.channel.pgmq.set_vt(queue, [msg_id], 0)
+        else:
+            self.channel._dead_letter(kombu_queue, queue, [msg_id], "rejected")
+        self._quick_ack(delivery_tag)
+
+    def restore_unacked(self) -> list[tuple[BaseException, Any]]:
+        """Make every unacked message visible again (one ``set_vt`` per queue)."""
+        self._flush()
+        by_queue: dict[str, list[Any]] = defaultdict(list)
+        for message in self._delivered.values():
+            by_queue[message.delivery_info["pgmq_queue"]].append(message)
+        self._delivered.clear()
+        failed: list[tuple[BaseException, Any]] = []
+        for queue, messages in by_queue.items():
+            ids = [m.delivery_info["pgmq_msg_id"] for m in messages]
+            try:
+                self.channel.pgmq.set_vt(queue, ids, 0)
+            except errors.KombuPgmqError as exc:
+                # Not lost: they become visible anyway when their visibility timeout ends.
+                logger.warning(
+                    "could not requeue %d unacked messages of %s (%s); they are delivered "
+                    "again after the visibility timeout", len(ids), queue, exc,
+                )
+        return failed
+
+
+class Channel(virtual.Channel):
+    """One Kombu channel; all channels of a connection share its PostgreSQL connection."""
+
+    QoS = QoS
+    connection: Transport
+
+    #: Bodies are stored by :mod:`kombu_pgmq.encoding` (JSON as JSON), not base64'd by
+    #: Kombu. The ``body_encoding`` transport option still applies if set.
+    body_encoding = None
+
+    #: Seconds a delivered, unacked message stays invisible before redelivery.
+    visibility_timeout: float = 1800
+    #: Deliveries after which a message is dead-lettered (None: unlimited).
+    max_deliveries: int | None = None
+    #: Kombu name of the dead-letter queue.
+    dead_letter_queue: str = "kombu_pgmq_dlq"
+    #: Most messages read in one round trip.
+    read_batch_size: int = 100
+
+    from_transport_options = (
+        *virtual.Channel.from_transport_options,
+        "visibility_timeout",
+        "max_deliveries",
+        "dead_letter_queue",
+        "read_batch_size",
+    )
+
+    def __init__(self, connection: Transport, **kwargs: Any) -> None:
+        super().__init__(connection, **kwargs)
+        self._validate_options()
+        self._tags = count(1)
+        self._no_ack_queues: set[str] = set()
+        self._vt_seconds = max(1, round(float(self.visibility_timeout)))
+        self._known_queues: set[str] = set()
+        # Connects now (and bootstraps the schema once per process), so connection
+        # errors surface at channel creation as kombu expects.
+        self.connection.pgmq_client()
+
+    def _validate_options(self) -> None:
+        def bad(name: str, value: Any, want: str) -> errors.ConfigurationError:
+            return errors.ConfigurationError(
+                f"transport option {name}={value!r} is invalid: expected {want}"
+            )
+
+        try:
+            vt = float(self.visibility_timeout)
+        except (TypeError, ValueError):
+            vt = -1.0
+        if vt < 1:
+            raise bad("visibility_timeout", self.visibility_timeout, "seconds >= 1")
+        md = self.max_deliveries
+        if md is not None and (not isinstance(md, int) or isinstance(md, bool) or md < 1):
+            raise bad("max_deliveries", md, "an int >= 1, or None for unlimited")
+        rb = self.read_batch_size
+        if not isinstance(rb, int) or isinstance(rb, bool) or rb < 1:
+            raise bad("read_batch_size", rb, "an int >= 1")
+        if not isinstance(self.dead_letter_queue, str) or not self.dead_letter_queue:
+            raise bad("dead_letter_queue", self.dead_letter_queue, "a queue name")
+
+    @property
+    def pgmq(self) -> PgmqClient:
+        """The connection's :class:`~kombu_pgmq.client.PgmqClient`."""
+        return self.connection.pgmq_client()
+
+    # -- queues ----------------------------------------------------------------------
+
+    def _new_queue(self, queue: str, **kwargs: Any) -> None:
+        name = pgmq_queue_name(queue)
+        if name not in self._known_queues:
+            self.pgmq.create_queue(name, queue)
+            self._known_queues.add(name)
+
+    def _has_queue(self, queue: str, **kwargs: Any) -> bool:
+        return self.pgmq.queue_exists(pgmq_queue_name(queue))
+
+    def _size(self, queue: str) -> int:
+        try:
+            return self.pgmq.size(pgmq_queue_name(queue))
+        except errors.QueueNotFound:
+            return 0
+
+    def _purge(self, queue: str) -> int:
+        try:
+            return self.pgmq.purge(pgmq_queue_name(queue))
+        except errors.QueueNotFound:
+            return 0
+
+    def _delete(self, queue: str, *args: Any, **kwargs: Any) -> None:
+        name = pgmq_queue_name(queue)
+        self._known_queues.discard(name)
+        self.pgmq.drop_queue(name)
+
+    def queue_delete(
+        self, queue: str, if_unused: bool = False, if_empty: bool = False, **kwargs: Any
+    ) -> None:
+        """Delete the queue, its archive and its bindings (also if declared elsewhere)."""
+        if if_empty and self._size(queue):
+            return
+        self.state.queue_bindings_delete(queue)
+        for table in (exchange.get("table", []) for exchange in self.state.exchanges.values()):
+            table[:] = [meta for meta in table if meta[2] != queue]
+        self._delete(queue)
+
+    # -- publish ---------------------------------------------------------------------
+
+    def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+        name = pgmq_queue_name(queue)
+        body, headers = encoding.encode(message)
+        try:
+            self._send(name, queue, body, headers)
+        except errors.InvalidJsonBody:
+            self._send(name, queue, *encoding.reencode_opaque(body, headers))
+
+    def _send(self, name: str, queue: str, body: str, headers: str) -> None:
+        try:
+            self.pgmq.send(name, body, headers)
+        except errors.QueueNotFound:
+            # Dropped by another process (or never declared): AMQP would drop the
+            # message; we create the queue so nothing is lost.
+            self._known_queues.discard(name)
+            self._new_queue(queue)
+            self.pgmq.send(name, body, headers)
+
+    # -- consume ---------------------------------------------------------------------
+
+    def basic_consume(
+        self, queue: str, no_ack: bool, callback: Any, consumer_tag: str, **kwargs: Any
+    ) -> Any:
+        if no_ack:
+            self._no_ack_queues.add(queue)
+        else:
+            self._no_ack_queues.discard(queue)
+        return super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
+
+    def basic_cancel(self, consumer_tag: str) -> Any:
+        queue = self._tag_to_queue.get(consumer_tag)
+        if queue is not None and queue not in self._active_queues[1:]:
+            self._no_ack_queues.discard(queue)
+        return super().basic_cancel(consumer_tag)
+
+    def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
+        """Get one message synchronously (``None`` if the queue has none ready)."""
+        payloads = self._fetch(queue, 1, no_ack=no_ack)
+        if not payloads:
+            return None
+        message = self.Message(payloads[0], channel=self)
+        if not no_ack:
+            self.qos.append(message, message.delivery_tag)
+        return message
+
+    def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
+        payloads = self._fetch(queue, 1, no_ack=queue in self._no_ack_queues)
+        if not payloads:
+            raise Empty()
+        return payloads[0]
+
+    def _get_and_deliver(self, queue: str, callback: Any) -> None:
+        """Read up to the free prefetch in one round trip and deliver each message."""
+        free = self.qos.can_consume_max_estimate()
+        qty = self.read_batch_size if free is None else min(free, self.read_batch_size)
+        if qty <= 0:
+            raise Empty()
+        payloads = self._fetch(queue, qty, no_ack=queue in self._no_ack_queues)
+        if not payloads:
+            raise Empty()
+        for payload in payloads:
+            callback(payload, queue)
+
+    def _fetch(self, queue: str, qty: int, *, no_ack: bool) -> list[dict[str, Any]]:
+        name = pgmq_queue_name(queue)
+        try:
+            if no_ack:
+                rows = self.pgmq.pop(name, qty)
+            else:
+                rows = self.pgmq.read(name, self._vt_seconds, qty)
+        except errors.QueueNotFound:
+            return []
+        if self.max_deliveries is not None and not no_ack:
+            rows = self._drop_poison(queue, name, rows)
+        return [self._payload(queue, name, row) for row in rows]
+
+    def _drop_poison(self, queue: str, name: str, rows: list[Row]) -> list[Row]:
+        limit = self.max_deliveries
+        assert limit is not None
+        poison = [row.msg_id for row in rows if row.read_ct > limit]
+        if not poison:
+            return rows
+        self._dead_letter(queue, name, poison, "max_deliveries")
+        return [row for row in rows if row.read_ct <= limit]
+
+    def _payload(self, queue: str, name: str, row: Row) -> dict[str, Any]:
+        payload = encoding.decode(row.message, row.headers)
+        props = payload["properties"]
+        props["delivery_tag"] = next(self._tags)
+        info = props["delivery_info"]
+        info["redelivered"] = row.read_ct > 1
+        info["pgmq_queue"] = name
+        info["pgmq_msg_id"] = row.msg_id
+        info["kombu_queue"] = queue
+        info.setdefault("routing_key", queue)
+        info.setdefault("exchange", "")
+        return payload
+
+    def _dead_letter(self, kombu_queue: str, name: str, msg_ids: list[int], reason: str) -> None:
+        dlq_kombu = self.dead_letter_queue
+        dlq = pgmq_queue_name(dlq_kombu)
+        kwargs = {"dead_letter_queue": dlq, "reason": reason, "kombu_queue": kombu_queue}
+        try:
+            moved = self.pgmq.dead_letter(name, msg_ids, **kwargs)
+        except errors.QueueNotFound:
+            self._new_queue(dlq_kombu)
+            moved = self.pgmq.dead_letter(name, msg_ids, **kwargs)
+        logger.warning(
+            "dead-lettered %d message(s) of queue %r to %r (reason: %s)",
+            len(moved), kombu_queue, dlq_kombu, reason,
+        )
+
+    def _restore(self, message: Any) -> None:
+        """Make one unacked message visible again (no copy is published)."""
+        info = message.delivery_info
+        self.pgmq.set_vt(info["pgmq_queue"], [info["pgmq_msg_id"]], 0)
+
+
+class Transport(virtual.Transport):
+    """Kombu transport on PostgreSQL/PGMQ. See the module docstring for options."""
+
+    Channel = Channel
+
+    #: We parse the URL ourselves: libpq parameters in the query string must survive.
+    can_parse_url = True
+    default_port = 5432
+    driver_type = "postgresql"
+    driver_name = "psycopg"
+    polling_interval = 0.1
+
+    connection_errors = (
+        *virtual.Transport.connection_errors,
+        errors.BrokerConnectionError,
+        psycopg.OperationalError,
+        psycopg.InterfaceError,
+    )
+    channel_errors = (*virtual.Transport.channel_errors, errors.OperationalError)
+
+    implements = virtual.Transport.implements.extend(
+        asynchronous=False,
+        exchange_type=frozenset(["direct", "topic", "fanout"]),
+    )
+
+    def __init__(self, client: Any, **kwargs: Any) -> None:
+        super().__init__(client, **kwargs)
+        self._client: PgmqClient | None = None
+        self.install_schema = bool(client.transport_options.get("install_schema", True))
+
+    def __repr__(self) -> str:
+        return f"<kombu_pgmq.Transport {conninfo.redact(self._url)}>"
+
+    @cached_property
+    def _url(self) -> str:
+        host = self.client.hostname or ""
+        if "://" in host:
+            return str(host)
+        parts = ["postgresql://"]
+        if self.client.userid:
+            parts.append(self.client.userid)
+            if self.client.password:
+                parts.append(":**")
+            parts.append("@")
+        parts.append(f"{host or 'localhost'}:{self.client.port or self.default_port}")
+        parts.append(f"/{self.client.virtual_host or ''}".replace("//", "/"))
+        return "".join(parts)
+
+    def conninfo(self) -> str:
+        """Return the libpq connection string for this connection (holds the password)."""
+        client = self.client
+        host = client.hostname or ""
+        if "://" in host:
+            params = conninfo.url_to_params(host)
+        else:
+            params = {
+                "host": host or "localhost",
+                "port": str(client.port or self.default_port),
+                "user": client.userid,
+                "password": client.password,
+                "dbname": (client.virtual_host or "").strip("/") or None,
+            }
+            if params["dbname"] is None:
+                params.pop("dbname")
+        params.update(client.transport_options.get("connection_options") or {})
+        return conninfo.make_dsn(params)
+
+    def pgmq_client(self) -> PgmqClient:
+        """Return the connection's PGMQ client, connecting (and bootstrapping) if needed."""
+        client = self._client
+        if client is None:
+            dsn = self.conninfo()
+            client = PgmqClient(dsn)
+            client.connection  # noqa: B018 - connect now: errors surface here
+            if self.install_schema:
+                ensure_schema(client, dsn)
+            self._client = client
+        return client
+
+    def establish_connection(self) -> Transport:
+        self.pgmq_client()
+        return super().establish_connection()
+
+    def close_connection(self, connection: Any) -> None:
+        try:
+            super().close_connection(connection)
+        finally:
+            client, self._client = self._client, None
+            if client is not None:
+                client.close()
+
+    def verify_connection(self, connection: Any) -> bool:
+        return self._client is not None and self._client.connection is not None
+
+    @property
+    def default_connection_params(self) -> dict[str, Any]:
+        return {"port": self.default_port, "hostname": "localhost"}
