@@ -123,8 +123,12 @@ class PgmqClient:
         if delay_seconds > 0:
             rows = self._run(
                 self._q["send_delayed"],
-                {"queue": queue, "message": message, "headers": headers,
-                 "delay_seconds": delay_seconds},
+                {
+                    "queue": queue,
+                    "message": message,
+                    "headers": headers,
+                    "delay_seconds": delay_seconds,
+                },
             )
         else:
             rows = self._run(
@@ -174,8 +178,13 @@ class PgmqClient:
         """
         rows = self._run(
             _with_table("dead_letter", queue),
-            {"queue": queue, "msg_ids": list(msg_ids), "dead_letter_queue": dead_letter_queue,
-             "reason": reason, "kombu_queue": kombu_queue},
+            {
+                "queue": queue,
+                "msg_ids": list(msg_ids),
+                "dead_letter_queue": dead_letter_queue,
+                "reason": reason,
+                "kombu_queue": kombu_queue,
+            },
         )
         return [r[0] for r in rows]
 

@@ -56,10 +56,7 @@ def url_to_params(url: str) -> dict[str, Any]:
     if parts.hostname:
         # urlsplit lower-cases hostname; keep the original spelling for socket paths.
         host = parts.netloc.rpartition("@")[2]
-        if host.startswith("["):
-            host = host[1 : host.index("]")]
-        else:
-            host = host.split(":")[0]
+        host = host[1 : host.index("]")] if host.startswith("[") else host.split(":")[0]
         params["host"] = unquote(host)
     if port is not None:
         params["port"] = str(port)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 from typing import Any
 
 from kombu.utils.json import dumps, loads
@@ -41,7 +42,9 @@ def is_json_content(content_type: str | None) -> bool:
     if not content_type:
         return False
     base = content_type.split(";", 1)[0].strip().lower()
-    return base == "application/json" or (base.startswith("application/") and base.endswith("+json"))
+    if base == "application/json":
+        return True
+    return base.startswith("application/") and base.endswith("+json")
 
 
 def encode(message: dict[str, Any]) -> tuple[str, str]:
@@ -94,7 +97,9 @@ def encode_opaque(body: Any, preset_encoding: str | None = None) -> tuple[str, s
 
 
 def _headers_json(
-    message: dict[str, Any], app_headers: dict[str, Any], properties: dict[str, Any],
+    message: dict[str, Any],
+    app_headers: dict[str, Any],
+    properties: dict[str, Any],
     body_encoding: str | None,
 ) -> str:
     props = {k: v for k, v in properties.items() if k not in _DROP_PROPERTIES}
@@ -139,10 +144,8 @@ def decode(message_json: str, headers_json: str | None) -> dict[str, Any]:
     if body_encoding:
         body = loads(message_json)
         if body_encoding == BASE64:
-            try:
+            with contextlib.suppress(binascii.Error, TypeError):
                 body = base64.b64decode(body)
-            except (binascii.Error, TypeError):
-                pass
         else:
             properties["body_encoding"] = body_encoding
     properties.setdefault("delivery_info", {})

@@ -88,8 +88,6 @@ def translate(exc: psycopg.Error) -> KombuPgmqError:
         return BrokerConnectionError(f"PostgreSQL connection is not usable: {text}")
     if isinstance(exc, pg_errors.UndefinedTable):
         return QueueNotFound(f"queue table does not exist: {text}")
-    if isinstance(
-        exc, (pg_errors.InvalidTextRepresentation, pg_errors.UntranslatableCharacter)
-    ):
+    if isinstance(exc, (pg_errors.InvalidTextRepresentation, pg_errors.UntranslatableCharacter)):
         return InvalidJsonBody(f"PostgreSQL rejected the JSON body: {text}")
     return OperationalError(f"{sqlstate or 'error'}: {text}")

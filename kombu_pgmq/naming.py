@@ -8,8 +8,8 @@ Celery's names contain ``.``, ``@``, ``-`` and upper case, and its pidbox reply 
 The mapping is a pure function of the name, so every process computes the same PGMQ
 name, and it is injective:
 
-* a *plain* name (only ``[a-z0-9_]``, no ``__``, not starting with a digit, at most
-  :data:`MAX_PLAIN_LENGTH` characters) maps to itself, so ``celery`` stays ``celery``;
+* a *plain* name (only ``[a-z0-9_]``, no ``__``, at most :data:`MAX_PLAIN_LENGTH`
+  characters) maps to itself, so ``celery`` stays ``celery``;
 * any other name maps to a readable slug, ``__`` and the first 12 hex digits of the
   BLAKE2b hash of the UTF-8 name, e.g. ``celery@host.celery.pidbox`` becomes
   ``celery_host_celery_pidbox__<12 hex>``.
@@ -35,7 +35,7 @@ MAX_PLAIN_LENGTH = MAX_PGMQ_NAME_LENGTH
 _SEPARATOR = "__"
 _SLUG_LENGTH = MAX_PGMQ_NAME_LENGTH - len(_SEPARATOR) - HASH_HEX_DIGITS
 
-_PLAIN = re.compile(r"[a-z_][a-z0-9_]*")
+_PLAIN = re.compile(r"[a-z0-9_]+")
 _NOT_SLUG = re.compile(r"[^a-z0-9]+")
 
 

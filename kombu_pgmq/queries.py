@@ -52,9 +52,7 @@ def migrations() -> tuple[Migration, ...]:
     for path in sorted((sql_dir() / "migrations").iterdir()):
         match = _MIGRATION.match(path.name)
         if match:
-            found.append(
-                Migration(int(match[1]), match[2], path.read_text(encoding="utf-8"))
-            )
+            found.append(Migration(int(match[1]), match[2], path.read_text(encoding="utf-8")))
     versions = [m.version for m in found]
     if versions != list(range(1, len(found) + 1)):
         raise RuntimeError(f"migrations must be numbered 1..N without gaps, found {versions}")

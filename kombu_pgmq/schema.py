@@ -156,8 +156,9 @@ def _bootstrap(client: PgmqClient) -> SchemaInfo:
                     continue
                 logger.info("applying kombu_pgmq migration %04d_%s", *migration[:2])
                 client.execute_script(migration.sql)
-                client.scalar("record_migration", {"version": migration.version,
-                                                   "name": migration.name})
+                client.scalar(
+                    "record_migration", {"version": migration.version, "name": migration.name}
+                )
                 applied.append(migration.version)
             if method == "install_sql":
                 client.scalar("record_pgmq_install", {"version": version})
@@ -172,6 +173,31 @@ def _migrations_table() -> str:
     from .queries import queries
 
     return queries()["migrations_table"]
+
+
+def verify(client: PgmqClient) -> None:
+    """Check that PGMQ and every kombu_pgmq migration are installed (installs nothing).
+
+    Used when the ``install_schema`` transport option is off.
+
+    Raises:
+        BootstrapError: something is missing (the message says how to install it).
+        UnsupportedPgmqVersion: PGMQ is too old.
+    """
+    if not client.scalar("pgmq_schema_present"):
+        raise errors.BootstrapError(
+            "PGMQ is not installed in this database and install_schema is off: run "
+            "'python -m kombu_pgmq.schema <url>' once, or set install_schema=True"
+        )
+    version = client.scalar("pgmq_extension_version") or "unknown"
+    _check_pgmq(client, str(version))
+    applied = client.column("applied_migrations") if client.scalar("schema_version") else []
+    if len(applied) < len(migrations()):
+        raise errors.BootstrapError(
+            f"kombu_pgmq schema is at version {len(applied)}, this release needs "
+            f"{len(migrations())}, and install_schema is off: run "
+            "'python -m kombu_pgmq.schema <url>' once, or set install_schema=True"
+        )
 
 
 def ensure_schema(client: PgmqClient, key: str) -> None:
@@ -189,6 +215,35 @@ def ensure_schema(client: PgmqClient, key: str) -> None:
             info = bootstrap(client)
             logger.info(
                 "kombu_pgmq schema ready: PGMQ %s (%s), schema version %d",
-                info.pgmq_version, info.method, info.schema_version,
+                info.pgmq_version,
+                info.method,
+                info.schema_version,
             )
         _done.add(key)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kombu_pgmq.schema [URL]``: bootstrap the database at URL.
+
+    URL defaults to ``KOMBU_PGMQ_URL``. Prints what was found and applied.
+    """
+    import argparse
+    import os
+
+    from .conninfo import make_dsn, redact, url_to_params
+
+    parser = argparse.ArgumentParser(prog="python -m kombu_pgmq.schema", description=main.__doc__)
+    parser.add_argument("url", nargs="?", default=os.environ.get("KOMBU_PGMQ_URL"))
+    args = parser.parse_args(argv)
+    if not args.url:
+        parser.error("give a postgresql:// URL or set KOMBU_PGMQ_URL")
+    info = bootstrap(make_dsn(url_to_params(args.url)))
+    print(
+        f"{redact(args.url)}: PGMQ {info.pgmq_version} ({info.method}), kombu_pgmq schema "
+        f"version {info.schema_version}, applied now: {list(info.applied) or 'nothing'}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

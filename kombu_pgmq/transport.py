@@ -79,7 +79,7 @@ from kombu.utils.objects import cached_property
 from . import conninfo, encoding, errors
 from .client import PgmqClient, Row
 from .naming import pgmq_queue_name
-from .schema import ensure_schema
+from .schema import ensure_schema, verify
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +124,10 @@ class QoS(virtual.QoS):
                 # Not lost: they become visible anyway when their visibility timeout ends.
                 logger.warning(
                     "could not requeue %d unacked messages of %s (%s); they are delivered "
-                    "again after the visibility timeout", len(ids), queue, exc,
+                    "again after the visibility timeout",
+                    len(ids),
+                    queue,
+                    exc,
                 )
         return failed
 
@@ -137,7 +140,7 @@ class Channel(virtual.Channel):
 
     #: Bodies are stored by :mod:`kombu_pgmq.encoding` (JSON as JSON), not base64'd by
     #: Kombu. The ``body_encoding`` transport option still applies if set.
-    body_encoding = None
+    body_encoding = None  # type: ignore[assignment]
 
     #: Seconds a delivered, unacked message stays invisible before redelivery.
     visibility_timeout: float = 1800
@@ -148,7 +151,7 @@ class Channel(virtual.Channel):
     #: Most messages read in one round trip.
     read_batch_size: int = 100
 
-    from_transport_options = (
+    from_transport_options = (  # type: ignore[assignment]
         *virtual.Channel.from_transport_options,
         "visibility_timeout",
         "max_deliveries",
@@ -343,7 +346,10 @@ class Channel(virtual.Channel):
             moved = self.pgmq.dead_letter(name, msg_ids, **kwargs)
         logger.warning(
             "dead-lettered %d message(s) of queue %r to %r (reason: %s)",
-            len(moved), kombu_queue, dlq_kombu, reason,
+            len(moved),
+            kombu_queue,
+            dlq_kombu,
+            reason,
         )
 
     def _restore(self, message: Any) -> None:
@@ -359,18 +365,21 @@ class Transport(virtual.Transport):
 
     #: We parse the URL ourselves: libpq parameters in the query string must survive.
     can_parse_url = True
-    default_port = 5432
+    default_port = 5432  # type: ignore[assignment]
     driver_type = "postgresql"
     driver_name = "psycopg"
     polling_interval = 0.1
 
-    connection_errors = (
+    connection_errors = (  # type: ignore[assignment]
         *virtual.Transport.connection_errors,
         errors.BrokerConnectionError,
         psycopg.OperationalError,
         psycopg.InterfaceError,
     )
-    channel_errors = (*virtual.Transport.channel_errors, errors.OperationalError)
+    channel_errors = (  # type: ignore[assignment]
+        *virtual.Transport.channel_errors,
+        errors.OperationalError,
+    )
 
     implements = virtual.Transport.implements.extend(
         asynchronous=False,
@@ -387,22 +396,23 @@ class Transport(virtual.Transport):
 
     @cached_property
     def _url(self) -> str:
-        host = self.client.hostname or ""
+        client: Any = self.client
+        host = client.hostname or ""
         if "://" in host:
             return str(host)
         parts = ["postgresql://"]
-        if self.client.userid:
-            parts.append(self.client.userid)
-            if self.client.password:
+        if client.userid:
+            parts.append(client.userid)
+            if client.password:
                 parts.append(":**")
             parts.append("@")
-        parts.append(f"{host or 'localhost'}:{self.client.port or self.default_port}")
-        parts.append(f"/{self.client.virtual_host or ''}".replace("//", "/"))
+        parts.append(f"{host or 'localhost'}:{client.port or self.default_port}")
+        parts.append(f"/{client.virtual_host or ''}".replace("//", "/"))
         return "".join(parts)
 
     def conninfo(self) -> str:
         """Return the libpq connection string for this connection (holds the password)."""
-        client = self.client
+        client: Any = self.client
         host = client.hostname or ""
         if "://" in host:
             params = conninfo.url_to_params(host)
@@ -426,22 +436,36 @@ class Transport(virtual.Transport):
             dsn = self.conninfo()
             client = PgmqClient(dsn)
             client.connection  # noqa: B018 - connect now: errors surface here
-            if self.install_schema:
-                ensure_schema(client, dsn)
+            try:
+                if self.install_schema:
+                    ensure_schema(client, dsn)
+                else:
+                    verify(client)
+            except BaseException:
+                client.close()
+                raise
             self._client = client
         return client
 
     def establish_connection(self) -> Transport:
         self.pgmq_client()
-        return super().establish_connection()
+        try:
+            return super().establish_connection()  # creates a first channel
+        except BaseException:
+            # kombu never calls close_connection for a connection it did not get.
+            self._close_client()
+            raise
+
+    def _close_client(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            client.close()
 
     def close_connection(self, connection: Any) -> None:
         try:
             super().close_connection(connection)
         finally:
-            client, self._client = self._client, None
-            if client is not None:
-                client.close()
+            self._close_client()
 
     def verify_connection(self, connection: Any) -> bool:
         return self._client is not None and self._client.connection is not None

