@@ -268,9 +268,10 @@ class Channel(virtual.Channel):
 
     def basic_cancel(self, consumer_tag: str) -> Any:
         queue = self._tag_to_queue.get(consumer_tag)
-        if queue is not None and queue not in self._active_queues[1:]:
+        result = super().basic_cancel(consumer_tag)
+        if queue not in self._active_queues:
             self._no_ack_queues.discard(queue)
-        return super().basic_cancel(consumer_tag)
+        return result
 
     def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
         """Get one message synchronously (``None`` if the queue has none ready)."""
@@ -297,8 +298,21 @@ class Channel(virtual.Channel):
         payloads = self._fetch(queue, qty, no_ack=queue in self._no_ack_queues)
         if not payloads:
             raise Empty()
+        for index, payload in enumerate(payloads):
+            try:
+                callback(payload, queue)
+            except BaseException:
+                self._release(payloads[index + 1 :])
+                raise
+
+    def _release(self, payloads: list[dict[str, Any]]) -> None:
+        """Make read but undelivered messages visible again (a callback failed)."""
+        by_queue: dict[str, list[int]] = defaultdict(list)
         for payload in payloads:
-            callback(payload, queue)
+            info = payload["properties"]["delivery_info"]
+            by_queue[info["pgmq_queue"]].append(info["pgmq_msg_id"])
+        for name, ids in by_queue.items():
+            self.pgmq.set_vt(name, ids, 0)
 
     def _fetch(self, queue: str, qty: int, *, no_ack: bool) -> list[dict[str, Any]]:
         name = pgmq_queue_name(queue)

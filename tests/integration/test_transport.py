@@ -308,3 +308,23 @@ def test_producer_on_default_exchange_with_unknown_queue_creates_nothing_lost(db
         Producer(conn.channel()).publish({"x": 1}, routing_key="never.declared")
         (message,) = drain(conn, "never.declared", expect=1)
         assert message.decode() == {"x": 1}
+
+
+def test_failing_callback_releases_the_rest_of_the_batch(db_dsn):
+    with connect(db_dsn, visibility_timeout=600) as conn:
+        publish(conn, "batchfail", [1, 2, 3])
+        channel = conn.channel()
+        seen = []
+
+        def on_message(message):
+            seen.append(message)
+            raise RuntimeError("consumer callback failed")
+
+        with Consumer(channel, [Queue("batchfail")], on_message=on_message, prefetch_count=10):
+            with pytest.raises(RuntimeError, match="callback failed"):
+                conn.drain_events(timeout=2)
+        assert len(seen) == 1
+        # 2 and 3 were read in the same round trip but never delivered: visible now;
+        # 1 was delivered (unacked) and stays invisible until the channel closes.
+        visible = sql(db_dsn, f"SELECT count(*) FROM {table('batchfail')} WHERE vt <= now()")
+        assert visible == [(2,)]
