@@ -320,9 +320,9 @@ def test_failing_callback_releases_the_rest_of_the_batch(db_dsn):
             seen.append(message)
             raise RuntimeError("consumer callback failed")
 
-        with Consumer(channel, [Queue("batchfail")], on_message=on_message, prefetch_count=10):
-            with pytest.raises(RuntimeError, match="callback failed"):
-                conn.drain_events(timeout=2)
+        consumer = Consumer(channel, [Queue("batchfail")], on_message=on_message, prefetch_count=10)
+        with consumer, pytest.raises(RuntimeError, match="callback failed"):
+            conn.drain_events(timeout=2)
         assert len(seen) == 1
         # 2 and 3 were read in the same round trip but never delivered: visible now;
         # 1 was delivered (unacked) and stays invisible until the channel closes.
