@@ -1,0 +1,60 @@
+"""The examples' Celery app: PostgreSQL is both the broker (PGMQ queues) and the result store.
+
+Broker URL: ``$KOMBU_PGMQ_URL``, else ``$DATABASE_URL``, else an embedded PostgreSQL that
+``kombu_pgmq`` starts on first use (see :func:`kombu_pgmq.default_broker_url`).
+
+Run a worker from the repository root::
+
+    celery -A examples.celeryapp worker --pool prefork --concurrency 2 --loglevel info
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+from celery import Celery
+
+import kombu_pgmq  # registers postgresql:// and postgres:// with kombu
+
+#: Queue of the example tasks: a name of its own, so that other Celery apps sharing the
+#: database (and Celery's default queue ``celery``) never take or hand over its messages.
+QUEUE = "examples"
+
+
+def result_backend_url(broker_url: str) -> str:
+    """Celery's SQLAlchemy result backend URL for the same database, driven by psycopg 3.
+
+    Shapes: ``"postgresql://u:p@h/db?sslmode=require" ->
+    "db+postgresql+psycopg://u:p@h/db?sslmode=require"``; ``postgres://`` is accepted too
+    (SQLAlchemy 2 does not know that scheme). libpq query parameters such as
+    ``host=/socket/dir`` pass through to psycopg unchanged.
+    """
+    scheme = urlsplit(broker_url).scheme
+    if scheme.split("+")[0].lower() not in ("postgresql", "postgres"):
+        raise ValueError(f"not a PostgreSQL URL: scheme {scheme!r}")
+    return "db+postgresql+psycopg" + broker_url[len(scheme) :]
+
+
+broker_url = kombu_pgmq.default_broker_url()
+
+app = Celery("examples", include=["examples.tasks"])
+app.conf.update(
+    broker_url=broker_url,
+    result_backend=result_backend_url(broker_url),
+    broker_connection_retry_on_startup=True,
+    task_default_queue=QUEUE,
+    # Ack after the task ran: a task whose worker dies is delivered again, not lost.
+    task_acks_late=True,
+    # Each process reserves one message at a time: a long task (Spark) does not sit on
+    # messages that another process could run now.
+    worker_prefetch_multiplier=1,
+    # Store name, args, kwargs and worker in the result row, and report STARTED.
+    result_extended=True,
+    task_track_started=True,
+    # Results are rows in celery_taskmeta; expire them after a day (celery beat's
+    # ``celery.backend_cleanup`` deletes expired rows).
+    result_expires=86400,
+    task_serializer="json",
+    result_serializer="json",
+    accept_content=["json"],
+)

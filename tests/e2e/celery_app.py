@@ -1,0 +1,128 @@
+"""Celery app of the end-to-end tests, configured entirely from environment variables.
+
+The worker subprocess loads it with ``celery -A tests.e2e.celery_app worker``; the test
+process builds its own instance with :func:`create_app` and the same settings.
+
+Environment
+    ``KPT_BROKER_URL`` (required to do anything): ``postgresql://`` URL of the test database
+    (TCP or unix socket: ``postgresql://postgres@/db?host=/socket/dir``). It is also the
+    result backend (Celery's SQLAlchemy backend through psycopg 3) and where tasks record
+    their executions (table ``e2e_runs``).
+    ``KPT_VISIBILITY_TIMEOUT`` (seconds, optional): transport option ``visibility_timeout``.
+    ``KPT_POLLING_INTERVAL`` (seconds, optional): transport option ``polling_interval``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+import psycopg
+from celery import Celery
+
+import kombu_pgmq  # noqa: F401  (registers postgresql:// with kombu)
+
+#: DDL of the table where tasks record each execution (created by the test fixtures).
+RUNS_DDL = """
+CREATE TABLE IF NOT EXISTS e2e_runs (
+    id bigserial PRIMARY KEY,
+    task_id text NOT NULL,
+    name text NOT NULL,
+    pid int NOT NULL,
+    redelivered boolean,
+    retries int NOT NULL,
+    started_at timestamptz NOT NULL DEFAULT clock_timestamp()
+)
+"""
+
+
+def result_backend_url(broker_url: str) -> str:
+    """``postgresql://u@h/db?host=/s`` -> ``db+postgresql+psycopg://u@h/db?host=/s``.
+
+    SQLAlchemy hands the query string (``host=/socket/dir``) to psycopg unchanged, so TCP
+    and unix-socket URLs both work; ``postgres://`` is accepted too.
+    """
+    scheme = urlsplit(broker_url).scheme
+    if scheme not in ("postgresql", "postgres"):
+        raise ValueError(f"not a PostgreSQL URL: scheme {scheme!r}")
+    return "db+postgresql+psycopg" + broker_url[len(scheme) :]
+
+
+def record_run(db_url: str, task: Any) -> int:
+    """Insert one ``e2e_runs`` row for the running *task*; return the task id's row count."""
+    req = task.request
+    with psycopg.connect(db_url, autocommit=True, application_name="kpt_e2e_task") as conn:
+        conn.execute(
+            "INSERT INTO e2e_runs (task_id, name, pid, redelivered, retries)"
+            " VALUES (%s, %s, %s, %s, %s)",
+            (
+                req.id,
+                task.name,
+                os.getpid(),
+                (req.delivery_info or {}).get("redelivered"),
+                req.retries,
+            ),
+        )
+        row = conn.execute("SELECT count(*) FROM e2e_runs WHERE task_id = %s", (req.id,)).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def create_app(env: Mapping[str, str] = os.environ) -> Celery:
+    """Return a Celery app configured from *env* (see the module docstring)."""
+    broker_url = env.get("KPT_BROKER_URL", "")
+    transport_options: dict[str, Any] = {}
+    if env.get("KPT_VISIBILITY_TIMEOUT"):
+        transport_options["visibility_timeout"] = float(env["KPT_VISIBILITY_TIMEOUT"])
+    if env.get("KPT_POLLING_INTERVAL"):
+        transport_options["polling_interval"] = float(env["KPT_POLLING_INTERVAL"])
+
+    app = Celery("kpt_e2e", set_as_current=False)
+    app.conf.update(
+        broker_url=broker_url or None,
+        broker_transport_options=transport_options,
+        broker_connection_retry_on_startup=True,
+        result_backend=result_backend_url(broker_url) if broker_url else None,
+        result_extended=True,
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        worker_hijack_root_logger=True,
+        worker_redirect_stdouts=True,
+    )
+
+    @app.task(shared=False, name="e2e.ping")
+    def ping() -> str:
+        return "pong"
+
+    @app.task(shared=False, name="e2e.add")
+    def add(x: float, y: float) -> float:
+        return x + y
+
+    @app.task(shared=False, name="e2e.xsum")
+    def xsum(numbers: list[float]) -> float:
+        return sum(numbers)
+
+    @app.task(shared=False, name="e2e.record_and_sleep", bind=True, acks_late=True)
+    def record_and_sleep(self: Any, seconds: float, rerun_seconds: float = 0.0) -> dict[str, Any]:
+        """Record the execution, then sleep *seconds* (first run) or *rerun_seconds* (later
+        runs of the same task id: after a redelivery)."""
+        runs = record_run(broker_url, self)
+        time.sleep(seconds if runs == 1 else rerun_seconds)
+        return {"runs": runs, "pid": os.getpid()}
+
+    @app.task(shared=False, name="e2e.retry_once", bind=True, max_retries=3)
+    def retry_once(self: Any, value: Any) -> dict[str, Any]:
+        """Record the execution; the first attempt retries itself (countdown 1 s)."""
+        record_run(broker_url, self)
+        if self.request.retries == 0:
+            raise self.retry(countdown=1)
+        return {"value": value, "retries": self.request.retries}
+
+    return app
+
+
+app = create_app()

@@ -1,0 +1,91 @@
+"""Fixtures of the end-to-end tests: real ``celery worker`` subprocesses on a test database.
+
+``start_worker(**env)`` starts ``python -m celery -A tests.e2e.celery_app worker`` (prefork,
+2 processes) in its own session, waits until it ran a ``ping`` task sent to a queue only it
+consumes, and stops it at teardown (SIGTERM, then SIGKILL of its process group). Worker logs
+are files in ``tmp_path``; when a test fails they are appended to its report.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from celery import Celery
+
+from tests.e2e import celery_app
+from tests.e2e.helpers import REPO_ROOT, Worker
+
+_WORKERS_KEY = pytest.StashKey[list[Worker]]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """Append the worker logs of a failed test (setup or call) to its report."""
+    report = yield
+    if report.failed and report.when in ("setup", "call"):
+        for worker in item.stash.get(_WORKERS_KEY, []):
+            report.sections.append((f"celery worker {worker.name} log", worker.log()))
+    return report
+
+
+@pytest.fixture
+def e2e_env(db_dsn: str) -> dict[str, str]:
+    """Environment of the worker subprocesses (and of the test process's app)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KPT_")}
+    env.update(
+        KPT_BROKER_URL=db_dsn,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")])),
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+@pytest.fixture
+def db(db_dsn: str) -> Iterator[psycopg.Connection]:
+    """Autocommit connection to the test database, with table ``e2e_runs`` created."""
+    with psycopg.connect(db_dsn, autocommit=True, application_name="kpt_e2e_test") as conn:
+        conn.execute(celery_app.RUNS_DDL)
+        yield conn
+
+
+@pytest.fixture
+def app(e2e_env: dict[str, str], db: psycopg.Connection) -> Iterator[Celery]:
+    """The test process's Celery app (publisher and result reader), same settings as the
+    workers. Creates the result tables up front, so worker processes never race to."""
+    instance = celery_app.create_app(e2e_env)
+    instance.backend.ResultSession().close()
+    try:
+        yield instance
+    finally:
+        instance.close()
+
+
+@pytest.fixture
+def start_worker(
+    request: pytest.FixtureRequest, tmp_path: Path, e2e_env: dict[str, str], app: Celery
+) -> Iterator[Callable[..., Worker]]:
+    """``start_worker(wait=True, **env_overrides) -> Worker``; every worker is stopped at
+    teardown."""
+    workers: list[Worker] = []
+    request.node.stash[_WORKERS_KEY] = workers
+
+    def start(wait: bool = True, **env_overrides: str) -> Worker:
+        name = f"w{len(workers) + 1}_{uuid.uuid4().hex[:6]}"
+        worker = Worker(name, {**e2e_env, **env_overrides}, tmp_path / f"worker_{name}.log")
+        workers.append(worker)
+        worker.start()
+        if wait:
+            worker.wait_ready(app)
+        return worker
+
+    try:
+        yield start
+    finally:
+        for worker in reversed(workers):
+            worker.stop()

@@ -1,0 +1,153 @@
+"""Helpers of the end-to-end tests: the worker subprocess, polling, ``e2e_runs`` rows."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from celery import Celery
+from celery.exceptions import TimeoutError as CeleryTimeoutError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+#: Longest wait for a worker to start and run its first task (2-core CI, cold imports).
+WORKER_READY_TIMEOUT_S = 60.0
+#: Longest wait for a warm shutdown after SIGTERM before the process group is SIGKILLed.
+WORKER_STOP_TIMEOUT_S = 20.0
+
+
+class WorkerDied(RuntimeError):
+    """The worker subprocess exited while we waited for it."""
+
+
+class Worker:
+    """One ``celery worker`` subprocess (leader of its own process group)."""
+
+    def __init__(self, name: str, env: dict[str, str], log_path: Path) -> None:
+        self.name = name
+        self.queue = f"e2e_{name}"  # consumed by this worker only: readiness pings
+        self.env = env
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        cmd = [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "tests.e2e.celery_app",
+            "worker",
+            "-P",
+            "prefork",
+            "-c",
+            "2",
+            "--without-heartbeat",
+            "--without-gossip",
+            "--without-mingle",
+            "-l",
+            "info",
+            "-n",
+            f"{self.name}@%h",
+            "-Q",
+            f"celery,{self.queue}",
+        ]
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                cmd,
+                cwd=REPO_ROOT,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_ready(self, app: Celery, timeout: float = WORKER_READY_TIMEOUT_S) -> None:
+        """Wait until this worker ran a ``ping`` sent to its own queue."""
+        result = app.tasks["e2e.ping"].apply_async(queue=self.queue)
+        deadline = time.monotonic() + timeout
+        while True:
+            if not self.alive():
+                raise WorkerDied(
+                    f"worker {self.name} exited with {self.proc and self.proc.returncode}"
+                )
+            try:
+                assert result.get(timeout=1.0, interval=0.1) == "pong"
+                return
+            except CeleryTimeoutError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"worker {self.name} not ready after {timeout} s") from None
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (parent and pool processes) and reap the parent."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+        assert self.proc is not None
+        self.proc.wait(timeout=10)
+
+    def stop(self, timeout: float = WORKER_STOP_TIMEOUT_S) -> int | None:
+        """Warm shutdown (SIGTERM to the parent); SIGKILL the group if it takes too long.
+        Returns the parent's exit code (``None`` if it had to be killed)."""
+        if self.proc is None:
+            return None
+        code: int | None = self.proc.poll()
+        if code is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)
+            try:
+                code = self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                code = None
+        # Pool processes or anything else left in the group.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+        if code is None:
+            self.proc.wait(timeout=10)
+        return code
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+
+def runs(conn: psycopg.Connection, task_id: str) -> list[dict[str, Any]]:
+    """The ``e2e_runs`` rows of *task_id*, oldest first."""
+    cur = conn.execute(
+        "SELECT pid, redelivered, retries, started_at FROM e2e_runs"
+        " WHERE task_id = %s ORDER BY started_at, id",
+        (task_id,),
+    )
+    names = [d.name for d in cur.description or []]
+    return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+
+
+def wait_for(
+    predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05
+) -> Any:
+    """Poll *predicate* until it returns a truthy value (returned) or *timeout* passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)

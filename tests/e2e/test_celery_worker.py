@@ -1,0 +1,154 @@
+"""End to end: a real ``celery worker`` subprocess on PostgreSQL/PGMQ, tasks published here.
+
+Each test gets its own database (cloned from the template), so the queue ``celery``
+(tables ``pgmq.q_celery`` / ``pgmq.a_celery``) holds only this test's messages.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from datetime import timedelta
+
+import psycopg
+from celery import Celery, chain, chord, group
+
+from tests.e2e.helpers import REPO_ROOT, Worker, runs, wait_for
+
+RESULT_TIMEOUT_S = 30.0
+
+
+def queue_rows(db: psycopg.Connection, table: str) -> list[tuple[int, int, str]]:
+    """``(msg_id, read_ct, task id)`` of every message in ``pgmq.<table>``."""
+    return db.execute(
+        f"SELECT msg_id, read_ct, headers->>'id' FROM pgmq.{table} ORDER BY msg_id"
+    ).fetchall()
+
+
+def test_results_of_add_chain_group_chord_and_retry(
+    app: Celery, db: psycopg.Connection, start_worker: Callable[..., Worker]
+) -> None:
+    start_worker()
+    add, xsum = app.tasks["e2e.add"], app.tasks["e2e.xsum"]
+
+    assert add.delay(2, 3).get(timeout=RESULT_TIMEOUT_S) == 5
+    assert chain(add.s(1, 2), add.s(3), add.s(4))().get(timeout=RESULT_TIMEOUT_S) == 10
+    assert group(add.s(i, i) for i in range(10))().get(timeout=RESULT_TIMEOUT_S) == [
+        2 * i for i in range(10)
+    ]
+    assert chord(add.s(i, 1) for i in range(5))(xsum.s()).get(timeout=RESULT_TIMEOUT_S) == 15
+
+    result = app.tasks["e2e.retry_once"].delay("v")
+    assert result.get(timeout=RESULT_TIMEOUT_S) == {"value": "v", "retries": 1}
+    attempts = runs(db, result.id)
+    assert [a["retries"] for a in attempts] == [0, 1]
+    assert attempts[1]["started_at"] - attempts[0]["started_at"] >= timedelta(seconds=0.9)
+
+    # Every task message was acked: archived, none left in the queue.
+    wait_for(lambda: not queue_rows(db, "q_celery"), RESULT_TIMEOUT_S, "the last ack")
+    archived = queue_rows(db, "a_celery")
+    assert len(archived) >= 1 + 3 + 10 + 5 + 2
+    assert {read_ct for _, read_ct, _ in archived} == {1}
+
+
+def test_acks_late_task_of_killed_worker_is_redelivered_after_visibility_timeout(
+    app: Celery, db: psycopg.Connection, start_worker: Callable[..., Worker]
+) -> None:
+    vt = 3.0
+    first = start_worker(KPT_VISIBILITY_TIMEOUT=str(vt))
+    # First run sleeps 60 s (killed mid-task); the redelivered run sleeps 0.2 s.
+    result = app.tasks["e2e.record_and_sleep"].delay(60, 0.2)
+
+    wait_for(lambda: runs(db, result.id), RESULT_TIMEOUT_S, "the first run's e2e_runs row")
+    first.kill()
+    (killed_at,) = db.execute("SELECT clock_timestamp()").fetchone() or ()
+
+    # Still leased: pgmq.read set vt = last_read_at + visibility_timeout, still ahead.
+    ((msg_id, read_ct, task_id, read_at, lease_end),) = db.execute(
+        "SELECT msg_id, read_ct, headers->>'id', last_read_at, vt FROM pgmq.q_celery"
+    ).fetchall()
+    assert (read_ct, task_id) == (1, result.id)
+    assert lease_end - read_at == timedelta(seconds=vt)  # the transport option was used
+    assert read_at <= runs(db, result.id)[0]["started_at"] < killed_at < lease_end
+
+    second = start_worker(KPT_VISIBILITY_TIMEOUT=str(vt))
+    (ready_at,) = db.execute("SELECT clock_timestamp()").fetchone() or ()
+    assert result.get(timeout=RESULT_TIMEOUT_S)["runs"] == 2
+    assert result.status == "SUCCESS"
+
+    attempts = runs(db, result.id)
+    assert len(attempts) == 2, attempts
+    assert attempts[0]["pid"] != attempts[1]["pid"]
+    assert [a["redelivered"] for a in attempts] == [False, True]
+    # Not before the lease of the first delivery ended (nor needlessly later).
+    redelivered_at = attempts[1]["started_at"]
+    assert redelivered_at >= lease_end
+    assert redelivered_at - killed_at >= timedelta(seconds=vt - 1.5)
+    assert redelivered_at - max(lease_end, ready_at) < timedelta(seconds=5)
+
+    # Acked after the rerun: archived with two deliveries.
+    wait_for(
+        lambda: queue_rows(db, "a_celery") and not queue_rows(db, "q_celery"),
+        RESULT_TIMEOUT_S,
+        "the message to be archived",
+    )
+    archived = {row[0]: row for row in queue_rows(db, "a_celery")}
+    assert archived[msg_id][1:] == (2, result.id)
+    assert second.alive()
+
+
+def test_celery_purge_deletes_queued_tasks(
+    app: Celery, db: psycopg.Connection, e2e_env: dict[str, str]
+) -> None:
+    n = 7
+    for i in range(n):
+        app.tasks["e2e.add"].delay(i, i)
+    assert len(queue_rows(db, "q_celery")) == n
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "tests.e2e.celery_app", "purge", "-f"],
+        cwd=REPO_ROOT,
+        env=e2e_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"Purged {n} messages from 1 known task queue" in proc.stdout, proc.stdout
+    assert queue_rows(db, "q_celery") == []
+
+
+def test_task_published_without_worker_runs_when_worker_starts(
+    app: Celery, db: psycopg.Connection, start_worker: Callable[..., Worker]
+) -> None:
+    result = app.tasks["e2e.add"].delay(20, 22)
+    ((msg_id, read_ct, task_id),) = queue_rows(db, "q_celery")
+    assert (read_ct, task_id) == (0, result.id)
+    assert result.status == "PENDING"
+
+    start_worker()
+    assert result.get(timeout=RESULT_TIMEOUT_S) == 42
+    wait_for(lambda: not queue_rows(db, "q_celery"), RESULT_TIMEOUT_S, "the ack")
+    assert (msg_id, 1, result.id) in queue_rows(db, "a_celery")
+
+
+def test_warm_shutdown_makes_unacked_message_visible_again_without_a_copy(
+    app: Celery, db: psycopg.Connection, start_worker: Callable[..., Worker]
+) -> None:
+    """An ETA task is held unacked in the worker; on warm shutdown the channel close
+    releases it at once (``set_vt`` to now), not after the 1800 s visibility timeout, and
+    publishes no copy (kombu's default ``_restore`` would)."""
+    worker = start_worker()
+    result = app.tasks["e2e.add"].apply_async((1, 2), countdown=120)
+    wait_for(
+        lambda: [r for r in queue_rows(db, "q_celery") if r[1] == 1],
+        RESULT_TIMEOUT_S,
+        "the worker to reserve the ETA task",
+    )
+    assert worker.stop() == 0
+    ((_, read_ct, task_id),) = queue_rows(db, "q_celery")
+    assert (read_ct, task_id) == (1, result.id)
+    (visible,) = db.execute("SELECT vt <= clock_timestamp() FROM pgmq.q_celery").fetchone() or ()
+    assert visible
+    assert "Traceback" not in worker.log()
