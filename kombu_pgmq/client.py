@@ -214,7 +214,22 @@ class PgmqClient:
         """Delete the ready messages (not the unacked ones); return how many."""
         return int(self._run(_with_table("purge", queue))[0][0])
 
-    # -- schema (used by kombu_pgmq.schema) ------------------------------------------
+    # -- server and schema (used by kombu_pgmq.embedded and kombu_pgmq.schema) -------
+
+    def create_database_if_missing(self, name: str, *, lock_key: int) -> bool:
+        """Create database *name* unless it exists; True if created.
+
+        Concurrent callers are serialized by the session advisory lock *lock_key*
+        (``CREATE DATABASE`` cannot run inside a transaction block).
+        """
+        self._run(self._q["session_lock"], {"key": lock_key})
+        try:
+            if self.scalar("database_exists", {"name": name}):
+                return False
+            self._run(sql.SQL(self._q["create_database"]).format(database=sql.Identifier(name)))
+            return True
+        finally:
+            self._run(self._q["session_unlock"], {"key": lock_key})
 
     def scalar(self, name: str, params: dict[str, Any] | None = None) -> Any:
         """Run the named statement and return the first column of its first row (or None)."""

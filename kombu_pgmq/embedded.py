@@ -42,7 +42,7 @@ from types import ModuleType
 from typing import Any
 from urllib.parse import quote, urlsplit
 
-from .errors import BrokerConnectionError, ConfigurationError, translate
+from .errors import BrokerConnectionError, ConfigurationError
 
 __all__ = [
     "DATABASE",
@@ -201,20 +201,13 @@ def start() -> str:
 
 def _ensure_database(maintenance_url: str) -> None:
     """Create :data:`DATABASE` if missing (serialized by an advisory lock)."""
-    import psycopg
-    from psycopg import sql
+    from .client import PgmqClient
 
+    client = PgmqClient(maintenance_url)
     try:
-        with psycopg.connect(maintenance_url, autocommit=True, connect_timeout=10) as conn:
-            conn.execute("SELECT pg_advisory_lock(%s)", (_CREATE_DB_LOCK_KEY,))
-            exists = conn.execute(
-                "SELECT 1 FROM pg_database WHERE datname = %s", (DATABASE,)
-            ).fetchone()
-            if exists is None:
-                conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(DATABASE)))
-            conn.execute("SELECT pg_advisory_unlock(%s)", (_CREATE_DB_LOCK_KEY,))
-    except psycopg.Error as exc:
-        raise translate(exc) from exc
+        client.create_database_if_missing(DATABASE, lock_key=_CREATE_DB_LOCK_KEY)
+    finally:
+        client.close()
 
 
 def _running_info(pgdata: Path) -> Any | None:

@@ -148,3 +148,15 @@ ON CONFLICT (key) DO UPDATE SET value = excluded.value
 
 -- name: pgmq_sql_version
 SELECT value AS version FROM kombu_pgmq.settings WHERE key = 'pgmq_sql_version'
+
+-- name: session_lock
+SELECT pg_advisory_lock(%(key)s::bigint)
+
+-- name: session_unlock
+SELECT pg_advisory_unlock(%(key)s::bigint)
+
+-- name: database_exists
+SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = %(name)s) AS found
+
+-- name: create_database
+CREATE DATABASE {database}
