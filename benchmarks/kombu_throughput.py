@@ -5,9 +5,11 @@ Usage::
     python benchmarks/kombu_throughput.py [--messages 2000] [--prefetch 10] \
         [--url postgresql://...] [--url redis://127.0.0.1:6379/0] [--json out.json]
 
-Each URL is measured in the same run (its queue is purged first). Default: our
-transport on ``KOMBU_PGMQ_URL`` (else the embedded server) and Redis on localhost.
-Prints msgs/s for publish and for consume+ack (one ack per message, as Celery does).
+Each URL is measured in the same run, ``--repeat`` times in turn (median reported).
+Default: our transport on ``KOMBU_PGMQ_URL`` (else the embedded server) and Redis on
+localhost. Prints msgs/s for publish and for consume+ack (one ack per message, as
+Celery does). For PostgreSQL URLs it also measures the floor a publish stands on: a raw
+``SELECT pgmq.send(...)`` loop on one psycopg connection, same payload.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 import uuid
 
+import psycopg
 from kombu import Connection, Consumer, Producer, Queue
 
 import kombu_pgmq
@@ -57,30 +61,60 @@ def measure(url: str, messages: int, prefetch: int) -> dict[str, float | str]:
     }
 
 
+def raw_send_rate(url: str, messages: int) -> float:
+    """msgs/s of a plain ``SELECT pgmq.send`` loop (autocommit, one connection)."""
+    from kombu_pgmq.conninfo import make_dsn, url_to_params
+
+    body = json.dumps({"task": "noop", "args": [1, 2], "kwargs": {}, "id": str(uuid.uuid4())})
+    with psycopg.connect(make_dsn(url_to_params(url)), autocommit=True) as conn:
+        conn.execute("SELECT pgmq.create('bench_raw')")
+        start = time.perf_counter()
+        for _ in range(messages):
+            conn.execute("SELECT pgmq.send('bench_raw', %s::jsonb)", (body,))
+        rate = messages / (time.perf_counter() - start)
+        conn.execute("SELECT pgmq.drop_queue('bench_raw')")
+    return rate
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--messages", type=int, default=2000)
     parser.add_argument("--prefetch", type=int, default=10)
     parser.add_argument("--url", action="append")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per broker (median)")
     parser.add_argument("--json", help="write results to this file")
     args = parser.parse_args()
     urls = args.url or [kombu_pgmq.default_broker_url(), "redis://127.0.0.1:6379/0"]
-    results = [measure(url, args.messages, args.prefetch) for url in urls]
-    print(f"{'broker':60} {'publish/s':>10} {'consume+ack/s':>14}")
+    runs: dict[str, list[dict[str, float | str]]] = {url: [] for url in urls}
+    raw: dict[str, list[float]] = {url: [] for url in urls if url.startswith("postgres")}
+    for _ in range(args.repeat):
+        for url in urls:
+            runs[url].append(measure(url, args.messages, args.prefetch))
+            if url in raw:
+                raw[url].append(raw_send_rate(url, args.messages))
+    results = []
+    for url in urls:
+        row: dict[str, object] = {
+            "url": redact(url),
+            "publish_per_s": statistics.median(float(r["publish_per_s"]) for r in runs[url]),
+            "consume_ack_per_s": statistics.median(
+                float(r["consume_ack_per_s"]) for r in runs[url]
+            ),
+            "runs": runs[url],
+        }
+        if url in raw:
+            row["raw_pgmq_send_per_s"] = round(statistics.median(raw[url]))
+        results.append(row)
+    print(f"{'broker':56} {'publish/s':>10} {'consume+ack/s':>14} {'raw pgmq.send/s':>16}")
     for r in results:
-        print(f"{r['url']:60} {r['publish_per_s']:>10} {r['consume_ack_per_s']:>14}")
+        print(
+            f"{r['url']!s:56} {r['publish_per_s']:>10.0f} {r['consume_ack_per_s']:>14.0f} "
+            f"{r.get('raw_pgmq_send_per_s', '-')!s:>16}"
+        )
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(
-                {
-                    "messages": args.messages,
-                    "prefetch": args.prefetch,
-                    "host_cpus": os.cpu_count(),
-                    "results": results,
-                },
-                fh,
-                indent=2,
-            )
+            meta = {"messages": args.messages, "prefetch": args.prefetch, "repeat": args.repeat}
+            json.dump({**meta, "host_cpus": os.cpu_count(), "results": results}, fh, indent=2)
 
 
 if __name__ == "__main__":
