@@ -67,9 +67,11 @@ Transport Options
 from __future__ import annotations
 
 import logging
+import threading
 from collections import defaultdict
 from itertools import count
 from queue import Empty
+from time import monotonic
 from typing import Any
 
 import psycopg
@@ -99,6 +101,7 @@ class QoS(virtual.QoS):
         queue, msg_id, _ = self._locate(delivery_tag)
         self.channel.pgmq.archive(queue, [msg_id])
         super().ack(delivery_tag)
+        self.channel.connection.wake()  # a prefetch slot is free: read now, not next poll
 
     def reject(self, delivery_tag: Any, requeue: bool = False) -> None:
         queue, msg_id, kombu_queue = self._locate(delivery_tag)
@@ -107,6 +110,7 @@ class QoS(virtual.QoS):
         else:
             self.channel._dead_letter(kombu_queue, queue, [msg_id], "rejected")
         self._quick_ack(delivery_tag)
+        self.channel.connection.wake()
 
     def restore_unacked(self) -> list[tuple[BaseException, Any]]:
         """Make every unacked message visible again (one ``set_vt`` per queue)."""
@@ -403,6 +407,7 @@ class Transport(virtual.Transport):
     def __init__(self, client: Any, **kwargs: Any) -> None:
         super().__init__(client, **kwargs)
         self._client: PgmqClient | None = None
+        self._wakeup = threading.Event()
         self.install_schema = bool(client.transport_options.get("install_schema", True))
 
     def __repr__(self) -> str:
@@ -460,6 +465,38 @@ class Transport(virtual.Transport):
                 raise
             self._client = client
         return client
+
+    def wake(self) -> None:
+        """End the current ``polling_interval`` sleep of :meth:`drain_events` now.
+
+        Called when an ack or reject frees a prefetch slot (often from another thread,
+        e.g. Celery's pool result handler), so the next read does not wait a full poll.
+        """
+        self._wakeup.set()
+
+    def drain_events(  # type: ignore[override]
+        self, connection: Any, timeout: float | None = None
+    ) -> None:
+        """Deliver messages from the channels' queues; raise ``TimeoutError`` if none came.
+
+        As kombu's virtual transport, but the sleep between empty polls ends early on
+        :meth:`wake`.
+        """
+        start = monotonic()
+        assert self.cycle is not None
+        get = self.cycle.get
+        interval = self.polling_interval
+        while True:
+            self._wakeup.clear()
+            try:
+                get(self._deliver, timeout=timeout)
+                return
+            except Empty:
+                elapsed = monotonic() - start
+                if timeout is not None and elapsed >= timeout:
+                    raise TimeoutError() from None
+                wait = interval if timeout is None else min(interval, timeout - elapsed)
+                self._wakeup.wait(wait)
 
     def establish_connection(self) -> Transport:
         self.pgmq_client()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import pickle
+import threading
 import time
 
 import pytest
@@ -328,3 +330,26 @@ def test_failing_callback_releases_the_rest_of_the_batch(db_dsn):
         # 1 was delivered (unacked) and stays invisible until the channel closes.
         visible = sql(db_dsn, f"SELECT count(*) FROM {table('batchfail')} WHERE vt <= now()")
         assert visible == [(2,)]
+
+
+def test_ack_wakes_a_consumer_whose_prefetch_was_full(db_dsn):
+    # polling_interval is long: without the wake-up the second message would wait 10 s.
+    with connect(db_dsn, polling_interval=10) as conn:
+        publish(conn, "wake", ["first", "second"])
+        channel = conn.channel()
+        got: list[tuple[float, object]] = []
+
+        def on_message(message):
+            got.append((time.monotonic(), message))
+            if len(got) == 1:  # ack the first one from another thread, 0.3 s later
+                threading.Timer(0.3, message.ack).start()
+            else:
+                message.ack()
+
+        with Consumer(channel, [Queue("wake")], on_message=on_message, prefetch_count=1):
+            start = time.monotonic()
+            while len(got) < 2 and time.monotonic() - start < 8:
+                with contextlib.suppress(TimeoutError):
+                    conn.drain_events(timeout=8)
+        assert [m.body for _, m in got] == [b"first", b"second"]
+        assert got[1][0] - got[0][0] < 3.0
