@@ -26,12 +26,26 @@ from .queries import queries
 
 
 class Row(NamedTuple):
-    """One delivered message: ``message`` and ``headers`` are JSON text (headers may be None)."""
+    """One delivered message: ``message`` and ``headers`` are JSON text (headers may be None);
+    ``age_seconds`` is the time since it was sent, by the server's clock."""
 
     msg_id: int
     read_ct: int
     message: str
     headers: str | None
+    age_seconds: float
+
+
+class RoutingTable(NamedTuple):
+    """Exchanges and bindings as of ``version`` (see ``kombu_pgmq.routing``).
+
+    ``exchanges``: ``{exchange: type}``; ``bindings``: ``[(exchange, routing_key, queue,
+    pgmq_queue)]`` where ``queue`` is the Kombu name.
+    """
+
+    version: int
+    exchanges: dict[str, str]
+    bindings: list[tuple[str, str, str, str]]
 
 
 @lru_cache(maxsize=2048)
@@ -50,6 +64,7 @@ class PgmqClient:
     def __init__(self, conninfo: str) -> None:
         self._conninfo = conninfo
         self._conn: psycopg.Connection[Any] | None = None
+        self._closed = False
         self._lock = threading.Lock()
         self._q = queries()
 
@@ -61,14 +76,17 @@ class PgmqClient:
 
     @property
     def connection(self) -> psycopg.Connection[Any]:
-        """The open psycopg connection (connects on first use).
+        """The open psycopg connection (connects on first use, and again after a lost
+        connection was reported).
 
         Raises:
-            BrokerConnectionError: the server cannot be reached.
+            BrokerConnectionError: the server cannot be reached, or :meth:`close` was called.
         """
         conn = self._conn
         if conn is None or conn.closed:
             with self._lock:
+                if self._closed:
+                    raise BrokerConnectionError("the PGMQ client was closed")
                 conn = self._conn
                 if conn is None or conn.closed:
                     try:
@@ -79,7 +97,12 @@ class PgmqClient:
         return conn
 
     def close(self) -> None:
-        """Close the connection (idempotent)."""
+        """Close the connection for good (idempotent): later calls raise."""
+        with self._lock:
+            self._closed = True
+            self._drop()
+
+    def _drop(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.close()
@@ -92,7 +115,7 @@ class PgmqClient:
     def _fail(self, exc: psycopg.Error) -> KombuPgmqError:
         err = translate(exc)
         if isinstance(err, BrokerConnectionError):
-            self.close()
+            self._drop()  # the next call reconnects
         return err
 
     def _run(self, query: Any, params: Any = None) -> list[tuple[Any, ...]]:
@@ -190,18 +213,138 @@ class PgmqClient:
 
     # -- queues ----------------------------------------------------------------------
 
-    def create_queue(self, queue: str, kombu_queue: str) -> None:
-        """Create the PGMQ queue (idempotent) and record its Kombu name."""
+    def create_queue(
+        self,
+        queue: str,
+        kombu_queue: str,
+        *,
+        durable: bool = True,
+        auto_delete: bool = False,
+        expires_ms: int | None = None,
+        message_ttl_ms: int | None = None,
+    ) -> int | None:
+        """Create the PGMQ queue (idempotent; UNLOGGED if not durable) and record its Kombu
+        name and arguments in ``kombu_pgmq.queues`` (the first declaration's arguments
+        stay). Returns the queue's ``x-message-ttl`` in force (ms, or None)."""
         with self.transaction():
-            self._run(self._q["create_queue"], {"queue": queue})
-            self._run(self._q["register_queue"], {"queue": queue, "kombu_queue": kombu_queue})
+            self._run(
+                self._q["create_queue" if durable else "create_queue_unlogged"], {"queue": queue}
+            )
+            rows = self._run(
+                self._q["register_queue"],
+                {
+                    "queue": queue,
+                    "kombu_queue": kombu_queue,
+                    "durable": durable,
+                    "auto_delete": auto_delete,
+                    "expires_ms": expires_ms,
+                    "message_ttl_ms": message_ttl_ms,
+                },
+            )
+        ttl = rows[0][0]
+        return None if ttl is None else int(ttl)
 
-    def drop_queue(self, queue: str) -> bool:
-        """Drop the queue and its archive; False if it did not exist."""
-        with self.transaction():
-            rows = self._run(self._q["drop_queue"], {"queue": queue})
-            self._run(self._q["unregister_queue"], {"queue": queue})
+    def drop_queue(self, queue: str, kombu_queue: str) -> bool:
+        """Drop the queue, its archive, bindings and consumers; False if it did not exist."""
+        rows = self._run(self._q["drop_queue"], {"queue": queue, "kombu_queue": kombu_queue})
         return bool(rows[0][0])
+
+    def message_ttl_ms(self, kombu_queue: str) -> int | None:
+        """The queue's ``x-message-ttl`` in milliseconds (None: unlimited or unknown queue)."""
+        value = self.scalar("message_ttl", {"kombu_queue": kombu_queue})
+        return None if value is None else int(value)
+
+    def delete(self, queue: str, msg_ids: Sequence[int]) -> list[int]:
+        """Delete messages for good (no archive); return the ids that were there."""
+        rows = self._run(self._q["delete_messages"], {"queue": queue, "msg_ids": list(msg_ids)})
+        return [r[0] for r in rows]
+
+    # -- exchanges and bindings --------------------------------------------------------
+
+    def declare_exchange(
+        self, exchange: str, type: str, *, durable: bool = True, auto_delete: bool = False
+    ) -> str:
+        """Declare an exchange (idempotent); return its type as stored (first one wins)."""
+        return str(
+            self.scalar(
+                "declare_exchange",
+                {
+                    "exchange": exchange,
+                    "type": type,
+                    "durable": durable,
+                    "auto_delete": auto_delete,
+                },
+            )
+        )
+
+    def exchange_type(self, exchange: str) -> str | None:
+        value = self.scalar("exchange_type", {"exchange": exchange})
+        return None if value is None else str(value)
+
+    def delete_exchange(self, exchange: str) -> None:
+        """Delete an exchange and its bindings."""
+        self._run(self._q["delete_exchange"], {"exchange": exchange})
+
+    def bind(self, exchange: str, routing_key: str, kombu_queue: str) -> None:
+        self._run(
+            self._q["bind"],
+            {"exchange": exchange, "routing_key": routing_key, "kombu_queue": kombu_queue},
+        )
+
+    def unbind(self, exchange: str, routing_key: str, kombu_queue: str) -> None:
+        self._run(
+            self._q["unbind"],
+            {"exchange": exchange, "routing_key": routing_key, "kombu_queue": kombu_queue},
+        )
+
+    def routing_table(self) -> RoutingTable:
+        """Every exchange and binding, with the routing version, from one snapshot."""
+        version, exchanges, bindings = self._run(self._q["routing_table"])[0]
+        return RoutingTable(
+            int(version), dict(exchanges), [(b[0], b[1], b[2], b[3]) for b in bindings]
+        )
+
+    def send_routed(
+        self, queues: Sequence[str], message: str, headers: str, *, version: int
+    ) -> tuple[int, list[int]]:
+        """Send one message to several PGMQ queues in one statement, if the routing version
+        is still ``version``. Returns ``(current_version, msg_ids)``; when the versions
+        differ nothing was sent.
+
+        Raises:
+            QueueNotFound: one of the queues is gone (nothing was sent).
+        """
+        row = self._run(
+            self._q["send_routed"],
+            {"queues": list(queues), "message": message, "headers": headers, "version": version},
+        )[0]
+        return int(row[0]), list(row[1])
+
+    # -- consumers and queue lifetime ----------------------------------------------------
+
+    def register_consumer(self, kombu_queue: str, owner: str, consumer_tag: str) -> None:
+        self._run(
+            self._q["register_consumer"],
+            {"kombu_queue": kombu_queue, "owner": owner, "consumer_tag": consumer_tag},
+        )
+
+    def release_consumer(self, kombu_queue: str, owner: str, consumer_tag: str) -> bool:
+        """Forget a consumer; True if its queue was auto-deleted as a result."""
+        return bool(
+            self.scalar(
+                "release_consumer",
+                {"kombu_queue": kombu_queue, "owner": owner, "consumer_tag": consumer_tag},
+            )
+        )
+
+    def heartbeat(self, owner: str) -> None:
+        """Mark ``owner``'s consumers live and their queues used, now."""
+        self._run(self._q["heartbeat"], {"owner": owner})
+
+    def reap(self, stale_after_seconds: float) -> list[str]:
+        """Drop queues AMQP would have deleted (see ``kombu_pgmq.reap``); return their
+        Kombu names."""
+        return self.column("reap", {"stale_after_seconds": stale_after_seconds})
 
     def queue_exists(self, queue: str) -> bool:
         return bool(self._run(self._q["queue_exists"], {"queue": queue})[0][0])

@@ -67,7 +67,10 @@ Transport Options
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
+import uuid
 from collections import defaultdict
 from itertools import count
 from queue import Empty
@@ -75,17 +78,48 @@ from time import monotonic
 from typing import Any
 
 import psycopg
+from kombu.exceptions import ChannelError
 from kombu.transport import virtual
+from kombu.transport.base import to_rabbitmq_queue_arguments
 from kombu.utils.objects import cached_property
 
 from . import conninfo, encoding, errors
 from .client import PgmqClient, Row
 from .naming import pgmq_queue_name
+from .routing import EXCHANGE_TYPES, Routes
 from .schema import ensure_schema, verify
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Channel", "QoS", "Transport"]
+
+
+def _milliseconds(arguments: dict[str, Any], key: str) -> int | None:
+    value = arguments.get(key)
+    if value is None:
+        return None
+    try:
+        ms = int(value)
+    except (TypeError, ValueError):
+        ms = -1
+    if ms <= 0:
+        raise errors.ConfigurationError(
+            f"queue argument {key}={value!r} is invalid: expected milliseconds > 0"
+        )
+    return ms
+
+
+def _expired(payload: dict[str, Any], row: Row, ttl_seconds: float | None) -> bool:
+    """x-message-ttl of the queue, or the message's own ``expiration`` (ms), has passed."""
+    if ttl_seconds is not None and row.age_seconds > ttl_seconds:
+        return True
+    expiration = payload["properties"].get("expiration")
+    if expiration is None:
+        return False
+    try:
+        return row.age_seconds > float(expiration) / 1000.0
+    except (TypeError, ValueError):
+        return False
 
 
 class QoS(virtual.QoS):
@@ -170,6 +204,7 @@ class Channel(virtual.Channel):
         self._no_ack_queues: set[str] = set()
         self._vt_seconds = max(1, round(float(self.visibility_timeout)))
         self._known_queues: set[str] = set()
+        self._message_ttl: dict[str, int | None] = {}
         # Connects now (and bootstraps the schema once per process), so connection
         # errors surface at channel creation as kombu expects.
         self.connection.pgmq_client()
@@ -202,11 +237,42 @@ class Channel(virtual.Channel):
 
     # -- queues ----------------------------------------------------------------------
 
-    def _new_queue(self, queue: str, **kwargs: Any) -> None:
+    def _new_queue(
+        self,
+        queue: str,
+        durable: bool = True,
+        auto_delete: bool = False,
+        exclusive: bool = False,
+        arguments: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Create the queue if this channel has not yet; record its AMQP arguments.
+
+        ``durable=False`` makes an UNLOGGED PGMQ queue; ``auto_delete`` (and
+        ``exclusive``, which implies it here) drops it when its last consumer cancels;
+        ``x-expires`` (ms) drops it after that long unused; ``x-message-ttl`` (ms) drops
+        older messages instead of delivering them.
+        """
         name = pgmq_queue_name(queue)
-        if name not in self._known_queues:
-            self.pgmq.create_queue(name, queue)
-            self._known_queues.add(name)
+        if name in self._known_queues:
+            return
+        args = arguments or {}
+        expires = _milliseconds(args, "x-expires")
+        ttl = _milliseconds(args, "x-message-ttl")
+        self._message_ttl[queue] = self.pgmq.create_queue(
+            name,
+            queue,
+            durable=bool(durable),
+            auto_delete=bool(auto_delete or exclusive),
+            expires_ms=expires,
+            message_ttl_ms=ttl,
+        )
+        self._known_queues.add(name)
+
+    def prepare_queue_arguments(self, arguments: Any, **kwargs: Any) -> Any:
+        """Kombu ``Queue(expires=, message_ttl=, max_length=...)`` -> ``x-*`` arguments
+        (seconds to milliseconds), as for RabbitMQ."""
+        return to_rabbitmq_queue_arguments(arguments, **kwargs)
 
     def _has_queue(self, queue: str, **kwargs: Any) -> bool:
         return self.pgmq.queue_exists(pgmq_queue_name(queue))
@@ -226,24 +292,183 @@ class Channel(virtual.Channel):
     def _delete(self, queue: str, *args: Any, **kwargs: Any) -> None:
         name = pgmq_queue_name(queue)
         self._known_queues.discard(name)
-        self.pgmq.drop_queue(name)
+        self.pgmq.drop_queue(name, queue)
 
     def queue_delete(
         self, queue: str, if_unused: bool = False, if_empty: bool = False, **kwargs: Any
     ) -> None:
-        """Delete the queue, its archive and its bindings (also if declared elsewhere)."""
+        """Delete the queue, its archive, bindings and consumers (also if declared by
+        another process)."""
         if if_empty and self._size(queue):
             return
-        self.state.queue_bindings_delete(queue)
-        for table in (exchange.get("table", []) for exchange in self.state.exchanges.values()):
-            table[:] = [meta for meta in table if meta[2] != queue]
         self._delete(queue)
+
+    # -- exchanges and bindings (kombu_pgmq.routing) ----------------------------------
+
+    def exchange_declare(
+        self,
+        exchange: str | None = None,
+        type: str = "direct",
+        durable: bool = False,
+        auto_delete: bool = False,
+        arguments: Any = None,
+        nowait: bool = False,
+        passive: bool = False,
+    ) -> None:
+        """Declare an exchange in the database, visible to every process.
+
+        Raises:
+            ChannelError: ``passive`` and the exchange does not exist (404, as AMQP).
+            NotEquivalentError: it exists with another type.
+            ConfigurationError: ``type`` is not direct, topic or fanout.
+        """
+        if not exchange:
+            return
+        if passive:
+            if self.pgmq.exchange_type(exchange) is None:
+                raise ChannelError(
+                    f"NOT_FOUND - no exchange {exchange!r} in vhost {self._vhost()!r}",
+                    (50, 10),
+                    "Channel.exchange_declare",
+                    "404",
+                )
+            return
+        if type not in EXCHANGE_TYPES:
+            raise errors.ConfigurationError(
+                f"exchange {exchange!r} has type {type!r}: kombu_pgmq routes "
+                f"{', '.join(sorted(EXCHANGE_TYPES))}"
+            )
+        stored = self.pgmq.declare_exchange(
+            exchange, type, durable=bool(durable), auto_delete=bool(auto_delete)
+        )
+        if stored != type:
+            raise virtual.NotEquivalentError(
+                f"Cannot redeclare exchange {exchange!r} in vhost {self._vhost()!r} with "
+                f"different type {type!r}: it is {stored!r}"
+            )
+
+    def _vhost(self) -> str:
+        client: Any = self.connection.client
+        return str(client.virtual_host or "/")
+
+    def exchange_delete(self, exchange: str, if_unused: bool = False, nowait: bool = False) -> None:
+        """Delete the exchange and its bindings (queues stay)."""
+        self.pgmq.delete_exchange(exchange)
+
+    def queue_bind(
+        self,
+        queue: str,
+        exchange: str | None = None,
+        routing_key: str = "",
+        arguments: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        """Bind in the database: every process routes by it from its next publish."""
+        if not exchange:
+            return  # the default exchange routes by queue name, no binding needed
+        self._new_queue(queue)
+        self.pgmq.bind(exchange, routing_key or "", queue)
+
+    def queue_unbind(
+        self,
+        queue: str,
+        exchange: str | None = None,
+        routing_key: str = "",
+        arguments: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        if exchange:
+            self.pgmq.unbind(exchange, routing_key or "", queue)
+
+    def list_bindings(self) -> Any:
+        return iter(self.connection.routes().bindings())
+
+    def get_table(self, exchange: str) -> list[tuple[str, str, str]]:
+        """Bindings of ``exchange`` as kombu's ``(routing_key, pattern, queue)`` rows."""
+        return [
+            (routing_key, routing_key, queue)
+            for queue, bound, routing_key in self.connection.routes().bindings()
+            if bound == exchange
+        ]
+
+    def typeof(self, exchange: str, default: str = "direct") -> Any:
+        return self.exchange_types[self.connection.routes().exchanges.get(exchange, default)]
+
+    def _lookup(self, exchange: str, routing_key: str, default: Any = None) -> list[str]:
+        if not exchange:
+            return [routing_key]
+        return [queue for queue, _ in self.connection.routes().route(exchange, routing_key)]
 
     # -- publish ---------------------------------------------------------------------
 
-    def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
-        name = pgmq_queue_name(queue)
+    def basic_publish(
+        self, message: dict[str, Any], exchange: str, routing_key: str, **kwargs: Any
+    ) -> None:
+        """Publish: to the queue named ``routing_key`` on the default exchange, else to
+        every queue the exchange routes it to, in one statement (all or none).
+
+        A message no binding matches is dropped with a warning, as AMQP drops unroutable
+        messages (or sent to kombu's ``deadletter_queue`` option, if set).
+        """
+        self._inplace_augment_message(message, exchange, routing_key)
+        if not exchange:
+            return self._put(routing_key, message, **kwargs)
         body, headers = encoding.encode(message)
+        try:
+            self._publish_routed(exchange, routing_key, body, headers)
+        except errors.InvalidJsonBody:
+            self._publish_routed(exchange, routing_key, *encoding.reencode_opaque(body, headers))
+        return None
+
+    def _publish_routed(self, exchange: str, routing_key: str, body: str, headers: str) -> None:
+        transport = self.connection
+        fresh = False  # routes reloaded during this publish
+        for attempt in range(3):
+            routes = transport.routes()
+            targets = routes.route(exchange, routing_key)
+            if not targets:
+                if not fresh:  # maybe bound since our last reload
+                    transport.reload_routes()
+                    fresh = True
+                    continue
+                if self.deadletter_queue:
+                    self._send_to(self.deadletter_queue, body, headers)
+                    return
+                logger.warning(
+                    "message to exchange %r with routing key %r matched no binding: dropped "
+                    "(as AMQP does); declare and bind a queue first",
+                    exchange,
+                    routing_key,
+                )
+                return
+            try:
+                version, _ = self.pgmq.send_routed(
+                    [pgmq for _, pgmq in targets], body, headers, version=routes.version
+                )
+            except errors.QueueNotFound as exc:
+                # A bound queue was dropped meanwhile (its bindings normally go with it):
+                # nothing was sent. Reload and retry; if the route still names a missing
+                # queue, its PGMQ table was dropped behind kombu_pgmq's back.
+                if attempt == 2:
+                    raise errors.QueueNotFound(
+                        f"exchange {exchange!r} routes {routing_key!r} to a queue whose PGMQ "
+                        f"table is gone ({exc}); nothing was published: delete that queue "
+                        "(queue_delete) or declare it again"
+                    ) from exc
+                version = -1
+            if version == routes.version:
+                return
+            transport.reload_routes()
+            fresh = True
+        raise errors.OperationalError(
+            f"routing for exchange {exchange!r} kept changing while publishing; try again"
+        )
+
+    def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+        self._send_to(queue, *encoding.encode(message))
+
+    def _send_to(self, queue: str, body: str, headers: str) -> None:
+        name = pgmq_queue_name(queue)
         try:
             self._send(name, queue, body, headers)
         except errors.InvalidJsonBody:
@@ -268,13 +493,18 @@ class Channel(virtual.Channel):
             self._no_ack_queues.add(queue)
         else:
             self._no_ack_queues.discard(queue)
-        return super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
+        result = super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
+        self.connection.register_consumer(queue, consumer_tag)
+        return result
 
     def basic_cancel(self, consumer_tag: str) -> Any:
         queue = self._tag_to_queue.get(consumer_tag)
         result = super().basic_cancel(consumer_tag)
-        if queue not in self._active_queues:
-            self._no_ack_queues.discard(queue)
+        if queue is not None:
+            if queue not in self._active_queues:
+                self._no_ack_queues.discard(queue)
+            if self.connection.release_consumer(queue, consumer_tag):
+                self._known_queues.discard(pgmq_queue_name(queue))
         return result
 
     def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
@@ -329,7 +559,22 @@ class Channel(virtual.Channel):
             return []
         if self.max_deliveries is not None and not no_ack:
             rows = self._drop_poison(queue, name, rows)
-        return [self._payload(queue, name, row) for row in rows]
+        payloads = [self._payload(queue, name, row) for row in rows]
+        ttl = self._queue_ttl_seconds(queue)
+        expired = [p for p, row in zip(payloads, rows, strict=True) if _expired(p, row, ttl)]
+        if expired:
+            if not no_ack:
+                self.pgmq.delete(
+                    name, [p["properties"]["delivery_info"]["pgmq_msg_id"] for p in expired]
+                )
+            payloads = [p for p in payloads if not any(p is e for e in expired)]
+        return payloads
+
+    def _queue_ttl_seconds(self, queue: str) -> float | None:
+        if queue not in self._message_ttl:
+            self._message_ttl[queue] = self.pgmq.message_ttl_ms(queue)
+        ttl = self._message_ttl[queue]
+        return None if ttl is None else ttl / 1000.0
 
     def _drop_poison(self, queue: str, name: str, rows: list[Row]) -> list[Row]:
         limit = self.max_deliveries
@@ -404,10 +649,35 @@ class Transport(virtual.Transport):
         exchange_type=frozenset(["direct", "topic", "fanout"]),
     )
 
+    #: Seconds between heartbeats of this connection's consumers (keeps auto_delete and
+    #: x-expires queues alive) and runs of the reaper that drops abandoned ones.
+    consumer_heartbeat_interval: float = 10.0
+    #: A consumer without a heartbeat for this many seconds counts as gone.
+    consumer_stale_after: float = 30.0
+
     def __init__(self, client: Any, **kwargs: Any) -> None:
         super().__init__(client, **kwargs)
         self._client: PgmqClient | None = None
         self._wakeup = threading.Event()
+        self._routes: Routes | None = None
+        #: Identifies this connection's consumers in kombu_pgmq.consumers.
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
+        self._consumers: set[tuple[str, str]] = set()
+        self._maintainer: threading.Thread | None = None
+        self._stop_maintainer = threading.Event()
+        options = client.transport_options
+        for name in ("consumer_heartbeat_interval", "consumer_stale_after"):
+            if name in options:
+                try:
+                    value = float(options[name])
+                except (TypeError, ValueError):
+                    value = -1.0
+                if value <= 0:
+                    raise errors.ConfigurationError(
+                        f"transport option {name}={options[name]!r} is invalid: "
+                        "expected seconds > 0"
+                    )
+                setattr(self, name, value)
         self.install_schema = bool(client.transport_options.get("install_schema", True))
 
     def __repr__(self) -> str:
@@ -464,7 +734,72 @@ class Transport(virtual.Transport):
                 client.close()
                 raise
             self._client = client
+            try:
+                self.reap(client)
+            except errors.KombuPgmqError as exc:
+                logger.warning("reaping abandoned queues failed: %s", exc)
         return client
+
+    # -- routing -------------------------------------------------------------------------
+
+    def routes(self) -> Routes:
+        """The cached routing table (loaded on first use; see :mod:`kombu_pgmq.routing`)."""
+        routes = self._routes
+        if routes is None:
+            routes = self.reload_routes()
+        return routes
+
+    def reload_routes(self) -> Routes:
+        routes = self._routes = Routes(self.pgmq_client().routing_table())
+        return routes
+
+    # -- consumers and queue lifetime ---------------------------------------------------
+
+    def register_consumer(self, queue: str, consumer_tag: str) -> None:
+        """Record a consumer (its heartbeats keep auto_delete/x-expires queues alive)."""
+        self.pgmq_client().register_consumer(queue, self.owner, consumer_tag)
+        self._consumers.add((queue, consumer_tag))
+        if self._maintainer is None:
+            self._maintainer = threading.Thread(
+                target=self._maintain, name="kombu_pgmq-heartbeat", daemon=True
+            )
+            self._maintainer.start()
+
+    def release_consumer(self, queue: str, consumer_tag: str) -> bool:
+        """Forget a consumer; True if that auto-deleted its queue."""
+        self._consumers.discard((queue, consumer_tag))
+        client = self._client
+        if client is None:
+            return False
+        try:
+            return client.release_consumer(queue, self.owner, consumer_tag)
+        except errors.KombuPgmqError as exc:
+            logger.warning("could not release consumer of %r (%s); it goes stale", queue, exc)
+            return False
+
+    def reap(self, client: PgmqClient | None = None) -> list[str]:
+        """Drop queues whose consumers are gone (auto_delete) or unused too long (x-expires).
+
+        Runs on connect and in each consuming process's heartbeat thread; call it on an
+        established connection (``conn.connect()``). Returns the Kombu names dropped.
+        """
+        dropped = (client or self.pgmq_client()).reap(self.consumer_stale_after)
+        if dropped:
+            logger.info("dropped %d abandoned queue(s): %s", len(dropped), ", ".join(dropped))
+        return dropped
+
+    def _maintain(self) -> None:
+        """Heartbeat thread: while consumers exist, beat and reap every interval."""
+        while not self._stop_maintainer.wait(self.consumer_heartbeat_interval):
+            client = self._client
+            if client is None or not self._consumers:
+                continue
+            try:
+                client.heartbeat(self.owner)
+                self.reap(client)  # never self.pgmq_client(): it would reopen a closed one
+            except errors.KombuPgmqError as exc:
+                if not self._stop_maintainer.is_set():  # else: closing, not a failure
+                    logger.warning("consumer heartbeat failed (%s); retrying", exc)
 
     def wake(self) -> None:
         """End the current ``polling_interval`` sleep of :meth:`drain_events` now.
@@ -508,6 +843,7 @@ class Transport(virtual.Transport):
             raise
 
     def _close_client(self) -> None:
+        self._stop_maintainer.set()
         client, self._client = self._client, None
         if client is not None:
             client.close()

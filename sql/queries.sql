@@ -18,12 +18,15 @@ SELECT pgmq.send(%(queue)s, %(message)s::jsonb, %(headers)s::jsonb, %(delay_seco
 -- LOCKED inside pgmq.read: concurrent consumers never get the same message).
 -- Uses the queue table's primary key order (msg_id) and its vt index.
 -- message and headers come back as text: the JSON body goes to Kombu unparsed.
-SELECT msg_id, read_ct, message::text AS message, headers::text AS headers
+-- age_seconds (server clock) serves x-message-ttl and per-message expiration.
+SELECT msg_id, read_ct, message::text AS message, headers::text AS headers,
+       extract(epoch FROM clock_timestamp() - enqueued_at)::float8 AS age_seconds
 FROM pgmq.read(%(queue)s, %(vt_seconds)s::integer, %(qty)s::integer)
 
 -- name: pop
 -- Deliver and delete up to qty visible messages (consumers with no_ack=True).
-SELECT msg_id, read_ct, message::text AS message, headers::text AS headers
+SELECT msg_id, read_ct, message::text AS message, headers::text AS headers,
+       extract(epoch FROM clock_timestamp() - enqueued_at)::float8 AS age_seconds
 FROM pgmq.pop(%(queue)s, %(qty)s::integer)
 
 -- name: archive
@@ -37,17 +40,34 @@ SELECT msg_id FROM pgmq.set_vt(%(queue)s, %(msg_ids)s::bigint[], %(vt_seconds)s:
 -- name: create_queue
 SELECT pgmq.create(%(queue)s)
 
+-- name: create_queue_unlogged
+-- Non-durable Kombu queues (pidbox replies, event queues): no WAL, emptied by a crash.
+SELECT pgmq.create_unlogged(%(queue)s)
+
 -- name: register_queue
--- Remember which Kombu name a PGMQ queue stands for (kombu_pgmq.naming is one-way).
-INSERT INTO kombu_pgmq.queues (queue, pgmq_queue) VALUES (%(kombu_queue)s, %(queue)s)
-ON CONFLICT (queue) DO NOTHING
+-- Remember the Kombu name and the declared arguments of a PGMQ queue (kombu_pgmq.naming
+-- is one-way). The first declaration's arguments stay (a redeclare without them, as
+-- plain consumers do, must not turn a TTL off); a redeclare counts as use (x-expires).
+-- Returns the arguments in force.
+INSERT INTO kombu_pgmq.queues
+    (queue, pgmq_queue, durable, auto_delete, expires_ms, message_ttl_ms)
+VALUES (%(kombu_queue)s, %(queue)s, %(durable)s, %(auto_delete)s, %(expires_ms)s,
+        %(message_ttl_ms)s)
+ON CONFLICT (queue) DO UPDATE SET last_used_at = clock_timestamp()
+RETURNING message_ttl_ms
 
 -- name: drop_queue
--- Drops pgmq.q_<queue> and its archive pgmq.a_<queue>; false if it did not exist.
-SELECT pgmq.drop_queue(%(queue)s) AS dropped
+-- Drops pgmq.q_<queue>, its archive, our row, its bindings and consumers; false if it
+-- did not exist. A PGMQ queue unknown to kombu_pgmq.queues is dropped all the same.
+SELECT CASE WHEN kombu_pgmq.drop_queue(%(kombu_queue)s) THEN true
+            ELSE pgmq.drop_queue(%(queue)s) END AS dropped
 
--- name: unregister_queue
-DELETE FROM kombu_pgmq.queues WHERE pgmq_queue = %(queue)s
+-- name: message_ttl
+SELECT message_ttl_ms FROM kombu_pgmq.queues WHERE queue = %(kombu_queue)s
+
+-- name: delete_messages
+-- Expired messages (x-message-ttl, per-message expiration): removed, never delivered.
+SELECT pgmq.delete(%(queue)s, %(msg_ids)s::bigint[]) AS msg_id
 
 -- name: queue_exists
 -- pgmq.meta has one row per queue (unique index on queue_name).
@@ -160,3 +180,79 @@ SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = %(name)s) AS found
 
 -- name: create_database
 CREATE DATABASE {database}
+
+-- name: declare_exchange
+-- Returns the exchange's type as stored (the first declaration wins, as in AMQP).
+WITH inserted AS (
+    INSERT INTO kombu_pgmq.exchanges (exchange, type, durable, auto_delete)
+    VALUES (%(exchange)s, %(type)s, %(durable)s, %(auto_delete)s)
+    ON CONFLICT (exchange) DO NOTHING
+    RETURNING type
+)
+SELECT type FROM inserted
+UNION ALL
+SELECT type FROM kombu_pgmq.exchanges WHERE exchange = %(exchange)s
+LIMIT 1
+
+-- name: exchange_type
+SELECT type FROM kombu_pgmq.exchanges WHERE exchange = %(exchange)s
+
+-- name: delete_exchange
+WITH unbound AS (DELETE FROM kombu_pgmq.bindings WHERE exchange = %(exchange)s)
+DELETE FROM kombu_pgmq.exchanges WHERE exchange = %(exchange)s
+
+-- name: bind
+INSERT INTO kombu_pgmq.bindings (exchange, routing_key, queue)
+VALUES (%(exchange)s, %(routing_key)s, %(kombu_queue)s)
+ON CONFLICT DO NOTHING
+
+-- name: unbind
+DELETE FROM kombu_pgmq.bindings
+WHERE exchange = %(exchange)s AND routing_key = %(routing_key)s AND queue = %(kombu_queue)s
+
+-- name: routing_table
+-- The whole routing table and its version, from one snapshot.
+SELECT v.version,
+       coalesce((SELECT jsonb_object_agg(e.exchange, e.type) FROM kombu_pgmq.exchanges e),
+                '{}'::jsonb) AS exchanges,
+       coalesce((SELECT jsonb_agg(jsonb_build_array(b.exchange, b.routing_key, b.queue,
+                                                    q.pgmq_queue))
+                 FROM kombu_pgmq.bindings b JOIN kombu_pgmq.queues q USING (queue)),
+                '[]'::jsonb) AS bindings
+FROM kombu_pgmq.routing_version v
+
+-- name: send_routed
+-- Publish one message to every queue an exchange routed it to, in one statement (so
+-- in all of them or in none), only if the routing table is still at %(version)s: the
+-- caller's cached routes are then exact. Returns the current version and the msg_ids
+-- (empty when the version moved: reload the table and publish again).
+SELECT v.version,
+       ARRAY(SELECT pgmq.send(q, %(message)s::jsonb, %(headers)s::jsonb)
+             FROM unnest(%(queues)s::text[]) AS q
+             WHERE v.version = %(version)s::bigint) AS msg_ids
+FROM kombu_pgmq.routing_version v
+
+-- name: register_consumer
+WITH used AS (
+    UPDATE kombu_pgmq.queues SET had_consumer = true, last_used_at = clock_timestamp()
+    WHERE queue = %(kombu_queue)s RETURNING queue
+)
+INSERT INTO kombu_pgmq.consumers (queue, owner, consumer_tag)
+SELECT queue, %(owner)s, %(consumer_tag)s FROM used
+ON CONFLICT (queue, owner, consumer_tag) DO UPDATE SET heartbeat_at = clock_timestamp()
+
+-- name: release_consumer
+-- Returns true when the queue was dropped (auto_delete, and this was its last consumer).
+SELECT kombu_pgmq.release_consumer(%(kombu_queue)s, %(owner)s, %(consumer_tag)s) AS dropped
+
+-- name: heartbeat
+-- Keeps this process's consumers live and their queues used (x-expires).
+WITH beat AS (
+    UPDATE kombu_pgmq.consumers SET heartbeat_at = clock_timestamp()
+    WHERE owner = %(owner)s RETURNING queue
+)
+UPDATE kombu_pgmq.queues SET last_used_at = clock_timestamp()
+WHERE queue IN (SELECT queue FROM beat)
+
+-- name: reap
+SELECT kombu_pgmq.reap(%(stale_after_seconds)s::float8) AS queue

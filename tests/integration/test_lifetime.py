@@ -1,0 +1,131 @@
+"""Queue lifetime across processes: auto_delete, x-expires, x-message-ttl, UNLOGGED."""
+
+from __future__ import annotations
+
+import time
+
+from kombu import Consumer, Producer, Queue
+
+from .helpers import connect, drain, publish, sql, table
+
+
+def exists(url: str, queue: str) -> bool:
+    in_pgmq = sql(url, "SELECT to_regclass(%s)", [table(queue)]) != [(None,)]
+    in_ours = sql(url, "SELECT count(*) FROM kombu_pgmq.queues WHERE queue = %s", [queue])
+    assert in_pgmq == (in_ours == [(1,)]), "PGMQ table and kombu_pgmq.queues disagree"
+    return in_pgmq
+
+
+def test_message_ttl_expired_messages_are_not_delivered(db_dsn):
+    with connect(db_dsn) as conn:
+        queue = Queue("ttl.q", message_ttl=0.5)
+        queue(conn.channel()).declare()
+        Producer(conn.channel()).publish({"old": True}, routing_key="ttl.q")
+        time.sleep(0.8)
+        Producer(conn.channel()).publish({"old": False}, routing_key="ttl.q")
+        got = drain(conn, "ttl.q", expect=2, timeout=2)
+    assert [m.decode() for m in got] == [{"old": False}]
+    assert sql(db_dsn, f"SELECT count(*) FROM {table('ttl.q')}") == [(0,)]
+    assert sql(db_dsn, f"SELECT count(*) FROM {table('ttl.q', 'a')}") == [(1,)]
+
+
+def test_ttl_declared_by_another_process_applies(db_dsn):
+    with connect(db_dsn) as declarer:
+        Queue("ttl.shared", message_ttl=0.3)(declarer.channel()).declare()
+        publish(declarer, "ttl.shared", ["stale"])
+    time.sleep(0.6)
+    with connect(db_dsn) as consumer:
+        assert drain(consumer, "ttl.shared", expect=1, timeout=1.5) == []
+
+
+def test_per_message_expiration(db_dsn):
+    with connect(db_dsn) as conn:
+        producer = Producer(conn.channel())
+        producer.publish("short", routing_key="exp.q", expiration=0.3, declare=[Queue("exp.q")])
+        producer.publish("long", routing_key="exp.q", expiration=60)
+        time.sleep(0.6)
+        got = drain(conn, "exp.q", expect=2, timeout=2)
+    assert [m.body for m in got] == [b"long"]
+
+
+def test_auto_delete_queue_goes_with_its_last_consumer(db_dsn):
+    with connect(db_dsn) as a, connect(db_dsn) as b:
+        q = Queue("auto.q", auto_delete=True, durable=False)
+        consumer_a = Consumer(a.channel(), [q], on_message=lambda m: None)
+        consumer_b = Consumer(b.channel(), [q], on_message=lambda m: None)
+        consumer_a.consume()
+        consumer_b.consume()
+        consumer_a.cancel()
+        assert exists(db_dsn, "auto.q")  # b still consumes
+        consumer_b.cancel()
+        assert not exists(db_dsn, "auto.q")
+
+
+def test_auto_delete_queue_without_consumers_yet_stays(db_dsn):
+    with connect(db_dsn) as conn:
+        Queue("auto.waiting", auto_delete=True)(conn.channel()).declare()
+        conn.transport.reap()
+        assert exists(db_dsn, "auto.waiting")
+
+
+def test_dead_consumers_queue_is_reaped(db_dsn):
+    with (
+        connect(db_dsn, consumer_stale_after=0.5) as dead,
+        connect(db_dsn, consumer_stale_after=0.5) as survivor,
+    ):
+        survivor.channel()  # connected (and reaped once) before the consumer dies
+        q = Queue("dead.worker.pidbox", auto_delete=True, durable=False)
+        Consumer(dead.channel(), [q], on_message=lambda m: None).consume()
+        # The "dead" process stops heartbeating (as after kill -9): no cancel ever comes.
+        dead.transport._stop_maintainer.set()
+        dead.transport._consumers.clear()
+        time.sleep(0.8)
+        assert survivor.transport.reap() == ["dead.worker.pidbox"]
+        assert not exists(db_dsn, "dead.worker.pidbox")
+
+
+def test_live_consumer_keeps_queue_alive_through_heartbeats(db_dsn):
+    opts = {"consumer_stale_after": 1.0, "consumer_heartbeat_interval": 0.2}
+    with connect(db_dsn, **opts) as live, connect(db_dsn, **opts) as other:
+        other.connect()
+        q = Queue("alive.q", auto_delete=True, durable=False, expires=0.5)
+        Consumer(live.channel(), [q], on_message=lambda m: None).consume()
+        time.sleep(1.5)
+        assert other.transport.reap() == []
+        assert exists(db_dsn, "alive.q")
+
+
+def test_x_expires_drops_unused_queue(db_dsn):
+    with connect(db_dsn) as conn:
+        Queue("expiring.q", expires=0.5)(conn.channel()).declare()
+        Queue("kept.q")(conn.channel()).declare()
+        assert conn.transport.reap() == []
+        time.sleep(0.8)
+        assert conn.transport.reap() == ["expiring.q"]
+    assert not exists(db_dsn, "expiring.q") and exists(db_dsn, "kept.q")
+
+
+def test_non_durable_queues_are_unlogged(db_dsn):
+    with connect(db_dsn) as conn:
+        Queue("transient.q", durable=False)(conn.channel()).declare()
+        Queue("durable.q", durable=True)(conn.channel()).declare()
+    rows = dict(
+        sql(
+            db_dsn,
+            "SELECT relname, relpersistence FROM pg_class WHERE relname = ANY(%s)",
+            [[table("transient.q").split(".", 1)[1], table("durable.q").split(".", 1)[1]]],
+        )
+    )
+    assert rows == {
+        table("transient.q").split(".", 1)[1]: "u",
+        table("durable.q").split(".", 1)[1]: "p",
+    }
+
+
+def test_invalid_queue_arguments_are_named(db_dsn):
+    import pytest
+
+    from kombu_pgmq.errors import ConfigurationError
+
+    with connect(db_dsn) as conn, pytest.raises(ConfigurationError, match="x-expires"):
+        Queue("bad.q", queue_arguments={"x-expires": "soon"})(conn.channel()).declare()
