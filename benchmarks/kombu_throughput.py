@@ -28,8 +28,9 @@ import kombu_pgmq
 from kombu_pgmq.conninfo import redact
 
 
-def measure(url: str, messages: int, prefetch: int) -> dict[str, float | str]:
-    queue = Queue(f"bench_{uuid.uuid4().hex[:8]}", routing_key="bench")
+def measure(url: str, messages: int, prefetch: int, durable: bool = True) -> dict[str, float | str]:
+    # durable=False: an UNLOGGED PGMQ queue with kombu_pgmq (no WAL; emptied by a crash).
+    queue = Queue(f"bench_{uuid.uuid4().hex[:8]}", routing_key="bench", durable=durable)
     body = {"task": "noop", "args": [1, 2], "kwargs": {}, "id": str(uuid.uuid4())}
     with Connection(url) as conn:
         channel = conn.channel()
@@ -82,33 +83,43 @@ def main() -> None:
     parser.add_argument("--prefetch", type=int, default=10)
     parser.add_argument("--url", action="append")
     parser.add_argument("--repeat", type=int, default=3, help="runs per broker (median)")
+    parser.add_argument(
+        "--transient",
+        action="store_true",
+        help="also measure non-durable queues (UNLOGGED tables with kombu_pgmq)",
+    )
     parser.add_argument("--json", help="write results to this file")
     args = parser.parse_args()
     urls = args.url or [kombu_pgmq.default_broker_url(), "redis://127.0.0.1:6379/0"]
-    runs: dict[str, list[dict[str, float | str]]] = {url: [] for url in urls}
+    cases = [(url, True) for url in urls]
+    if args.transient:
+        cases += [(url, False) for url in urls if url.startswith("postgres")]
+    runs: dict[tuple[str, bool], list[dict[str, float | str]]] = {case: [] for case in cases}
     raw: dict[str, list[float]] = {url: [] for url in urls if url.startswith("postgres")}
     for _ in range(args.repeat):
-        for url in urls:
-            runs[url].append(measure(url, args.messages, args.prefetch))
-            if url in raw:
+        for url, durable in cases:
+            runs[url, durable].append(measure(url, args.messages, args.prefetch, durable))
+            if url in raw and durable:
                 raw[url].append(raw_send_rate(url, args.messages))
     results = []
-    for url in urls:
+    for case in cases:
+        url, durable = case
         row: dict[str, object] = {
-            "url": redact(url),
-            "publish_per_s": statistics.median(float(r["publish_per_s"]) for r in runs[url]),
+            "url": redact(url) + ("" if durable else " (non-durable: UNLOGGED)"),
+            "durable": durable,
+            "publish_per_s": statistics.median(float(r["publish_per_s"]) for r in runs[case]),
             "consume_ack_per_s": statistics.median(
-                float(r["consume_ack_per_s"]) for r in runs[url]
+                float(r["consume_ack_per_s"]) for r in runs[case]
             ),
-            "runs": runs[url],
+            "runs": runs[case],
         }
-        if url in raw:
+        if url in raw and durable:
             row["raw_pgmq_send_per_s"] = round(statistics.median(raw[url]))
         results.append(row)
-    print(f"{'broker':56} {'publish/s':>10} {'consume+ack/s':>14} {'raw pgmq.send/s':>16}")
+    print(f"{'broker':72} {'publish/s':>10} {'consume+ack/s':>14} {'raw pgmq.send/s':>16}")
     for r in results:
         print(
-            f"{r['url']!s:56} {r['publish_per_s']:>10.0f} {r['consume_ack_per_s']:>14.0f} "
+            f"{r['url']!s:72} {r['publish_per_s']:>10.0f} {r['consume_ack_per_s']:>14.0f} "
             f"{r.get('raw_pgmq_send_per_s', '-')!s:>16}"
         )
     if args.json:

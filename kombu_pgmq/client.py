@@ -322,10 +322,19 @@ class PgmqClient:
 
     # -- consumers and queue lifetime ----------------------------------------------------
 
-    def register_consumer(self, kombu_queue: str, owner: str, consumer_tag: str) -> None:
+    def register_consumer(
+        self, kombu_queue: str, owner: str, consumer_tag: str, *, stale_after_seconds: float
+    ) -> None:
+        """Record a live consumer; it counts as gone ``stale_after_seconds`` after its last
+        heartbeat (the owner's setting, not the reaper's)."""
         self._run(
             self._q["register_consumer"],
-            {"kombu_queue": kombu_queue, "owner": owner, "consumer_tag": consumer_tag},
+            {
+                "kombu_queue": kombu_queue,
+                "owner": owner,
+                "consumer_tag": consumer_tag,
+                "stale_after_seconds": stale_after_seconds,
+            },
         )
 
     def release_consumer(self, kombu_queue: str, owner: str, consumer_tag: str) -> bool:
@@ -341,10 +350,10 @@ class PgmqClient:
         """Mark ``owner``'s consumers live and their queues used, now."""
         self._run(self._q["heartbeat"], {"owner": owner})
 
-    def reap(self, stale_after_seconds: float) -> list[str]:
+    def reap(self) -> list[str]:
         """Drop queues AMQP would have deleted (see ``kombu_pgmq.reap``); return their
         Kombu names."""
-        return self.column("reap", {"stale_after_seconds": stale_after_seconds})
+        return self.column("reap")
 
     def queue_exists(self, queue: str) -> bool:
         return bool(self._run(self._q["queue_exists"], {"queue": queue})[0][0])

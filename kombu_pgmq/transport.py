@@ -205,6 +205,10 @@ class Channel(virtual.Channel):
         self._vt_seconds = max(1, round(float(self.visibility_timeout)))
         self._known_queues: set[str] = set()
         self._message_ttl: dict[str, int | None] = {}
+        # What this channel declared and bound, to recreate a consumed queue that was
+        # dropped under it (by an operator, or reaped after a long database outage).
+        self._declared: dict[str, dict[str, Any]] = {}
+        self._bound: dict[str, set[tuple[str, str]]] = {}
         # Connects now (and bootstraps the schema once per process), so connection
         # errors surface at channel creation as kombu expects.
         self.connection.pgmq_client()
@@ -256,6 +260,12 @@ class Channel(virtual.Channel):
         name = pgmq_queue_name(queue)
         if name in self._known_queues:
             return
+        self._declared[queue] = {
+            "durable": durable,
+            "auto_delete": auto_delete,
+            "exclusive": exclusive,
+            "arguments": arguments,
+        }
         args = arguments or {}
         expires = _milliseconds(args, "x-expires")
         ttl = _milliseconds(args, "x-message-ttl")
@@ -368,6 +378,7 @@ class Channel(virtual.Channel):
             return  # the default exchange routes by queue name, no binding needed
         self._new_queue(queue)
         self.pgmq.bind(exchange, routing_key or "", queue)
+        self._bound.setdefault(queue, set()).add((exchange, routing_key or ""))
 
     def queue_unbind(
         self,
@@ -379,6 +390,7 @@ class Channel(virtual.Channel):
     ) -> None:
         if exchange:
             self.pgmq.unbind(exchange, routing_key or "", queue)
+            self._bound.get(queue, set()).discard((exchange, routing_key or ""))
 
     def list_bindings(self) -> Any:
         return iter(self.connection.routes().bindings())
@@ -434,7 +446,8 @@ class Channel(virtual.Channel):
                 if self.deadletter_queue:
                     self._send_to(self.deadletter_queue, body, headers)
                     return
-                logger.warning(
+                # Debug, not warning: Celery's events go unheard whenever no monitor runs.
+                logger.debug(
                     "message to exchange %r with routing key %r matched no binding: dropped "
                     "(as AMQP does); declare and bind a queue first",
                     exchange,
@@ -556,6 +569,8 @@ class Channel(virtual.Channel):
             else:
                 rows = self.pgmq.read(name, self._vt_seconds, qty)
         except errors.QueueNotFound:
+            if queue in self._active_queues:
+                self._recreate(queue)
             return []
         if self.max_deliveries is not None and not no_ack:
             rows = self._drop_poison(queue, name, rows)
@@ -575,6 +590,21 @@ class Channel(virtual.Channel):
             self._message_ttl[queue] = self.pgmq.message_ttl_ms(queue)
         ttl = self._message_ttl[queue]
         return None if ttl is None else ttl / 1000.0
+
+    def _recreate(self, queue: str) -> None:
+        """Declare, bind and register again a queue this channel consumes but that is gone."""
+        logger.warning(
+            "queue %r was dropped while this process consumed it; declaring it again "
+            "(with the arguments and bindings this channel gave it)",
+            queue,
+        )
+        self._known_queues.discard(pgmq_queue_name(queue))
+        self._new_queue(queue, **self._declared.get(queue, {}))
+        for exchange, routing_key in self._bound.get(queue, ()):
+            self.pgmq.bind(exchange, routing_key, queue)
+        for tag, consumed in self._tag_to_queue.items():
+            if consumed == queue:
+                self.connection.register_consumer(queue, tag)
 
     def _drop_poison(self, queue: str, name: str, rows: list[Row]) -> list[Row]:
         limit = self.max_deliveries
@@ -757,7 +787,9 @@ class Transport(virtual.Transport):
 
     def register_consumer(self, queue: str, consumer_tag: str) -> None:
         """Record a consumer (its heartbeats keep auto_delete/x-expires queues alive)."""
-        self.pgmq_client().register_consumer(queue, self.owner, consumer_tag)
+        self.pgmq_client().register_consumer(
+            queue, self.owner, consumer_tag, stale_after_seconds=self.consumer_stale_after
+        )
         self._consumers.add((queue, consumer_tag))
         if self._maintainer is None:
             self._maintainer = threading.Thread(
@@ -783,7 +815,7 @@ class Transport(virtual.Transport):
         Runs on connect and in each consuming process's heartbeat thread; call it on an
         established connection (``conn.connect()``). Returns the Kombu names dropped.
         """
-        dropped = (client or self.pgmq_client()).reap(self.consumer_stale_after)
+        dropped = (client or self.pgmq_client()).reap()
         if dropped:
             logger.info("dropped %d abandoned queue(s): %s", len(dropped), ", ".join(dropped))
         return dropped

@@ -237,8 +237,8 @@ WITH used AS (
     UPDATE kombu_pgmq.queues SET had_consumer = true, last_used_at = clock_timestamp()
     WHERE queue = %(kombu_queue)s RETURNING queue
 )
-INSERT INTO kombu_pgmq.consumers (queue, owner, consumer_tag)
-SELECT queue, %(owner)s, %(consumer_tag)s FROM used
+INSERT INTO kombu_pgmq.consumers (queue, owner, consumer_tag, stale_after_seconds)
+SELECT queue, %(owner)s, %(consumer_tag)s, %(stale_after_seconds)s::float8 FROM used
 ON CONFLICT (queue, owner, consumer_tag) DO UPDATE SET heartbeat_at = clock_timestamp()
 
 -- name: release_consumer
@@ -255,4 +255,4 @@ UPDATE kombu_pgmq.queues SET last_used_at = clock_timestamp()
 WHERE queue IN (SELECT queue FROM beat)
 
 -- name: reap
-SELECT kombu_pgmq.reap(%(stale_after_seconds)s::float8) AS queue
+SELECT kombu_pgmq.reap() AS queue

@@ -52,14 +52,17 @@ CREATE TRIGGER bindings_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE
 CREATE TRIGGER exchanges_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE
     ON kombu_pgmq.exchanges FOR EACH STATEMENT EXECUTE FUNCTION kombu_pgmq.bump_routing_version();
 
--- Live consumers of queues whose lifetime depends on them (auto_delete, x-expires).
--- A process refreshes heartbeat_at of its rows while it runs; rows of a process that
--- died go stale and are removed by kombu_pgmq.reap().
+-- Live consumers (their queues' lifetime depends on them: auto_delete, x-expires).
+-- A process refreshes heartbeat_at of its rows while it runs; each row counts as live
+-- until heartbeat_at + stale_after_seconds (the owner's own setting, so a process with
+-- short heartbeats cannot declare another process's consumers dead). Rows of a process
+-- that died go stale and are removed by kombu_pgmq.reap().
 CREATE TABLE kombu_pgmq.consumers (
     queue text NOT NULL REFERENCES kombu_pgmq.queues (queue) ON DELETE CASCADE,
     owner text NOT NULL,           -- host:pid:uuid of the Kombu connection
     consumer_tag text NOT NULL,
     heartbeat_at timestamptz NOT NULL DEFAULT now(),
+    stale_after_seconds double precision NOT NULL,
     PRIMARY KEY (queue, owner, consumer_tag)
 );
 CREATE INDEX consumers_owner_idx ON kombu_pgmq.consumers (owner);
@@ -83,14 +86,14 @@ $$;
 --   auto_delete queues that had a consumer and have no live one left;
 --   queues with x-expires unused (no live consumer, not declared or read) for that long.
 -- Returns the Kombu names dropped. Safe to run from many processes at once.
-CREATE FUNCTION kombu_pgmq.reap(stale_after_seconds double precision)
+CREATE FUNCTION kombu_pgmq.reap()
 RETURNS SETOF text
 LANGUAGE plpgsql AS $$
 DECLARE
     victim record;
 BEGIN
     DELETE FROM kombu_pgmq.consumers
-    WHERE heartbeat_at < clock_timestamp() - make_interval(secs => stale_after_seconds);
+    WHERE heartbeat_at + make_interval(secs => stale_after_seconds) < clock_timestamp();
     FOR victim IN
         SELECT q.queue FROM kombu_pgmq.queues q
         WHERE NOT EXISTS (SELECT 1 FROM kombu_pgmq.consumers c WHERE c.queue = q.queue)

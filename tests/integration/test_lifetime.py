@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from kombu import Consumer, Producer, Queue
@@ -129,3 +130,21 @@ def test_invalid_queue_arguments_are_named(db_dsn):
 
     with connect(db_dsn) as conn, pytest.raises(ConfigurationError, match="x-expires"):
         Queue("bad.q", queue_arguments={"x-expires": "soon"})(conn.channel()).declare()
+
+
+def test_consumed_queue_dropped_underneath_is_recreated_with_its_bindings(db_dsn):
+    from kombu import Exchange
+
+    fanout = Exchange("control.ex", type="fanout")
+    with connect(db_dsn) as worker, connect(db_dsn) as operator:
+        got = []
+        q = Queue("node.pidbox", fanout, auto_delete=True, durable=False)
+        consumer = Consumer(worker.channel(), [q], on_message=got.append, no_ack=True)
+        consumer.consume()
+        operator.channel().queue_delete("node.pidbox")  # e.g. reaped during an outage
+        with contextlib.suppress(TimeoutError):
+            worker.drain_events(timeout=0.5)  # notices, recreates, rebinds
+        assert exists(db_dsn, "node.pidbox")
+        Producer(operator.channel(), exchange=fanout).publish({"ping": 1})
+        worker.drain_events(timeout=3)
+        assert [m.decode() for m in got] == [{"ping": 1}]
