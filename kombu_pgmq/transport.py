@@ -38,6 +38,18 @@ Delivery semantics
 * ``queue_purge`` deletes ready messages only (unacked ones stay, as in AMQP) and
   returns the count; ``celery purge`` uses it.
 
+Exchanges and queue lifetime
+============================
+
+Exchanges and bindings are rows in ``kombu_pgmq.exchanges`` / ``kombu_pgmq.bindings``,
+shared by every process; routing follows AMQP (``direct``, ``fanout``, ``topic`` with
+``*`` one word and ``#`` zero or more), see :mod:`kombu_pgmq.routing`. A publish to an
+exchange reaches all bound queues in one statement, or none. Queue arguments:
+``durable=False`` makes UNLOGGED tables; ``auto_delete``/``exclusive`` queues are
+dropped with their last consumer (or when its process stops heartbeating);
+``x-expires`` drops a queue unused that long; ``x-message-ttl`` and a message's own
+``expiration`` delete older messages instead of delivering them.
+
 Queue names
 ===========
 
@@ -62,6 +74,11 @@ Transport Options
 * ``install_schema`` (bool, default True): on connect, install PGMQ (extension, or the
   bundled SQL-only form) and kombu_pgmq's migrations if missing. When False, PGMQ and
   the migrations must already be there.
+* ``consumer_heartbeat_interval`` (seconds, default 10): how often a consuming process
+  marks its consumers live and runs the reaper of abandoned queues.
+* ``consumer_stale_after`` (seconds, default 30): a consumer without a heartbeat for this
+  long counts as gone (its process died); its ``auto_delete`` queues are dropped.
+* ``connection_options`` (dict): extra libpq parameters, merged over the URL's.
 """
 
 from __future__ import annotations
