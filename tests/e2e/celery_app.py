@@ -10,6 +10,10 @@ Environment
     their executions (table ``e2e_runs``).
     ``KPT_VISIBILITY_TIMEOUT`` (seconds, optional): transport option ``visibility_timeout``.
     ``KPT_POLLING_INTERVAL`` (seconds, optional): transport option ``polling_interval``.
+    ``KPT_CONSUMER_HEARTBEAT_INTERVAL`` (seconds, optional): transport option
+    ``consumer_heartbeat_interval``.
+    ``KPT_CONSUMER_STALE_AFTER`` (seconds, optional): transport option
+    ``consumer_stale_after``.
 """
 
 from __future__ import annotations
@@ -77,8 +81,13 @@ def create_app(env: Mapping[str, str] = os.environ) -> Celery:
     transport_options: dict[str, Any] = {}
     if env.get("KPT_VISIBILITY_TIMEOUT"):
         transport_options["visibility_timeout"] = float(env["KPT_VISIBILITY_TIMEOUT"])
-    if env.get("KPT_POLLING_INTERVAL"):
-        transport_options["polling_interval"] = float(env["KPT_POLLING_INTERVAL"])
+    for var, option in (
+        ("KPT_POLLING_INTERVAL", "polling_interval"),
+        ("KPT_CONSUMER_HEARTBEAT_INTERVAL", "consumer_heartbeat_interval"),
+        ("KPT_CONSUMER_STALE_AFTER", "consumer_stale_after"),
+    ):
+        if env.get(var):
+            transport_options[option] = float(env[var])
 
     app = Celery("kpt_e2e", set_as_current=False)
     app.conf.update(

@@ -2,7 +2,8 @@
 
 ``start_worker(**env)`` starts ``python -m celery -A tests.e2e.celery_app worker`` (prefork,
 2 processes) in its own session, waits until it ran a ``ping`` task sent to a queue only it
-consumes, and stops it at teardown (SIGTERM, then SIGKILL of its process group). Worker logs
+consumes (or, with ``own_queue=False``, answered a remote-control ping), and stops it at
+teardown (SIGTERM, then SIGKILL of its process group). Worker logs
 are files in ``tmp_path``; when a test fails they are appended to its report.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import pytest
 from celery import Celery
 
 from tests.e2e import celery_app
-from tests.e2e.helpers import REPO_ROOT, Worker
+from tests.e2e.helpers import DEFAULT_WITHOUT, REPO_ROOT, Worker
 
 _WORKERS_KEY = pytest.StashKey[list[Worker]]()
 
@@ -70,14 +71,29 @@ def app(e2e_env: dict[str, str], db: psycopg.Connection) -> Iterator[Celery]:
 def start_worker(
     request: pytest.FixtureRequest, tmp_path: Path, e2e_env: dict[str, str], app: Celery
 ) -> Iterator[Callable[..., Worker]]:
-    """``start_worker(wait=True, **env_overrides) -> Worker``; every worker is stopped at
+    """``start_worker(wait=True, *, extra_args=(), without=DEFAULT_WITHOUT, own_queue=True,
+    **env_overrides) -> Worker`` (keywords as :class:`Worker`'s); every worker is stopped at
     teardown."""
     workers: list[Worker] = []
     request.node.stash[_WORKERS_KEY] = workers
 
-    def start(wait: bool = True, **env_overrides: str) -> Worker:
+    def start(
+        wait: bool = True,
+        *,
+        extra_args: Sequence[str] = (),
+        without: Sequence[str] = DEFAULT_WITHOUT,
+        own_queue: bool = True,
+        **env_overrides: str,
+    ) -> Worker:
         name = f"w{len(workers) + 1}_{uuid.uuid4().hex[:6]}"
-        worker = Worker(name, {**e2e_env, **env_overrides}, tmp_path / f"worker_{name}.log")
+        worker = Worker(
+            name,
+            {**e2e_env, **env_overrides},
+            tmp_path / f"worker_{name}.log",
+            extra_args=extra_args,
+            without=without,
+            own_queue=own_queue,
+        )
         workers.append(worker)
         worker.start()
         if wait:
@@ -87,5 +103,7 @@ def start_worker(
     try:
         yield start
     finally:
+        for worker in workers:  # warm shutdowns in parallel (each takes seconds)
+            worker.terminate()
         for worker in reversed(workers):
             worker.stop()

@@ -8,19 +8,22 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import psycopg
 from celery import Celery
 from celery.exceptions import TimeoutError as CeleryTimeoutError
+from celery.utils.nodenames import host_format
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 #: Longest wait for a worker to start and run its first task (2-core CI, cold imports).
 WORKER_READY_TIMEOUT_S = 60.0
 #: Longest wait for a warm shutdown after SIGTERM before the process group is SIGKILLed.
 WORKER_STOP_TIMEOUT_S = 20.0
+#: Worker features switched off by default (``--without-<name>``): fewer moving parts.
+DEFAULT_WITHOUT = ("heartbeat", "gossip", "mingle")
 
 
 class WorkerDied(RuntimeError):
@@ -30,12 +33,34 @@ class WorkerDied(RuntimeError):
 class Worker:
     """One ``celery worker`` subprocess (leader of its own process group)."""
 
-    def __init__(self, name: str, env: dict[str, str], log_path: Path) -> None:
+    def __init__(
+        self,
+        name: str,
+        env: dict[str, str],
+        log_path: Path,
+        *,
+        extra_args: Sequence[str] = (),
+        without: Sequence[str] = DEFAULT_WITHOUT,
+        own_queue: bool = True,
+    ) -> None:
+        """*without*: ``--without-<x>`` flags; *extra_args*: more ``celery worker``
+        arguments (``-E``...); *own_queue*: also consume queue ``e2e_<name>`` (readiness
+        is a ``ping`` task sent there; without it, a remote-control ping)."""
         self.name = name
-        self.queue = f"e2e_{name}"  # consumed by this worker only: readiness pings
+        self.node = host_format(f"{name}@%h")  # the worker's node name, as -n expands it
+        # Consumed by this worker only: readiness pings (None: no such queue).
+        self.queue: str | None = f"e2e_{name}" if own_queue else None
         self.env = env
         self.log_path = log_path
+        self.extra_args = list(extra_args)
+        self.without = list(without)
         self.proc: subprocess.Popen[bytes] | None = None
+        self._terminated = False
+
+    @property
+    def pidbox_queue(self) -> str:
+        """Kombu name of the worker's remote-control queue (auto_delete)."""
+        return f"{self.node}.celery.pidbox"
 
     def start(self) -> None:
         cmd = [
@@ -49,15 +74,14 @@ class Worker:
             "prefork",
             "-c",
             "2",
-            "--without-heartbeat",
-            "--without-gossip",
-            "--without-mingle",
+            *(f"--without-{feature}" for feature in self.without),
             "-l",
             "info",
             "-n",
             f"{self.name}@%h",
             "-Q",
-            f"celery,{self.queue}",
+            ",".join(filter(None, ["celery", self.queue])),
+            *self.extra_args,
         ]
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
@@ -79,20 +103,27 @@ class Worker:
         return self.proc is not None and self.proc.poll() is None
 
     def wait_ready(self, app: Celery, timeout: float = WORKER_READY_TIMEOUT_S) -> None:
-        """Wait until this worker ran a ``ping`` sent to its own queue."""
-        result = app.tasks["e2e.ping"].apply_async(queue=self.queue)
+        """Wait until this worker ran a ``ping`` task sent to its own queue (or, without
+        one, answered a remote-control ``ping`` addressed to its node name)."""
+        result = app.tasks["e2e.ping"].apply_async(queue=self.queue) if self.queue else None
         deadline = time.monotonic() + timeout
         while True:
             if not self.alive():
                 raise WorkerDied(
                     f"worker {self.name} exited with {self.proc and self.proc.returncode}"
                 )
-            try:
-                assert result.get(timeout=1.0, interval=0.1) == "pong"
-                return
-            except CeleryTimeoutError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"worker {self.name} not ready after {timeout} s") from None
+            if result is None:
+                replies = app.control.ping(destination=[self.node], timeout=1.0)
+                if {self.node: {"ok": "pong"}} in replies:
+                    return
+            else:
+                try:
+                    assert result.get(timeout=1.0, interval=0.1) == "pong"
+                    return
+                except CeleryTimeoutError:
+                    pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"worker {self.name} not ready after {timeout} s")
 
     def kill(self) -> None:
         """SIGKILL the whole process group (parent and pool processes) and reap the parent."""
@@ -101,6 +132,13 @@ class Worker:
         assert self.proc is not None
         self.proc.wait(timeout=10)
 
+    def terminate(self) -> None:
+        """Start a warm shutdown (SIGTERM to the parent), once; :meth:`stop` waits for it."""
+        if self.proc is not None and not self._terminated and self.proc.poll() is None:
+            self._terminated = True
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)
+
     def stop(self, timeout: float = WORKER_STOP_TIMEOUT_S) -> int | None:
         """Warm shutdown (SIGTERM to the parent); SIGKILL the group if it takes too long.
         Returns the parent's exit code (``None`` if it had to be killed)."""
@@ -108,8 +146,7 @@ class Worker:
             return None
         code: int | None = self.proc.poll()
         if code is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGTERM)
+            self.terminate()
             try:
                 code = self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -151,3 +188,23 @@ def wait_for(
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
+
+
+def celery_cli(
+    env: dict[str, str], *args: str, timeout: float = 60.0
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m celery -A tests.e2e.celery_app ARGS...`` to completion."""
+    return subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "tests.e2e.celery_app", *args],
+        cwd=REPO_ROOT,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def pgmq_queues(conn: psycopg.Connection) -> set[str]:
+    """Names of the PGMQ queues (``pgmq.meta``) of the database."""
+    return {row[0] for row in conn.execute("SELECT queue_name FROM pgmq.meta").fetchall()}
