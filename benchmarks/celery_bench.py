@@ -1,0 +1,484 @@
+"""Celery end to end, several brokers in one run: task latency and backlog drain rate.
+
+Usage::
+
+    python benchmarks/celery_bench.py [--broker NAME=URL ...] [--options NAME=JSON ...]
+        [--latency-tasks 200] [--interval-ms 20] [--backlog 2000] [--json PATH]
+
+Default brokers (``--broker`` replaces the whole list):
+
+* ``kombu_pgmq``   ``postgresql://postgres@127.0.0.1:5432/kpb_ours`` (this project)
+* ``redis``        ``redis://127.0.0.1:6379/0``
+* ``rabbitmq``     ``amqp://guest:guest@127.0.0.1:5672//``
+* ``kombu57_pgmq`` ``pgmq://postgres@127.0.0.1:5432/kpb_kombu57``: kombu 5.7's built-in
+  ``pgmq`` transport, transport option ``init_extension=False`` on an SQL-only PGMQ
+  install (``pgmq.install.install_pgmq_from_sql``, run once if ``pgmq.meta`` is missing).
+
+PostgreSQL databases of the URLs are created if missing. For each broker, a worker
+subprocess ``celery -A celery_bench_app worker -P prefork -c 2 --without-gossip
+--without-mingle --without-heartbeat`` (queue ``celery_bench``, no result backend: tasks
+append ``kind,value,ts`` lines to a per-run file with ``O_APPEND``), then:
+
+1. latency: queue purged, worker started and warmed up (one ``ping`` task run), then
+   ``--latency-tasks`` tasks sent ``--interval-ms`` apart with ``apply_async``; each
+   records ``task start - sent timestamp`` (its argument). p50/p90/p99/max in ms.
+2. backlog: worker stopped, queue purged, one ``ping`` then ``--backlog`` noop tasks
+   published with no worker running; a worker is started; rate = backlog / (last noop
+   done - ping start), i.e. from worker ready to the last task done.
+
+A failing broker gets its error string in the results; the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import importlib.metadata
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+HERE = Path(__file__).resolve().parent
+REPO_ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(REPO_ROOT))
+
+import celery  # noqa: E402
+import celery_bench_app  # noqa: E402
+import kombu  # noqa: E402
+import psycopg  # noqa: E402
+from kombu.utils.url import maybe_sanitize_url  # noqa: E402
+
+DEFAULT_BROKERS = {
+    "kombu_pgmq": "postgresql://postgres@127.0.0.1:5432/kpb_ours",
+    "redis": "redis://127.0.0.1:6379/0",
+    "rabbitmq": "amqp://guest:guest@127.0.0.1:5672//",
+    "kombu57_pgmq": "pgmq://postgres@127.0.0.1:5432/kpb_kombu57",
+}
+DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {"kombu57_pgmq": {"init_extension": False}}
+
+WORKER_STOP_TIMEOUT_S = 20.0
+READY_TIMEOUT_S = 60.0
+
+
+# -- PostgreSQL helpers -------------------------------------------------------------------
+
+
+def pg_dsn(url: str) -> str | None:
+    """psycopg URL of a ``postgresql://`` / ``pgmq://`` broker URL, else ``None``."""
+    parts = urlsplit(url)
+    if parts.scheme in ("postgresql", "postgres", "pgmq"):
+        return urlunsplit(parts._replace(scheme="postgresql"))
+    return None
+
+
+def ensure_database(dsn: str) -> None:
+    parts = urlsplit(dsn)
+    dbname = parts.path.lstrip("/") or "postgres"
+    admin = urlunsplit(parts._replace(path="/postgres"))
+    with psycopg.connect(admin, autocommit=True) as conn:
+        exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (dbname,)).fetchone()
+        if not exists:
+            conn.execute(f'CREATE DATABASE "{dbname}"')
+
+
+def ensure_sql_pgmq(dsn: str) -> None:
+    """SQL-only PGMQ install (no extension) if ``pgmq.meta`` is missing."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        present = conn.execute("SELECT to_regclass('pgmq.meta')").fetchone()[0]
+    if present is None:
+        from pgmq.install import install_pgmq_from_sql
+
+        install_pgmq_from_sql(dsn=dsn)
+
+
+def pg_version(dsn: str) -> str | None:
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            return conn.execute("SHOW server_version").fetchone()[0]
+    except Exception as exc:  # environment info only
+        return f"error: {exc}"
+
+
+def dist_version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def git_describe() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except OSError:
+        return None
+    return out.stdout.strip() or None
+
+
+# -- worker and task log ------------------------------------------------------------------
+
+
+class Worker:
+    def __init__(self, name: str, url: str, options: dict[str, Any], log: Path, out: Path):
+        self.name = name
+        self.env = {
+            **os.environ,
+            "CELERY_BENCH_BROKER": url,
+            "CELERY_BENCH_TRANSPORT_OPTIONS": json.dumps(options),
+            "CELERY_BENCH_LOG": str(log),
+            "PYTHONPATH": os.pathsep.join(
+                filter(None, [str(HERE), str(REPO_ROOT), os.environ.get("PYTHONPATH")])
+            ),
+        }
+        self.out = out
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        cmd = [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "celery_bench_app",
+            "worker",
+            "-P",
+            "prefork",
+            "-c",
+            "2",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+            "-l",
+            "warning",
+            "-n",
+            f"bench-{self.name}@%h",
+        ]
+        with self.out.open("ab") as out:
+            self.proc = subprocess.Popen(
+                cmd,
+                cwd=HERE,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def check_alive(self) -> None:
+        if not self.alive():
+            code = self.proc.returncode if self.proc else None
+            raise RuntimeError(f"worker exited with {code}: {tail(self.out)}")
+
+    def stop(self) -> int | None:
+        """SIGTERM (warm shutdown), then SIGKILL of the process group after 20 s."""
+        if self.proc is None:
+            return None
+        code = self.proc.poll()
+        if code is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)
+            try:
+                code = self.proc.wait(timeout=WORKER_STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                code = None
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        if code is None:
+            self.proc.wait(timeout=10)
+        self.proc = None
+        return code
+
+
+def tail(path: Path, n: int = 800) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:].strip()
+    except FileNotFoundError:
+        return ""
+
+
+def read_log(path: Path) -> list[tuple[str, str, float]]:
+    try:
+        data = path.read_text()
+    except FileNotFoundError:
+        return []
+    rows = []
+    for line in data.splitlines(keepends=True):
+        if not line.endswith("\n"):
+            break  # partial last line
+        kind, value, ts = line.rstrip("\n").split(",")
+        rows.append((kind, value, float(ts)))
+    return rows
+
+
+def wait_log(path: Path, worker: Worker, done, timeout: float) -> list[tuple[str, str, float]]:
+    """Poll the task log until ``done(rows)``; raise if the worker dies or on timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = read_log(path)
+        if done(rows):
+            return rows
+        worker.check_alive()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f} s ({len(rows)} task lines)")
+        time.sleep(0.05)
+
+
+def count(kind: str, rows: list[tuple[str, str, float]]) -> int:
+    return sum(1 for row in rows if row[0] == kind)
+
+
+def pct(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile of sorted values."""
+    k = max(0, min(len(sorted_values) - 1, round(q / 100 * len(sorted_values) + 0.5) - 1))
+    return sorted_values[k]
+
+
+# -- workloads ------------------------------------------------------------------------------
+
+
+def purge(app) -> int | None:
+    return app.control.purge()
+
+
+def run_latency(app, name, url, options, workdir: Path, n: int, interval_s: float) -> dict:
+    log = workdir / f"{name}-latency.log"
+    worker = Worker(name, url, options, log, workdir / f"{name}-worker.out")
+    purged = purge(app)
+    worker.start()
+    try:
+        app.tasks["bench.ping"].apply_async()
+        wait_log(log, worker, lambda rows: count("ping", rows) >= 1, READY_TIMEOUT_S)
+        time.sleep(0.5)
+        task = app.tasks["bench.latency"]
+        t0 = time.monotonic()
+        for i in range(n):
+            delay = t0 + i * interval_s - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            task.apply_async((time.time(),))
+        send_s = time.monotonic() - t0
+        rows = wait_log(log, worker, lambda rows: count("lat", rows) >= n, 60.0 + n * 0.05)
+    finally:
+        code = worker.stop()
+    lat = sorted((ts - float(value)) * 1000 for kind, value, ts in rows if kind == "lat")
+    return {
+        "tasks": n,
+        "interval_ms": interval_s * 1000,
+        "purged_before": purged,
+        "send_s": round(send_s, 3),
+        "executed": len(lat),
+        "p50_ms": round(pct(lat, 50), 2),
+        "p90_ms": round(pct(lat, 90), 2),
+        "p99_ms": round(pct(lat, 99), 2),
+        "max_ms": round(lat[-1], 2),
+        "mean_ms": round(statistics.fmean(lat), 2),
+        "worker_exit_code": code,
+    }
+
+
+def run_backlog(app, name, url, options, workdir: Path, n: int) -> dict:
+    log = workdir / f"{name}-backlog.log"
+    worker = Worker(name, url, options, log, workdir / f"{name}-worker.out")
+    purged = purge(app)
+    noop = app.tasks["bench.noop"]
+    t0 = time.monotonic()
+    app.tasks["bench.ping"].apply_async()
+    for i in range(n):
+        noop.apply_async((i,))
+    publish_s = time.monotonic() - t0
+    worker.start()
+    try:
+        rows = wait_log(
+            log,
+            worker,
+            lambda rows: count("noop", rows) >= n and count("ping", rows) >= 1,
+            READY_TIMEOUT_S + max(120.0, n / 10),
+        )
+    finally:
+        code = worker.stop()
+    ready = min(ts for kind, _, ts in rows if kind == "ping")
+    noops = [(int(value), ts) for kind, value, ts in rows if kind == "noop"]
+    last = max(ts for _, ts in noops)
+    distinct = len({i for i, _ in noops})
+    drain_s = last - ready
+    return {
+        "tasks": n,
+        "purged_before": purged,
+        "publish_s": round(publish_s, 3),
+        "publish_per_s": round((n + 1) / publish_s, 1),
+        "drain_s": round(drain_s, 3),
+        "tasks_per_s": round(n / drain_s, 1),
+        "executed": len(noops),
+        "distinct": distinct,
+        "worker_exit_code": code,
+    }
+
+
+def bench_broker(name: str, url: str, options: dict[str, Any], args, workdir: Path) -> dict:
+    result: dict[str, Any] = {"url": maybe_sanitize_url(url), "transport_options": options}
+    dsn = pg_dsn(url)
+    try:
+        if dsn is not None:
+            ensure_database(dsn)
+            if urlsplit(url).scheme == "pgmq" and not options.get("init_extension", True):
+                ensure_sql_pgmq(dsn)
+        app = celery_bench_app.create_app(url, options)
+    except Exception as exc:
+        result["error"] = f"setup: {type(exc).__name__}: {exc}"
+        return result
+    result["load_before"] = os.getloadavg()[0]
+    for label, fn in (
+        (
+            "latency",
+            lambda: run_latency(
+                app, name, url, options, workdir, args.latency_tasks, args.interval_ms / 1000
+            ),
+        ),
+        ("backlog", lambda: run_backlog(app, name, url, options, workdir, args.backlog)),
+    ):
+        print(f"[{name}] {label}...", file=sys.stderr, flush=True)
+        try:
+            result[label] = fn()
+        except Exception as exc:
+            if args.verbose:
+                traceback.print_exc()
+            result[label] = {"error": f"{type(exc).__name__}: {exc}"}
+    with contextlib.suppress(Exception):
+        purge(app)
+    with contextlib.suppress(Exception):
+        app.close()
+    result["load_after"] = os.getloadavg()[0]
+    return result
+
+
+# -- output ---------------------------------------------------------------------------------
+
+
+def fmt(section: dict | None, key: str, spec: str = ",.1f") -> str:
+    if not section or "error" in section:
+        return "ERR"
+    return format(section[key], spec)
+
+
+def table(results: dict[str, dict]) -> str:
+    head = ["broker", "lat p50 ms", "p90", "p99", "max", "backlog tasks/s", "publish/s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    errors = []
+    for name, res in results.items():
+        lat, back = res.get("latency"), res.get("backlog")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    name,
+                    fmt(lat, "p50_ms"),
+                    fmt(lat, "p90_ms"),
+                    fmt(lat, "p99_ms"),
+                    fmt(lat, "max_ms"),
+                    fmt(back, "tasks_per_s", ",.0f"),
+                    fmt(back, "publish_per_s", ",.0f"),
+                ]
+            )
+            + " |"
+        )
+        for label in ("error", "latency", "backlog"):
+            sec = res.get(label)
+            msg = sec if label == "error" else (sec or {}).get("error")
+            if msg:
+                errors.append(f"{name} {label}: {msg}")
+    return "\n".join(lines + [f"  ! {e}" for e in errors])
+
+
+def parse_pairs(values: list[str] | None, what: str) -> dict[str, str]:
+    out = {}
+    for value in values or []:
+        name, sep, rest = value.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"{what} must be NAME=VALUE: {value!r}")
+        out[name] = rest
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--broker", action="append", metavar="NAME=URL")
+    parser.add_argument(
+        "--options",
+        action="append",
+        metavar="NAME=JSON",
+        help="transport options of broker NAME (replace the defaults)",
+    )
+    parser.add_argument("--latency-tasks", type=int, default=200)
+    parser.add_argument("--interval-ms", type=float, default=20.0)
+    parser.add_argument("--backlog", type=int, default=2000)
+    parser.add_argument("--json", type=Path, help="write results as JSON here")
+    parser.add_argument("--keep", action="store_true", help="keep the task logs / worker output")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    args = parser.parse_args()
+
+    brokers = parse_pairs(args.broker, "--broker") or dict(DEFAULT_BROKERS)
+    options = {n: dict(DEFAULT_OPTIONS.get(n, {})) for n in brokers}
+    for n, raw in parse_pairs(args.options, "--options").items():
+        options[n] = json.loads(raw)
+
+    first_pg = next((d for d in map(pg_dsn, brokers.values()) if d), None)
+    env = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "cpu_count": os.cpu_count(),
+        "loadavg_start": os.getloadavg(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "celery": celery.__version__,
+        "kombu": kombu.__version__,
+        "kombu_pgmq_git": git_describe(),
+        "pgmq_py": dist_version("pgmq"),
+        "postgresql": pg_version(first_pg) if first_pg else None,
+        "latency_tasks": args.latency_tasks,
+        "interval_ms": args.interval_ms,
+        "backlog": args.backlog,
+        "worker": "prefork -c 2, --without-gossip/mingle/heartbeat, no result backend",
+    }
+    workdir = Path(tempfile.mkdtemp(prefix="celery_bench-"))
+    results: dict[str, dict] = {}
+    for name, url in brokers.items():
+        try:
+            results[name] = bench_broker(name, url, options[name], args, workdir)
+        except Exception as exc:  # never let one broker stop the run
+            error = f"{type(exc).__name__}: {exc}"
+            results[name] = {"url": maybe_sanitize_url(url), "error": error}
+    env["loadavg_end"] = os.getloadavg()
+
+    print(table(results))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"environment": env, "results": results}, indent=2) + "\n")
+    if args.keep:
+        print(f"task logs and worker output kept in {workdir}", file=sys.stderr)
+    else:
+        for path in workdir.iterdir():
+            path.unlink()
+        workdir.rmdir()
+
+
+if __name__ == "__main__":
+    main()
