@@ -304,6 +304,10 @@ class PgmqClient:
             int(version), dict(exchanges), [(b[0], b[1], b[2], b[3]) for b in bindings]
         )
 
+    def routing_version(self) -> int:
+        """Current routing version (bumped by every exchange or binding change)."""
+        return int(self.scalar("routing_version"))
+
     def send_routed(
         self, queues: Sequence[str], message: str, headers: str, *, version: int
     ) -> tuple[int, list[int]]:

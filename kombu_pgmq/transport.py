@@ -170,7 +170,6 @@ class QoS(virtual.QoS):
         for message in self._delivered.values():
             by_queue[message.delivery_info["pgmq_queue"]].append(message)
         self._delivered.clear()
-        failed: list[tuple[BaseException, Any]] = []
         for queue, messages in by_queue.items():
             ids = [m.delivery_info["pgmq_msg_id"] for m in messages]
             try:
@@ -184,7 +183,7 @@ class QoS(virtual.QoS):
                     queue,
                     exc,
                 )
-        return failed
+        return []  # nothing is lost on failure: the visibility timeout restores it
 
 
 class Channel(virtual.Channel):
@@ -451,12 +450,15 @@ class Channel(virtual.Channel):
 
     def _publish_routed(self, exchange: str, routing_key: str, body: str, headers: str) -> None:
         transport = self.connection
-        fresh = False  # routes reloaded during this publish
+        fresh = transport._routes is None  # routes (re)loaded during this publish
         for attempt in range(3):
             routes = transport.routes()
             targets = routes.route(exchange, routing_key)
             if not targets:
-                if not fresh:  # maybe bound since our last reload
+                # Maybe bound since we loaded the table: a version check (one tiny query,
+                # not a reload) decides. Celery's events take this path whenever no
+                # monitor listens.
+                if not fresh and self.pgmq.routing_version() != routes.version:
                     transport.reload_routes()
                     fresh = True
                     continue
@@ -599,7 +601,8 @@ class Channel(virtual.Channel):
                 self.pgmq.delete(
                     name, [p["properties"]["delivery_info"]["pgmq_msg_id"] for p in expired]
                 )
-            payloads = [p for p in payloads if not any(p is e for e in expired)]
+            gone = {id(p) for p in expired}
+            payloads = [p for p in payloads if id(p) not in gone]
         return payloads
 
     def _queue_ttl_seconds(self, queue: str) -> float | None:

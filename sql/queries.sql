@@ -221,6 +221,10 @@ SELECT v.version,
                 '[]'::jsonb) AS bindings
 FROM kombu_pgmq.routing_version v
 
+-- name: routing_version
+-- Cheap freshness check of a cached routing table (one-row table).
+SELECT version FROM kombu_pgmq.routing_version
+
 -- name: send_routed
 -- Publish one message to every queue an exchange routed it to, in one statement (so
 -- in all of them or in none), only if the routing table is still at %(version)s: the

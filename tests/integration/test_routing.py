@@ -118,3 +118,26 @@ def test_unroutable_message_goes_to_kombu_deadletter_queue_if_set(db_dsn):
         conn.channel().exchange_declare("nobody", type="direct")
         publish_to(conn, ex, "k", {"lost": False})
         assert [m.decode() for m in drain(conn, "unroutable", expect=1)] == [{"lost": False}]
+
+
+def test_unroutable_publishes_check_the_version_instead_of_reloading(db_dsn):
+    events = Exchange("celeryev.like", type="topic")
+    with connect(db_dsn) as conn:
+        conn.channel().exchange_declare("celeryev.like", type="topic")
+        publish_to(conn, events, "worker.heartbeat", {"n": 0})  # loads the table once
+        transport = conn.transport
+        reloads = []
+        original = transport.reload_routes
+
+        def counting_reload():
+            reloads.append(1)
+            return original()
+
+        transport.reload_routes = counting_reload
+        for n in range(5):
+            publish_to(conn, events, "worker.heartbeat", {"n": n})
+        assert reloads == []  # routes unchanged: no reload, messages dropped as in AMQP
+        bind(conn, "monitor", events, "#")  # the version moves: next publish reloads
+        publish_to(conn, events, "worker.heartbeat", {"n": 9})
+        assert reloads == [1]
+    assert count(db_dsn, "monitor") == 1
