@@ -13,7 +13,7 @@ connection error the client is closed and later calls raise
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import lru_cache
 from typing import Any, NamedTuple
@@ -67,6 +67,7 @@ class PgmqClient:
         self._closed = False
         self._lock = threading.Lock()
         self._q = queries()
+        self._notified: list[str] = []  # notifications psycopg read during a statement
 
     def __repr__(self) -> str:
         state = "open" if self._conn is not None and not self._conn.closed else "closed"
@@ -93,6 +94,7 @@ class PgmqClient:
                         conn = psycopg.connect(self._conninfo, autocommit=True)
                     except psycopg.Error as exc:
                         raise translate(exc) from exc
+                    conn.add_notify_handler(self._on_notify)
                     self._conn = conn
         return conn
 
@@ -163,6 +165,48 @@ class PgmqClient:
         """Deliver up to ``qty`` visible messages, invisible for ``vt_seconds`` afterwards."""
         rows = self._run(self._q["read"], {"queue": queue, "vt_seconds": vt_seconds, "qty": qty})
         return [Row(*r) for r in rows]
+
+    def read_many(
+        self,
+        queues: Sequence[str],
+        vt_seconds: int,
+        qty: int,
+        acks: Sequence[tuple[str, int]] = (),
+    ) -> list[tuple[str, Row]]:
+        """Archive ``acks`` (``(queue, msg_id)`` pairs), then deliver up to ``qty`` messages
+        from ``queues`` in the order given, all in one round trip and one transaction.
+
+        Returns ``(queue, Row)`` pairs. With no acks the commit is asynchronous (a server
+        crash may forget the delivery: the message is delivered again); acks commit
+        synchronously.
+
+        Raises:
+            QueueNotFound: one of the queues is gone (nothing was archived or read).
+        """
+        rows = self._run(
+            self._q["read_many"],
+            {
+                "queues": list(queues),
+                "vt_seconds": vt_seconds,
+                "qty": qty,
+                "ack_queues": [q for q, _ in acks],
+                "ack_ids": [i for _, i in acks],
+            },
+        )
+        return [(r[0], Row(r[1], r[2], r[3], r[4], r[5])) for r in rows]
+
+    def wait_for(self, owner: str, queues: Sequence[str]) -> None:
+        """Record that ``owner`` sleeps until notified on ``queues`` (publishers then
+        NOTIFY); returns once publishers that missed the record have committed, so a
+        read of the queues after this call sees their messages (see migration 0003)."""
+        self._run(self._q["wait_for"], {"owner": owner, "queues": list(queues)})
+
+    def stop_waiting(self, owner: str, queues: Sequence[str] | None = None) -> None:
+        """Publishers need not notify ``owner`` for ``queues`` (None: any queue) any more."""
+        if queues is None:
+            self._run(self._q["stop_waiting_all"], {"owner": owner})
+        else:
+            self._run(self._q["stop_waiting"], {"owner": owner, "queues": list(queues)})
 
     def pop(self, queue: str, qty: int) -> list[Row]:
         """Deliver and delete up to ``qty`` visible messages (no ack will follow)."""
@@ -369,6 +413,44 @@ class PgmqClient:
     def purge(self, queue: str) -> int:
         """Delete the ready messages (not the unacked ones); return how many."""
         return int(self._run(_with_table("purge", queue))[0][0])
+
+    # -- notifications (a client used as a listener) ------------------------------------
+
+    def listen(self, channels: Iterable[str]) -> None:
+        """``LISTEN`` on each channel (names are quoted identifiers, case kept)."""
+        for channel in channels:
+            self._run(sql.SQL(self._q["listen"]).format(channel=sql.Identifier(channel)))
+
+    def unlisten(self, channels: Iterable[str]) -> None:
+        for channel in channels:
+            self._run(sql.SQL(self._q["unlisten"]).format(channel=sql.Identifier(channel)))
+
+    def fileno(self) -> int:
+        """The connection's socket, to wait for notifications with select/epoll."""
+        return self.connection.pgconn.socket
+
+    def notifications(self) -> list[str]:
+        """Channels notified since the last call, without blocking (read from the socket
+        if it has data; duplicates folded).
+
+        Raises:
+            BrokerConnectionError: the connection was lost (the next call reconnects;
+                LISTEN again then).
+        """
+        conn = self.connection
+        received = self._notified
+        self._notified = []
+        try:
+            pgconn = conn.pgconn
+            pgconn.consume_input()
+            while (notify := pgconn.notifies()) is not None:
+                received.append(notify.relname.decode())
+        except psycopg.Error as exc:
+            raise self._fail(exc) from exc
+        return list(dict.fromkeys(received))
+
+    def _on_notify(self, notify: psycopg.Notify) -> None:
+        self._notified.append(notify.channel)
 
     # -- server and schema (used by kombu_pgmq.embedded and kombu_pgmq.schema) -------
 

@@ -83,6 +83,7 @@ Transport Options
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -91,7 +92,7 @@ import uuid
 from collections import defaultdict
 from itertools import count
 from queue import Empty
-from time import monotonic
+from time import monotonic, sleep
 from typing import Any
 
 import psycopg
@@ -105,6 +106,7 @@ from .client import PgmqClient, Row
 from .naming import pgmq_queue_name
 from .routing import EXCHANGE_TYPES, Routes
 from .schema import ensure_schema, verify
+from .wakeups import Wakeups
 
 logger = logging.getLogger(__name__)
 
@@ -149,10 +151,17 @@ class QoS(virtual.QoS):
         return info["pgmq_queue"], info["pgmq_msg_id"], info["kombu_queue"]
 
     def ack(self, delivery_tag: Any) -> None:
+        """Archive the message: at once, or batched with others (see
+        :meth:`Transport.ack`: inside ``drain_events`` and in Celery's event loop)."""
         queue, msg_id, _ = self._locate(delivery_tag)
-        self.channel.pgmq.archive(queue, [msg_id])
-        super().ack(delivery_tag)
-        self.channel.connection.wake()  # a prefetch slot is free: read now, not next poll
+        transport = self.channel.connection
+        if transport.defers_acks:
+            super().ack(delivery_tag)
+            transport.defer_ack(queue, msg_id)
+        else:
+            self.channel.pgmq.archive(queue, [msg_id])
+            super().ack(delivery_tag)
+            transport.wake()  # a prefetch slot is free: read now
 
     def reject(self, delivery_tag: Any, requeue: bool = False) -> None:
         queue, msg_id, kombu_queue = self._locate(delivery_tag)
@@ -164,8 +173,12 @@ class QoS(virtual.QoS):
         self.channel.connection.wake()
 
     def restore_unacked(self) -> list[tuple[BaseException, Any]]:
-        """Make every unacked message visible again (one ``set_vt`` per queue)."""
+        """Make every unacked message visible again (one ``set_vt`` per queue); batched
+        acks are archived first."""
         self._flush()
+        transport = self.channel.connection
+        if transport is not None:
+            transport.flush_acks()
         by_queue: dict[str, list[Any]] = defaultdict(list)
         for message in self._delivered.values():
             by_queue[message.delivery_info["pgmq_queue"]].append(message)
@@ -217,6 +230,7 @@ class Channel(virtual.Channel):
         super().__init__(connection, **kwargs)
         self._validate_options()
         self._tags = count(1)
+        self._turns = count()
         self._no_ack_queues: set[str] = set()
         self._vt_seconds = max(1, round(float(self.visibility_timeout)))
         self._known_queues: set[str] = set()
@@ -527,6 +541,7 @@ class Channel(virtual.Channel):
             self._no_ack_queues.discard(queue)
         result = super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
         self.connection.register_consumer(queue, consumer_tag)
+        self.connection.on_consume(pgmq_queue_name(queue))
         return result
 
     def basic_cancel(self, consumer_tag: str) -> Any:
@@ -537,6 +552,7 @@ class Channel(virtual.Channel):
                 self._no_ack_queues.discard(queue)
             if self.connection.release_consumer(queue, consumer_tag):
                 self._known_queues.discard(pgmq_queue_name(queue))
+            self.connection.on_cancel(pgmq_queue_name(queue))
         return result
 
     def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
@@ -555,21 +571,76 @@ class Channel(virtual.Channel):
             raise Empty()
         return payloads[0]
 
-    def _get_and_deliver(self, queue: str, callback: Any) -> None:
-        """Read up to the free prefetch in one round trip and deliver each message."""
+    def _consume(
+        self, only: set[str] | None, acks: list[tuple[str, int]]
+    ) -> tuple[int, set[str], set[str], bool]:
+        """Read up to the free prefetch from the consumed queues (those in ``only``, PGMQ
+        names; None: all) in one round trip, archiving ``acks`` in the same transaction,
+        and deliver each message to its consumer.
+
+        Returns ``(delivered, drained, full, acks_sent)``: PGMQ names of queues found
+        empty, and of queues that filled the read (may hold more); ``acks_sent`` is
+        False when ``acks`` were not archived (the caller archives them).
+        """
+        queues = [q for q in self._active_queues if only is None or pgmq_queue_name(q) in only]
+        if not queues:
+            return 0, set(), set(), False
         free = self.qos.can_consume_max_estimate()
-        qty = self.read_batch_size if free is None else min(free, self.read_batch_size)
-        if qty <= 0:
-            raise Empty()
-        payloads = self._fetch(queue, qty, no_ack=queue in self._no_ack_queues)
-        if not payloads:
-            raise Empty()
-        for index, payload in enumerate(payloads):
+        remaining = self.read_batch_size if free is None else min(free, self.read_batch_size)
+        if remaining <= 0:
+            return 0, set(), set(), False
+        drained: set[str] = set()
+        full: set[str] = set()
+        batches: list[tuple[str, str, list[Row], bool]] = []
+
+        def account(queue: str, name: str, rows: list[Row], no_ack: bool) -> None:
+            nonlocal remaining
+            (drained if len(rows) < remaining else full).add(name)
+            remaining -= len(rows)
+            if rows:
+                batches.append((queue, name, rows, no_ack))
+
+        acked = []
+        for queue in queues:
+            if queue not in self._no_ack_queues:
+                acked.append(queue)
+            elif remaining > 0:
+                name = pgmq_queue_name(queue)
+                account(queue, name, self._rows(queue, name, remaining, no_ack=True), True)
+        acks_sent = False
+        if acked and remaining > 0:
+            turn = next(self._turns) % len(acked)  # rotate: fair across queues
+            acked = acked[turn:] + acked[:turn]
+            names = [pgmq_queue_name(q) for q in acked]
             try:
-                callback(payload, queue)
+                pairs = self.pgmq.read_many(names, self._vt_seconds, remaining, acks)
+                acks_sent = True
+            except errors.QueueNotFound:
+                pairs = None  # one is gone: go queue by queue (recreates it)
+            if pairs is None:
+                for queue, name in zip(acked, names, strict=True):
+                    if remaining > 0:
+                        account(queue, name, self._rows(queue, name, remaining), False)
+            else:
+                by_name: dict[str, list[Row]] = defaultdict(list)
+                for name, row in pairs:
+                    by_name[name].append(row)
+                for queue, name in zip(acked, names, strict=True):
+                    if remaining > 0:
+                        account(queue, name, by_name.get(name, []), False)
+        deliveries = [
+            (payload, queue)
+            for queue, name, rows, no_ack in batches
+            for payload in self._to_payloads(queue, name, rows, no_ack=no_ack)
+        ]
+        deliver = self.connection._deliver
+        for index, (payload, queue) in enumerate(deliveries):
+            try:
+                deliver(payload, queue)
             except BaseException:
-                self._release(payloads[index + 1 :])
+                self._release([p for p, _ in deliveries[index + 1 :]])
                 raise
+        return len(deliveries), drained, full, acks_sent
 
     def _release(self, payloads: list[dict[str, Any]]) -> None:
         """Make read but undelivered messages visible again (a callback failed)."""
@@ -582,15 +653,24 @@ class Channel(virtual.Channel):
 
     def _fetch(self, queue: str, qty: int, *, no_ack: bool) -> list[dict[str, Any]]:
         name = pgmq_queue_name(queue)
+        return self._to_payloads(queue, name, self._rows(queue, name, qty, no_ack), no_ack)
+
+    def _rows(self, queue: str, name: str, qty: int, no_ack: bool = False) -> list[Row]:
+        """Read (or pop, for no_ack) up to ``qty`` rows of one queue; a consumed queue
+        found dropped is declared again (and yields nothing this time)."""
         try:
             if no_ack:
-                rows = self.pgmq.pop(name, qty)
-            else:
-                rows = self.pgmq.read(name, self._vt_seconds, qty)
+                return self.pgmq.pop(name, qty)
+            return self.pgmq.read(name, self._vt_seconds, qty)
         except errors.QueueNotFound:
             if queue in self._active_queues:
                 self._recreate(queue)
             return []
+
+    def _to_payloads(
+        self, queue: str, name: str, rows: list[Row], no_ack: bool
+    ) -> list[dict[str, Any]]:
+        """Rows -> Kombu payloads: poison messages dead-lettered, expired ones deleted."""
         if self.max_deliveries is not None and not no_ack:
             rows = self._drop_poison(queue, name, rows)
         payloads = [self._payload(queue, name, row) for row in rows]
@@ -681,7 +761,13 @@ class Transport(virtual.Transport):
     default_port = 5432  # type: ignore[assignment]
     driver_type = "postgresql"
     driver_name = "psycopg"
-    polling_interval = 0.1
+    #: Seconds between fallback polls of every consumed queue (messages that become
+    #: visible without a publish: visibility timeout expiry, delayed sends). New
+    #: messages wake consumers at once through LISTEN/NOTIFY.
+    polling_interval = 1.0
+    #: Consecutive full reads of a queue after which this connection stops waiting on
+    #: it (a backlog: publishers stop notifying until it is drained again).
+    busy_after_full_reads = 3
 
     connection_errors = (  # type: ignore[assignment]
         *virtual.Transport.connection_errors,
@@ -695,7 +781,7 @@ class Transport(virtual.Transport):
     )
 
     implements = virtual.Transport.implements.extend(
-        asynchronous=False,
+        asynchronous=True,  # Celery runs its event loop: see register_with_event_loop
         exchange_type=frozenset(["direct", "topic", "fanout"]),
     )
 
@@ -708,11 +794,22 @@ class Transport(virtual.Transport):
     def __init__(self, client: Any, **kwargs: Any) -> None:
         super().__init__(client, **kwargs)
         self._client: PgmqClient | None = None
-        self._wakeup = threading.Event()
         self._routes: Routes | None = None
         #: Identifies this connection's consumers in kombu_pgmq.consumers.
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
         self._consumers: set[tuple[str, str]] = set()
+        # Wake-ups and polling state (PGMQ queue names).
+        self._wakeups: Wakeups | None = None
+        self._ready: set[str] = set()  # may hold visible messages: read when prefetch allows
+        self._waiting: set[str] = set()  # our row is in kombu_pgmq.waiting: publishers notify
+        self._full_reads: dict[str, int] = {}  # consecutive reads that filled the request
+        self._next_fallback = 0.0
+        self._acks: list[tuple[str, int]] = []  # acked, not yet archived
+        self._acks_lock = threading.Lock()
+        self._draining = 0
+        self._hub: Any = None
+        self._hub_fds: list[int] = []
+        self._hub_timer: Any = None
         self._maintainer: threading.Thread | None = None
         self._stop_maintainer = threading.Event()
         options = client.transport_options
@@ -853,37 +950,241 @@ class Transport(virtual.Transport):
                 if not self._stop_maintainer.is_set():  # else: closing, not a failure
                     logger.warning("consumer heartbeat failed (%s); retrying", exc)
 
+    # -- wake-ups, polling and acks ------------------------------------------------------
+
+    def _get_wakeups(self) -> Wakeups:
+        wakeups = self._wakeups
+        if wakeups is None:
+            wakeups = self._wakeups = Wakeups(self.conninfo())
+        return wakeups
+
+    def on_consume(self, name: str) -> None:
+        """A channel consumes PGMQ queue ``name``: LISTEN for it and read it now."""
+        wakeups = self._get_wakeups()
+        wakeups.listen([name])
+        self._ready.add(name)
+        wakeups.wake()
+
+    def on_cancel(self, name: str) -> None:
+        """A consumer of ``name`` was cancelled: stop listening if none is left."""
+        if name in self._consumed():
+            return
+        self._ready.discard(name)
+        self._full_reads.pop(name, None)
+        if self._wakeups is not None:
+            self._wakeups.unlisten([name])
+        if name in self._waiting:
+            self._waiting.discard(name)
+            client = self._client
+            if client is not None:
+                # the reaper removes the row with our consumers
+                with contextlib.suppress(errors.KombuPgmqError):
+                    client.stop_waiting(self.owner, [name])
+
+    def _consumed(self) -> set[str]:
+        return {pgmq_queue_name(q) for c in self.channels for q in c._active_queues}
+
     def wake(self) -> None:
-        """End the current ``polling_interval`` sleep of :meth:`drain_events` now.
+        """End the current wait of :meth:`drain_events` (or run a poll in Celery's event
+        loop) now; safe from any thread.
 
         Called when an ack or reject frees a prefetch slot (often from another thread,
-        e.g. Celery's pool result handler), so the next read does not wait a full poll.
+        e.g. Celery's pool result handler), so the next read does not wait for a poll.
         """
-        self._wakeup.set()
+        wakeups = self._wakeups
+        if wakeups is not None:
+            wakeups.wake()
+
+    @property
+    def defers_acks(self) -> bool:
+        """True while acks are batched: inside :meth:`drain_events` (archived before it
+        returns) and once registered with Celery's event loop (archived at the loop's
+        next turn, with the next read)."""
+        return self._draining > 0 or self._hub is not None
+
+    def defer_ack(self, queue: str, msg_id: int) -> None:
+        """Queue an ack for the next read or flush (one statement for many).
+
+        At least once: until it is archived, the message stays in its queue table,
+        invisible; if the process dies first it is delivered again after its visibility
+        timeout.
+        """
+        with self._acks_lock:
+            self._acks.append((queue, msg_id))
+        self.wake()
+
+    def _take_acks(self) -> list[tuple[str, int]]:
+        with self._acks_lock:
+            acks, self._acks = self._acks, []
+        return acks
+
+    def flush_acks(self) -> None:
+        """Archive the batched acks now (one ``pgmq.archive`` per queue)."""
+        acks = self._take_acks()
+        if acks:
+            self._archive(acks)
+
+    def _archive(self, acks: list[tuple[str, int]]) -> None:
+        by_queue: dict[str, list[int]] = defaultdict(list)
+        for queue, msg_id in acks:
+            by_queue[queue].append(msg_id)
+        client = self.pgmq_client()
+        for queue, ids in by_queue.items():
+            # dropped with its messages: nothing left to ack
+            with contextlib.suppress(errors.QueueNotFound):
+                client.archive(queue, ids)
+
+    def _collect(self, wakeups: Wakeups) -> None:
+        """Mark notified queues ready; every consumed queue when the fallback poll is due
+        or notifications may have been missed."""
+        notified, _ = wakeups.collect()
+        now = monotonic()
+        if notified is None or now >= self._next_fallback:
+            self._next_fallback = now + self.polling_interval
+            self._ready |= self._consumed()
+        else:
+            self._ready |= notified
+
+    def _poll(self) -> tuple[int, bool]:
+        """One round: read the ready queues of every channel (batched acks ride along)
+        and deliver. Returns ``(delivered, again)``; ``again`` asks for another round at
+        once (queues that just went to sleep get their final read, see migration 0003).
+        """
+        acks = self._take_acks()
+        delivered = 0
+        drained: set[str] = set()
+        full: set[str] = set()
+        ready = set(self._ready)
+        try:
+            for channel in list(self.channels):
+                if not channel._active_queues or not ready:
+                    continue
+                n, empty, filled, sent = channel._consume(ready, acks)
+                if sent:
+                    acks = []
+                delivered += n
+                drained |= empty
+                full |= filled
+        finally:
+            if acks:
+                self._archive(acks)
+        self._ready -= drained
+        self._ready |= full
+        to_wait = drained - self._waiting
+        to_busy = []
+        for name in drained:
+            self._full_reads.pop(name, None)
+        for name in full:
+            streak = self._full_reads[name] = self._full_reads.get(name, 0) + 1
+            if streak >= self.busy_after_full_reads and name in self._waiting:
+                to_busy.append(name)
+        client = self.pgmq_client()
+        if to_busy:
+            # A backlog: publishers stop notifying (their commits would serialize).
+            client.stop_waiting(self.owner, sorted(to_busy))
+            self._waiting.difference_update(to_busy)
+        if to_wait:
+            client.wait_for(self.owner, sorted(to_wait))
+            self._waiting |= to_wait
+            self._ready |= to_wait  # the final read, after wait_for committed
+        if full and self._hub is not None:
+            self.wake()  # more may wait: read again after the loop's other work
+        return delivered, bool(to_wait)
 
     def drain_events(  # type: ignore[override]
         self, connection: Any, timeout: float | None = None
     ) -> None:
-        """Deliver messages from the channels' queues; raise ``TimeoutError`` if none came.
+        """Deliver messages from the consumed queues; raise ``TimeoutError`` if none came
+        within ``timeout`` seconds.
 
-        As kombu's virtual transport, but the sleep between empty polls ends early on
-        :meth:`wake`.
+        Sleeps on the LISTEN connection: woken by a publish to a consumed queue, by
+        :meth:`wake` (an ack freed a prefetch slot), or by the fallback poll every
+        ``polling_interval`` seconds. Acks made by the callbacks are archived in one
+        statement per queue before this returns.
         """
         start = monotonic()
-        assert self.cycle is not None
-        get = self.cycle.get
-        interval = self.polling_interval
-        while True:
-            self._wakeup.clear()
-            try:
-                get(self._deliver, timeout=timeout)
-                return
-            except Empty:
-                elapsed = monotonic() - start
-                if timeout is not None and elapsed >= timeout:
-                    raise TimeoutError() from None
-                wait = interval if timeout is None else min(interval, timeout - elapsed)
-                self._wakeup.wait(wait)
+        wakeups = self._wakeups
+        if wakeups is None:  # nothing consumed
+            if timeout is None:
+                raise errors.ConfigurationError(
+                    "drain_events() without a consumer would wait forever: "
+                    "start a Consumer first, or give a timeout"
+                )
+            sleep(timeout)
+            raise TimeoutError()
+        self._draining += 1
+        try:
+            while True:
+                self._collect(wakeups)
+                if self._ready or self._acks:
+                    delivered, again = self._poll()
+                    if delivered:
+                        return
+                    if again:
+                        continue
+                now = monotonic()
+                if timeout is not None and now - start >= timeout:
+                    raise TimeoutError()
+                wait = self._next_fallback - now
+                if timeout is not None:
+                    wait = min(wait, timeout - (now - start))
+                if wait > 0:
+                    wakeups.wait(wait)
+        finally:
+            self._draining -= 1
+            if not self._draining and self._hub is None:
+                self.flush_acks()
+
+    # -- Celery's event loop (asynloop) ---------------------------------------------------
+
+    def register_with_event_loop(self, connection: Any, loop: Any) -> None:
+        """Run consumers in Celery's event loop: readers on the LISTEN socket and the wake
+        pipe, a fallback poll every ``polling_interval`` seconds. Acks are batched from
+        here on (archived at the loop's next turn, with the next read)."""
+        self._hub = loop
+        wakeups = self._get_wakeups()
+        self._hub_fds = [wakeups.wake_fileno]
+        loop.add_reader(wakeups.wake_fileno, self._on_hub_event)
+        self._watch_listener(wakeups)
+        self._hub_timer = loop.call_repeatedly(self.polling_interval, self._on_hub_fallback)
+        loop.call_soon(self._on_hub_event)
+
+    def _watch_listener(self, wakeups: Wakeups) -> None:
+        fd = wakeups.fileno()  # connects (and LISTENs) after a lost connection
+        if fd not in self._hub_fds:
+            for old in self._hub_fds[1:]:
+                self._hub.remove_reader(old)
+            self._hub_fds[1:] = [fd]
+            self._hub.add_reader(fd, self._on_hub_event)
+
+    def _on_hub_fallback(self) -> None:
+        self._next_fallback = 0.0
+        self._on_hub_event()
+
+    def _on_hub_event(self) -> None:
+        wakeups = self._wakeups
+        if wakeups is None or self._hub is None:
+            return
+        self._collect(wakeups)
+        self._watch_listener(wakeups)
+        for _ in range(2):  # a round, and the final read of queues that went to sleep
+            if not (self._ready or self._acks):
+                break
+            _, again = self._poll()
+            if not again:
+                break
+
+    def _unregister_from_event_loop(self) -> None:
+        hub, self._hub = self._hub, None
+        if hub is None:
+            return
+        for fd in self._hub_fds:
+            with contextlib.suppress(Exception):  # the loop may be closing too
+                hub.remove_reader(fd)
+        self._hub_fds = []
+        if self._hub_timer is not None:
+            self._hub_timer.cancel()
+            self._hub_timer = None
 
     def establish_connection(self) -> Transport:
         self.pgmq_client()
@@ -896,9 +1197,27 @@ class Transport(virtual.Transport):
 
     def _close_client(self) -> None:
         self._stop_maintainer.set()
+        self._unregister_from_event_loop()
         client, self._client = self._client, None
         if client is not None:
-            client.close()
+            try:
+                self._flush_on_close(client)
+            finally:
+                client.close()
+        wakeups, self._wakeups = self._wakeups, None
+        if wakeups is not None:
+            wakeups.close()
+
+    def _flush_on_close(self, client: PgmqClient) -> None:
+        acks = self._take_acks()
+        try:
+            if acks:
+                self._archive(acks)
+            if self._waiting:
+                client.stop_waiting(self.owner)
+        except errors.KombuPgmqError as exc:
+            logger.warning("closing: %s (unarchived acks are delivered again)", exc)
+        self._waiting.clear()
 
     def close_connection(self, connection: Any) -> None:
         try:

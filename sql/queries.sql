@@ -6,12 +6,13 @@
 -- last_read_at before vt in pgmq.message_record).
 
 -- name: send
--- Publish one message; PGMQ inserts into pgmq.q_<queue> with vt = now.
-SELECT pgmq.send(%(queue)s, %(message)s::jsonb, %(headers)s::jsonb) AS msg_id
+-- Publish one message (pgmq.send, vt = now) and NOTIFY the queue's channel if a consumer
+-- waits on it (kombu_pgmq.publish, migration 0003).
+SELECT kombu_pgmq.publish(%(queue)s, %(message)s::jsonb, %(headers)s::jsonb) AS msg_id
 
 -- name: send_delayed
 -- Publish one message that becomes visible after delay_seconds (PGMQ's native delay).
-SELECT pgmq.send(%(queue)s, %(message)s::jsonb, %(headers)s::jsonb, %(delay_seconds)s::integer) AS msg_id
+SELECT kombu_pgmq.publish(%(queue)s, %(message)s::jsonb, %(headers)s::jsonb, %(delay_seconds)s::integer) AS msg_id
 
 -- name: read
 -- Deliver up to qty visible messages, hiding them for vt_seconds (FOR UPDATE SKIP
@@ -22,6 +23,32 @@ SELECT pgmq.send(%(queue)s, %(message)s::jsonb, %(headers)s::jsonb, %(delay_seco
 SELECT msg_id, read_ct, message::text AS message, headers::text AS headers,
        extract(epoch FROM clock_timestamp() - enqueued_at)::float8 AS age_seconds
 FROM pgmq.read(%(queue)s, %(vt_seconds)s::integer, %(qty)s::integer)
+
+-- name: read_many
+-- Archive acked messages, then read up to qty messages from several queues, in one
+-- round trip (kombu_pgmq.read, migration 0003). Rows carry their PGMQ queue name.
+SELECT queue, msg_id, read_ct, message, headers, age_seconds
+FROM kombu_pgmq.read(%(queues)s::text[], %(vt_seconds)s::integer, %(qty)s::integer,
+                     %(ack_queues)s::text[], %(ack_ids)s::bigint[])
+
+-- name: wait_for
+-- This connection found the queues empty and sleeps on their NOTIFY channels (see
+-- migration 0003 for why no wake-up is lost). Read the queues once more afterwards.
+SELECT kombu_pgmq.wait_for(%(owner)s, %(queues)s::text[])
+
+-- name: stop_waiting
+-- The queues have a backlog: publishers need not notify this connection any more.
+DELETE FROM kombu_pgmq.waiting WHERE owner = %(owner)s AND pgmq_queue = ANY(%(queues)s::text[])
+
+-- name: stop_waiting_all
+DELETE FROM kombu_pgmq.waiting WHERE owner = %(owner)s
+
+-- name: listen
+-- {channel} is "kombu_pgmq.<pgmq queue>", composed with psycopg.sql.Identifier.
+LISTEN {channel}
+
+-- name: unlisten
+UNLISTEN {channel}
 
 -- name: pop
 -- Deliver and delete up to qty visible messages (consumers with no_ack=True).
@@ -226,15 +253,13 @@ FROM kombu_pgmq.routing_version v
 SELECT version FROM kombu_pgmq.routing_version
 
 -- name: send_routed
--- Publish one message to every queue an exchange routed it to, in one statement (so
+-- Publish one message to every queue an exchange routed it to, in one transaction (so
 -- in all of them or in none), only if the routing table is still at %(version)s: the
 -- caller's cached routes are then exact. Returns the current version and the msg_ids
 -- (empty when the version moved: reload the table and publish again).
-SELECT v.version,
-       ARRAY(SELECT pgmq.send(q, %(message)s::jsonb, %(headers)s::jsonb)
-             FROM unnest(%(queues)s::text[]) AS q
-             WHERE v.version = %(version)s::bigint) AS msg_ids
-FROM kombu_pgmq.routing_version v
+SELECT version, msg_ids
+FROM kombu_pgmq.publish_routed(%(queues)s::text[], %(message)s::jsonb, %(headers)s::jsonb,
+                               %(version)s::bigint)
 
 -- name: register_consumer
 WITH used AS (

@@ -83,14 +83,14 @@ def test_reads_up_to_free_prefetch_in_one_round_trip(db_dsn):
         publish(conn, "batch", list(range(25)))
         client = conn.default_channel.pgmq
         reads: list[int] = []
-        original = client.read
+        original = client.read_many
 
-        def counting_read(queue, vt_seconds, qty):
-            rows = original(queue, vt_seconds, qty)
+        def counting_read(queues, vt_seconds, qty, acks=()):
+            rows = original(queues, vt_seconds, qty, acks)
             reads.append(len(rows))
             return rows
 
-        client.read = counting_read
+        client.read_many = counting_read
         got = drain(conn, "batch", expect=25, prefetch=10)
     assert len(got) == 25
     assert reads[:3] == [10, 10, 5]
