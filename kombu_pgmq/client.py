@@ -172,13 +172,15 @@ class PgmqClient:
         vt_seconds: int,
         qty: int,
         acks: Sequence[tuple[str, int]] = (),
+        *,
+        durable_acks: bool = True,
     ) -> list[tuple[str, Row]]:
         """Archive ``acks`` (``(queue, msg_id)`` pairs), then deliver up to ``qty`` messages
         from ``queues`` in the order given, all in one round trip and one transaction.
 
-        Returns ``(queue, Row)`` pairs. With no acks the commit is asynchronous (a server
-        crash may forget the delivery: the message is delivered again); acks commit
-        synchronously.
+        Returns ``(queue, Row)`` pairs. The commit is asynchronous unless there are acks
+        and ``durable_acks``: a server crash may then forget the deliveries and acks, and
+        those messages are delivered again (never lost).
 
         Raises:
             QueueNotFound: one of the queues is gone (nothing was archived or read).
@@ -191,6 +193,7 @@ class PgmqClient:
                 "qty": qty,
                 "ack_queues": [q for q, _ in acks],
                 "ack_ids": [i for _, i in acks],
+                "durable_acks": durable_acks,
             },
         )
         return [(r[0], Row(r[1], r[2], r[3], r[4], r[5])) for r in rows]
@@ -212,9 +215,15 @@ class PgmqClient:
         """Deliver and delete up to ``qty`` visible messages (no ack will follow)."""
         return [Row(*r) for r in self._run(self._q["pop"], {"queue": queue, "qty": qty})]
 
-    def archive(self, queue: str, msg_ids: Sequence[int]) -> list[int]:
-        """Move messages to the archive ``pgmq.a_<queue>``; return the ids that were there."""
-        rows = self._run(self._q["archive"], {"queue": queue, "msg_ids": list(msg_ids)})
+    def archive(self, queue: str, msg_ids: Sequence[int], *, durable: bool = True) -> list[int]:
+        """Move messages to the archive ``pgmq.a_<queue>``; return the ids that were there.
+
+        ``durable=False`` commits asynchronously (a server crash may forget the ack).
+        """
+        rows = self._run(
+            self._q["archive" if durable else "archive_async"],
+            {"queue": queue, "msg_ids": list(msg_ids)},
+        )
         return [r[0] for r in rows]
 
     def set_vt(self, queue: str, msg_ids: Sequence[int], vt_seconds: int) -> list[int]:

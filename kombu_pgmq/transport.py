@@ -159,7 +159,7 @@ class QoS(virtual.QoS):
             super().ack(delivery_tag)
             transport.defer_ack(queue, msg_id)
         else:
-            self.channel.pgmq.archive(queue, [msg_id])
+            self.channel.pgmq.archive(queue, [msg_id], durable=transport.durable_acks)
             super().ack(delivery_tag)
             transport.wake()  # a prefetch slot is free: read now
 
@@ -613,7 +613,10 @@ class Channel(virtual.Channel):
             acked = acked[turn:] + acked[:turn]
             names = [pgmq_queue_name(q) for q in acked]
             try:
-                pairs = self.pgmq.read_many(names, self._vt_seconds, remaining, acks)
+                durable = self.connection.durable_acks
+                pairs = self.pgmq.read_many(
+                    names, self._vt_seconds, remaining, acks, durable_acks=durable
+                )
                 acks_sent = True
             except errors.QueueNotFound:
                 pairs = None  # one is gone: go queue by queue (recreates it)
@@ -826,6 +829,15 @@ class Transport(virtual.Transport):
                     )
                 setattr(self, name, value)
         self.install_schema = bool(client.transport_options.get("install_schema", True))
+        durable_acks = options.get("durable_acks", False)
+        if not isinstance(durable_acks, bool):
+            raise errors.ConfigurationError(
+                f"transport option durable_acks={durable_acks!r} is invalid: expected True or False"
+            )
+        #: Commit acks synchronously. False (default): a server crash may forget the last
+        #: acks, and those messages are delivered again; publishes always commit
+        #: synchronously, so no message is lost either way.
+        self.durable_acks = durable_acks
 
     def __repr__(self) -> str:
         return f"<kombu_pgmq.Transport {conninfo.redact(self._url)}>"
@@ -1032,9 +1044,9 @@ class Transport(virtual.Transport):
         for queue, ids in by_queue.items():
             # dropped with its messages: nothing left to ack
             with contextlib.suppress(errors.QueueNotFound):
-                client.archive(queue, ids)
+                client.archive(queue, ids, durable=self.durable_acks)
 
-    def _collect(self, wakeups: Wakeups) -> None:
+    def _note_wakeups(self, wakeups: Wakeups) -> None:
         """Mark notified queues ready; every consumed queue when the fallback poll is due
         or notifications may have been missed."""
         notified, _ = wakeups.collect()
@@ -1115,7 +1127,7 @@ class Transport(virtual.Transport):
         self._draining += 1
         try:
             while True:
-                self._collect(wakeups)
+                self._note_wakeups(wakeups)
                 if self._ready or self._acks:
                     delivered, again = self._poll()
                     if delivered:
@@ -1165,7 +1177,7 @@ class Transport(virtual.Transport):
         wakeups = self._wakeups
         if wakeups is None or self._hub is None:
             return
-        self._collect(wakeups)
+        self._note_wakeups(wakeups)
         self._watch_listener(wakeups)
         for _ in range(2):  # a round, and the final read of queues that went to sleep
             if not (self._ready or self._acks):

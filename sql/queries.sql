@@ -29,7 +29,7 @@ FROM pgmq.read(%(queue)s, %(vt_seconds)s::integer, %(qty)s::integer)
 -- round trip (kombu_pgmq.read, migration 0003). Rows carry their PGMQ queue name.
 SELECT queue, msg_id, read_ct, message, headers, age_seconds
 FROM kombu_pgmq.read(%(queues)s::text[], %(vt_seconds)s::integer, %(qty)s::integer,
-                     %(ack_queues)s::text[], %(ack_ids)s::bigint[])
+                     %(ack_queues)s::text[], %(ack_ids)s::bigint[], %(durable_acks)s::boolean)
 
 -- name: wait_for
 -- This connection found the queues empty and sleeps on their NOTIFY channels (see
@@ -59,6 +59,12 @@ FROM pgmq.pop(%(queue)s, %(qty)s::integer)
 -- name: archive
 -- Ack: move messages to pgmq.a_<queue> (the audit trail). Returns archived ids.
 SELECT pgmq.archive(%(queue)s, %(msg_ids)s::bigint[]) AS msg_id
+
+-- name: archive_async
+-- Ack with an asynchronous commit (transport option durable_acks=False): a server crash
+-- may forget it, and the message is then delivered again (at least once).
+SELECT pgmq.archive(%(queue)s, %(msg_ids)s::bigint[]) AS msg_id,
+       set_config('synchronous_commit', 'off', true) AS synchronous_commit
 
 -- name: set_vt
 -- Requeue (vt_seconds = 0) or extend the lease of messages. Returns updated ids.

@@ -100,12 +100,14 @@ $$;
 -- Ack and read in one round trip and one transaction: archive the acked messages
 -- (ack_queues[i] holds ack_ids[i]), then read up to qty messages from the queues in the
 -- order given (the caller rotates it for fairness), hiding them for vt seconds.
--- With no acks the commit is asynchronous (synchronous_commit off): a server crash can
--- forget that a message was delivered, which only delivers it again (at least once).
--- Acks always commit synchronously.
+-- The commit is asynchronous (synchronous_commit off) unless there are acks and
+-- durable_acks: a server crash can then forget the last deliveries and acks, which only
+-- delivers those messages again (at least once); it never loses a message, since
+-- publishes always commit synchronously.
 CREATE FUNCTION kombu_pgmq.read(
     queues text[], vt integer, qty integer,
-    ack_queues text[] DEFAULT '{}', ack_ids bigint[] DEFAULT '{}'
+    ack_queues text[] DEFAULT '{}', ack_ids bigint[] DEFAULT '{}',
+    durable_acks boolean DEFAULT true
 ) RETURNS TABLE (
     queue text, msg_id bigint, read_ct integer, message text, headers text,
     age_seconds double precision
@@ -118,9 +120,10 @@ DECLARE
     remaining integer := qty;
     n integer;
 BEGIN
-    IF coalesce(cardinality(ack_ids), 0) = 0 THEN
+    IF coalesce(cardinality(ack_ids), 0) = 0 OR NOT durable_acks THEN
         PERFORM set_config('synchronous_commit', 'off', true);
-    ELSE
+    END IF;
+    IF coalesce(cardinality(ack_ids), 0) > 0 THEN
         FOR q, ids IN
             SELECT a.q, array_agg(a.id) FROM unnest(ack_queues, ack_ids) AS a(q, id)
             GROUP BY a.q ORDER BY a.q
