@@ -1,0 +1,324 @@
+"""LISTEN/NOTIFY wake-ups, the waiting protocol, batched acks and multi-queue reads."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Any
+
+import psycopg
+import pytest
+from kombu import Connection, Consumer, Exchange, Producer, Queue
+
+from kombu_pgmq.client import PgmqClient
+from kombu_pgmq.errors import ConfigurationError
+from kombu_pgmq.naming import pgmq_queue_name
+
+from .helpers import connect, publish, sql, table
+
+# Long enough that a test passing within it cannot be explained by the fallback poll.
+NO_FALLBACK = 60.0
+
+
+def waiting_rows(db_dsn: str, queue: str) -> int:
+    return sql(
+        db_dsn,
+        "SELECT count(*) FROM kombu_pgmq.waiting WHERE pgmq_queue = %s",
+        (pgmq_queue_name(queue),),
+    )[0][0]
+
+
+def drain_until(conn: Connection, got: list[Any], n: int, timeout: float) -> float:
+    """drain_events until ``got`` holds ``n`` messages; return the seconds it took."""
+    start = time.monotonic()
+    while len(got) < n and time.monotonic() - start < timeout:
+        with contextlib.suppress(TimeoutError):
+            conn.drain_events(timeout=timeout - (time.monotonic() - start))
+    return time.monotonic() - start
+
+
+@pytest.mark.parametrize("via_exchange", [False, True], ids=["default_exchange", "direct"])
+def test_publish_from_another_process_wakes_a_sleeping_consumer(db_dsn, via_exchange):
+    exchange = Exchange("wake_x", type="direct")
+    queue = Queue("wakeq", exchange if via_exchange else None, routing_key="wakeq")
+    got: list[Any] = []
+    with connect(db_dsn, polling_interval=NO_FALLBACK) as conn, conn.channel() as channel:
+        consumer = Consumer(channel, [queue], on_message=lambda m: (got.append(m), m.ack()))
+        with consumer:
+            # The queue is empty: the consumer records that it waits, then sleeps.
+            with pytest.raises(TimeoutError):
+                conn.drain_events(timeout=0.5)
+            assert waiting_rows(db_dsn, "wakeq") == 1
+
+            def publish_later() -> None:
+                time.sleep(0.3)
+                with connect(db_dsn) as other, other.channel() as ch:
+                    Producer(ch).publish(
+                        {"n": 1},
+                        exchange=exchange if via_exchange else "",
+                        routing_key="wakeq",
+                    )
+
+            publisher = threading.Thread(target=publish_later)
+            publisher.start()
+            took = drain_until(conn, got, 1, timeout=20)
+            publisher.join()
+    assert [m.decode() for m in got] == [{"n": 1}]
+    assert took < 10  # the fallback poll would have taken 60 s
+
+
+def test_wait_for_waits_for_publishers_that_missed_the_waiting_row(db_dsn):
+    """The protocol of migration 0003: no wake-up is lost to a race."""
+    with connect(db_dsn) as conn:
+        conn.channel().queue_declare("race")
+    consumer = PgmqClient(db_dsn)
+    listener = PgmqClient(db_dsn)
+    try:
+        listener.listen(["kombu_pgmq.race"])
+        with psycopg.connect(db_dsn) as publisher:  # a transaction left open on purpose
+            publisher.execute("SELECT kombu_pgmq.publish('race', '{\"n\": 1}', '{}')")
+            # It checked kombu_pgmq.waiting before the consumer's row existed: it will
+            # not notify. wait_for must therefore wait for its commit.
+            done = threading.Event()
+            waiter = threading.Thread(
+                target=lambda: (consumer.wait_for("me", ["race"]), done.set())
+            )
+            waiter.start()
+            assert not done.wait(0.5), "wait_for returned while a publisher was in flight"
+            publisher.commit()
+        assert done.wait(10)
+        waiter.join()
+        # ... so the consumer's read after wait_for sees the message.
+        assert [row.message for row in consumer.read("race", 30, 10)] == ['{"n": 1}']
+        assert listener.notifications() == []  # it did not notify (the row came later)
+        # A publish after wait_for notifies.
+        publisher_client = PgmqClient(db_dsn)
+        publisher_client.send("race", '{"n": 2}', "{}")
+        publisher_client.close()
+        deadline = time.monotonic() + 10
+        notified: list[str] = []
+        while not notified and time.monotonic() < deadline:
+            time.sleep(0.05)
+            notified = listener.notifications()
+        assert notified == ["kombu_pgmq.race"]
+    finally:
+        consumer.close()
+        listener.close()
+
+
+def test_publishers_stop_notifying_while_a_consumer_has_a_backlog(db_dsn):
+    got: list[Any] = []
+    with connect(db_dsn, polling_interval=NO_FALLBACK) as conn, conn.channel() as channel:
+        consumer = Consumer(
+            channel, [Queue("backlog")], on_message=lambda m: (got.append(m), m.ack())
+        )
+        consumer.qos(prefetch_count=5)
+        with consumer:
+            with pytest.raises(TimeoutError):
+                conn.drain_events(timeout=0.5)
+            assert waiting_rows(db_dsn, "backlog") == 1
+            with connect(db_dsn) as other:
+                publish(other, "backlog", list(range(60)))
+            drain_until(conn, got, 25, timeout=20)
+            # Several full reads in a row: a backlog, so no more notifications.
+            assert waiting_rows(db_dsn, "backlog") == 0
+            drain_until(conn, got, 60, timeout=20)
+            with pytest.raises(TimeoutError):
+                conn.drain_events(timeout=0.5)
+            # Drained: waiting again, so the next publish wakes it.
+            assert waiting_rows(db_dsn, "backlog") == 1
+    assert sorted(m.decode() for m in got) == list(range(60))
+    # The connection closed: its waiting row is gone.
+    assert waiting_rows(db_dsn, "backlog") == 0
+
+
+def test_acks_made_in_callbacks_are_batched_and_archived_before_drain_events_returns(db_dsn):
+    with connect(db_dsn) as conn:
+        publish(conn, "batched", list(range(20)))
+        client = conn.default_channel.pgmq
+        single_archives: list[int] = []
+        acked_in_reads: list[int] = []
+        archive, read_many = client.archive, client.read_many
+
+        def spy_archive(queue, msg_ids, **kwargs):
+            single_archives.append(len(msg_ids))
+            return archive(queue, msg_ids, **kwargs)
+
+        def spy_read_many(queues, vt_seconds, qty, acks=(), **kwargs):
+            acked_in_reads.append(len(acks))
+            return read_many(queues, vt_seconds, qty, acks, **kwargs)
+
+        client.archive, client.read_many = spy_archive, spy_read_many
+        got: list[Any] = []
+        with Consumer(
+            conn.default_channel,
+            [Queue("batched")],
+            on_message=lambda m: (got.append(m), m.ack()),
+            prefetch_count=10,
+        ):
+            conn.drain_events(timeout=5)
+            # 10 delivered and acked in the callback: archived in one statement already.
+            assert len(got) == 10
+            assert single_archives == [10]
+            assert sql(db_dsn, f"SELECT count(*) FROM {table('batched', 'a')}") == [(10,)]
+            conn.drain_events(timeout=5)
+    assert len(got) == 20
+    assert single_archives == [10, 10]
+    assert sum(acked_in_reads) == 0  # outside the event loop acks never wait for a read
+    assert sql(db_dsn, f"SELECT count(*) FROM {table('batched')}") == [(0,)]
+    assert sql(db_dsn, f"SELECT count(*) FROM {table('batched', 'a')}") == [(20,)]
+
+
+def test_an_ack_outside_drain_events_is_archived_at_once(db_dsn):
+    with connect(db_dsn) as conn:
+        publish(conn, "single", ["x"])
+        message = conn.SimpleQueue("single").get(timeout=5)
+        message.ack()
+        assert sql(db_dsn, f"SELECT count(*) FROM {table('single', 'a')}") == [(1,)]
+        assert sql(db_dsn, f"SELECT count(*) FROM {table('single')}") == [(0,)]
+
+
+def test_acks_ride_with_the_next_read_in_the_event_loop(db_dsn):
+    """Registered with an event loop, acks wait for the next read (one transaction)."""
+    with connect(db_dsn) as conn:
+        publish(conn, "hubacks", list(range(6)))
+        transport = conn.transport
+        client = conn.default_channel.pgmq
+        acked_in_reads: list[int] = []
+        read_many = client.read_many
+
+        def spy_read_many(queues, vt_seconds, qty, acks=(), **kwargs):
+            acked_in_reads.append(len(acks))
+            return read_many(queues, vt_seconds, qty, acks, **kwargs)
+
+        client.read_many = spy_read_many
+        loop = FakeHub()
+        conn.transport.register_with_event_loop(conn.connection, loop)
+        got: list[Any] = []
+        with Consumer(
+            conn.default_channel,
+            [Queue("hubacks")],
+            on_message=lambda m: (got.append(m), m.ack()),
+            prefetch_count=3,
+        ):
+            for _ in range(10):
+                loop.run_once()
+            assert len(got) == 6
+            assert acked_in_reads[:2] == [0, 3]  # the first 3 acks came with the 2nd read
+            assert sql(db_dsn, f"SELECT count(*) FROM {table('hubacks', 'a')}") == [(6,)]
+        transport._unregister_from_event_loop()
+    assert loop.readers == {}
+
+
+class FakeHub:
+    """The part of kombu's Hub the transport uses, run by hand (no real loop needed)."""
+
+    def __init__(self) -> None:
+        self.readers: dict[int, Any] = {}
+        self.soon: list[Any] = []
+
+    def add_reader(self, fd: int, callback: Any, *args: Any) -> None:
+        self.readers[fd] = (callback, args)
+
+    def remove_reader(self, fd: int) -> None:
+        self.readers.pop(fd, None)
+
+    def call_soon(self, callback: Any, *args: Any) -> None:
+        self.soon.append((callback, args))
+
+    def call_repeatedly(self, seconds: float, callback: Any, *args: Any) -> Any:
+        class Entry:
+            def cancel(self) -> None:
+                pass
+
+        return Entry()
+
+    def run_once(self) -> None:
+        import select
+
+        soon, self.soon = self.soon, []
+        for callback, args in soon:
+            callback(*args)
+        if self.readers:
+            ready, _, _ = select.select(list(self.readers), [], [], 0.2)
+            for fd in ready:
+                if fd in self.readers:
+                    callback, args = self.readers[fd]
+                    callback(*args)
+
+
+def test_one_round_trip_reads_several_queues_in_turn(db_dsn):
+    names = ["multi_a", "multi_b", "multi_c"]
+    with connect(db_dsn) as conn:
+        for name in names:
+            publish(conn, name, [f"{name}-{i}" for i in range(20)])
+        client = conn.default_channel.pgmq
+        calls: list[list[str]] = []
+        read_many = client.read_many
+
+        def spy_read_many(queues, vt_seconds, qty, acks=(), **kwargs):
+            calls.append(list(queues))
+            return read_many(queues, vt_seconds, qty, acks, **kwargs)
+
+        client.read_many = spy_read_many
+        got: list[Any] = []
+        with Consumer(
+            conn.default_channel,
+            [Queue(n) for n in names],
+            on_message=lambda m: (got.append(m), m.ack()),
+            prefetch_count=6,
+        ):
+            for _ in range(5):
+                conn.drain_events(timeout=5)
+    assert len(got) == 30
+    assert all(sorted(c) == names for c in calls[:5])  # every queue in each round trip
+    assert len({c[0] for c in calls[:5]}) == 3  # ... starting with each in turn
+    per_queue = {n: sum(1 for m in got if m.delivery_info["kombu_queue"] == n) for n in names}
+    assert min(per_queue.values()) >= 6, per_queue
+
+
+def test_fallback_poll_finds_messages_that_become_visible_without_a_publish(db_dsn):
+    got: list[Any] = []
+    with connect(db_dsn, polling_interval=0.5) as conn, conn.channel() as channel:
+        consumer = Consumer(channel, [Queue("later")], on_message=lambda m: (got.append(m), m.ack()))
+        with consumer:
+            with pytest.raises(TimeoutError):
+                conn.drain_events(timeout=0.3)
+            # A delayed send (PGMQ's native delay): visible in 1 s, no notification then.
+            sender = PgmqClient(db_dsn)
+            sender.send("later", '{"late": true}', "{}", delay_seconds=1)
+            sender.close()
+            took = drain_until(conn, got, 1, timeout=10)
+    assert [m.decode() for m in got] == [{"late": True}]
+    assert took < 5
+
+
+def test_durable_acks_must_be_a_bool(db_dsn):
+    with pytest.raises(ConfigurationError, match="durable_acks='yes'.*True or False"):
+        connect(db_dsn, durable_acks="yes").connect()
+
+
+@pytest.mark.parametrize("durable", [None, True])
+def test_acks_commit_asynchronously_unless_durable_acks(db_dsn, durable):
+    options = {} if durable is None else {"durable_acks": durable}
+    with connect(db_dsn, **options) as conn:
+        publish(conn, "durable_acks", [1, 2, 3])
+        client = conn.default_channel.pgmq
+        seen: list[bool] = []
+        archive = client.archive
+
+        def spy_archive(queue, msg_ids, *, durable=True):
+            seen.append(durable)
+            return archive(queue, msg_ids, durable=durable)
+
+        client.archive = spy_archive
+        got: list[Any] = []
+        with Consumer(
+            conn.default_channel,
+            [Queue("durable_acks")],
+            on_message=lambda m: (got.append(m), m.ack()),
+        ):
+            drain_until(conn, got, 3, timeout=10)
+    assert seen and set(seen) == {bool(durable)}
+    assert sql(db_dsn, f"SELECT count(*) FROM {table('durable_acks', 'a')}") == [(3,)]
