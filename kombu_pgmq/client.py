@@ -412,6 +412,20 @@ class PgmqClient:
         Kombu names."""
         return self.column("reap")
 
+    def dead_tuples(self, queues: Sequence[str]) -> dict[str, int]:
+        """Dead row versions of each queue's table ``pgmq.q_<queue>`` (from the server's
+        cumulative statistics; queues without statistics yet are left out)."""
+        rows = self._run(self._q["dead_tuples"], {"tables": [f"q_{q}" for q in queues]})
+        return {str(name)[2:]: int(n) for name, n in rows}
+
+    def vacuum(self, queue: str) -> None:
+        """``VACUUM`` the queue's table (skipped if another VACUUM holds it).
+
+        Raises:
+            OperationalError: e.g. the role does not own the table.
+        """
+        self._run(_with_table("vacuum", queue))
+
     def queue_exists(self, queue: str) -> bool:
         return bool(self._run(self._q["queue_exists"], {"queue": queue})[0][0])
 

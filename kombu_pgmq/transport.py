@@ -793,6 +793,9 @@ class Transport(virtual.Transport):
     consumer_heartbeat_interval: float = 10.0
     #: A consumer without a heartbeat for this many seconds counts as gone.
     consumer_stale_after: float = 30.0
+    #: Dead row versions in a consumed queue's table after which the heartbeat thread
+    #: VACUUMs it (0: never; leave it to autovacuum).
+    vacuum_threshold: int = 20_000
 
     def __init__(self, client: Any, **kwargs: Any) -> None:
         super().__init__(client, **kwargs)
@@ -813,6 +816,7 @@ class Transport(virtual.Transport):
         self._hub: Any = None
         self._hub_fds: list[int] = []
         self._hub_timer: Any = None
+        self._vacuum_refused: set[str] = set()
         self._maintainer: threading.Thread | None = None
         self._stop_maintainer = threading.Event()
         options = client.transport_options
@@ -829,6 +833,13 @@ class Transport(virtual.Transport):
                     )
                 setattr(self, name, value)
         self.install_schema = bool(client.transport_options.get("install_schema", True))
+        threshold = options.get("vacuum_threshold", self.vacuum_threshold)
+        if not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < 0:
+            raise errors.ConfigurationError(
+                f"transport option vacuum_threshold={threshold!r} is invalid: expected a "
+                "number of dead tuples >= 0 (0: never vacuum, leave it to autovacuum)"
+            )
+        self.vacuum_threshold = threshold
         durable_acks = options.get("durable_acks", False)
         if not isinstance(durable_acks, bool):
             raise errors.ConfigurationError(
@@ -958,6 +969,8 @@ class Transport(virtual.Transport):
             try:
                 client.heartbeat(self.owner)
                 self.reap(client)  # never self.pgmq_client(): it would reopen a closed one
+                if self.vacuum_threshold:
+                    self._vacuum(client)
             except errors.KombuPgmqError as exc:
                 if not self._stop_maintainer.is_set():  # else: closing, not a failure
                     logger.warning("consumer heartbeat failed (%s); retrying", exc)
@@ -995,6 +1008,43 @@ class Transport(virtual.Transport):
 
     def _consumed(self) -> set[str]:
         return {pgmq_queue_name(q) for c in self.channels for q in c._active_queues}
+
+    def _vacuum(self, client: PgmqClient) -> None:
+        """VACUUM consumed queue tables with more than ``vacuum_threshold`` dead tuples.
+
+        Each delivery updates a row (the visibility timeout) and each ack deletes it, so a
+        busy queue table collects dead row versions fast; autovacuum visits a database
+        once a minute at best (and may be off). See benchmarks/README.md (churn).
+        """
+        names = sorted({pgmq_queue_name(queue) for queue, _ in self._consumers})
+        due = [
+            name
+            for name, dead in client.dead_tuples(names).items()
+            if dead > self.vacuum_threshold and name not in self._vacuum_refused
+        ]
+        if not due:
+            return
+        # A connection of its own: VACUUM takes a while, and must not hold up the
+        # consumers' statements on the shared one.
+        vacuumer = PgmqClient(self.conninfo())
+        try:
+            for name in due:
+                try:
+                    vacuumer.vacuum(name)
+                except errors.QueueNotFound:
+                    continue
+                except errors.BrokerConnectionError:
+                    raise
+                except errors.KombuPgmqError as exc:
+                    self._vacuum_refused.add(name)
+                    logger.warning(
+                        "cannot VACUUM queue table pgmq.q_%s (%s): leaving it to autovacuum; "
+                        "set transport option vacuum_threshold=0 to stop trying",
+                        name,
+                        exc,
+                    )
+        finally:
+            vacuumer.close()
 
     def wake(self) -> None:
         """End the current wait of :meth:`drain_events` (or run a poll in Celery's event

@@ -280,6 +280,16 @@ ON CONFLICT (queue, owner, consumer_tag) DO UPDATE SET heartbeat_at = clock_time
 -- Returns true when the queue was dropped (auto_delete, and this was its last consumer).
 SELECT kombu_pgmq.release_consumer(%(kombu_queue)s, %(owner)s, %(consumer_tag)s) AS dropped
 
+-- name: dead_tuples
+-- Dead row versions of queue tables (cumulative statistics, a few seconds behind).
+SELECT relname, n_dead_tup FROM pg_stat_user_tables
+WHERE schemaname = 'pgmq' AND relname = ANY(%(tables)s::text[])
+
+-- name: vacuum
+-- {queue_table} composed with psycopg.sql.Identifier. SKIP_LOCKED: another consumer's
+-- VACUUM (or autovacuum) is already at it. Cannot run inside a transaction block.
+VACUUM (SKIP_LOCKED) {queue_table}
+
 -- name: heartbeat
 -- Keeps this process's consumers live and their queues used (x-expires).
 WITH beat AS (
