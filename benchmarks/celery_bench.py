@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
-import importlib.metadata
 import json
 import os
 import platform
@@ -47,7 +46,7 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent
@@ -57,79 +56,20 @@ sys.path.insert(1, str(REPO_ROOT))
 import celery  # noqa: E402
 import celery_bench_app  # noqa: E402
 import kombu  # noqa: E402
-import psycopg  # noqa: E402
+from brokers import (  # noqa: E402
+    DEFAULT_BROKERS,
+    DEFAULT_OPTIONS,
+    dist_version,
+    ensure_database,
+    ensure_sql_pgmq,
+    git_describe,
+    pg_dsn,
+    pg_version,
+)
 from kombu.utils.url import maybe_sanitize_url  # noqa: E402
-
-DEFAULT_BROKERS = {
-    "kombu_pgmq": "postgresql://postgres@127.0.0.1:5432/kpb_ours",
-    "redis": "redis://127.0.0.1:6379/0",
-    "rabbitmq": "amqp://guest:guest@127.0.0.1:5672//",
-    "kombu57_pgmq": "pgmq://postgres@127.0.0.1:5432/kpb_kombu57",
-}
-DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {"kombu57_pgmq": {"init_extension": False}}
 
 WORKER_STOP_TIMEOUT_S = 20.0
 READY_TIMEOUT_S = 60.0
-
-
-# -- PostgreSQL helpers -------------------------------------------------------------------
-
-
-def pg_dsn(url: str) -> str | None:
-    """psycopg URL of a ``postgresql://`` / ``pgmq://`` broker URL, else ``None``."""
-    parts = urlsplit(url)
-    if parts.scheme in ("postgresql", "postgres", "pgmq"):
-        return urlunsplit(parts._replace(scheme="postgresql"))
-    return None
-
-
-def ensure_database(dsn: str) -> None:
-    parts = urlsplit(dsn)
-    dbname = parts.path.lstrip("/") or "postgres"
-    admin = urlunsplit(parts._replace(path="/postgres"))
-    with psycopg.connect(admin, autocommit=True) as conn:
-        exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (dbname,)).fetchone()
-        if not exists:
-            conn.execute(f'CREATE DATABASE "{dbname}"')
-
-
-def ensure_sql_pgmq(dsn: str) -> None:
-    """SQL-only PGMQ install (no extension) if ``pgmq.meta`` is missing."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        present = conn.execute("SELECT to_regclass('pgmq.meta')").fetchone()[0]
-    if present is None:
-        from pgmq.install import install_pgmq_from_sql
-
-        install_pgmq_from_sql(dsn=dsn)
-
-
-def pg_version(dsn: str) -> str | None:
-    try:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            return conn.execute("SHOW server_version").fetchone()[0]
-    except Exception as exc:  # environment info only
-        return f"error: {exc}"
-
-
-def dist_version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def git_describe() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "describe", "--always", "--dirty"],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except OSError:
-        return None
-    return out.stdout.strip() or None
 
 
 # -- worker and task log ------------------------------------------------------------------

@@ -59,11 +59,13 @@ def consumer(url: str, queue: str, options: dict[str, Any], stop: Any, count: An
                 count.value += done
             done = 0
 
-    with Connection(url, transport_options=options) as conn:
-        with Consumer(conn.channel(), [Queue(queue)], callbacks=[on_message], prefetch_count=10):
-            while not stop.is_set():
-                with suppress(TimeoutError):
-                    conn.drain_events(timeout=1)
+    with (
+        Connection(url, transport_options=options) as conn,
+        Consumer(conn.channel(), [Queue(queue)], callbacks=[on_message], prefetch_count=10),
+    ):
+        while not stop.is_set():
+            with suppress(TimeoutError):
+                conn.drain_events(timeout=1)
 
 
 STATS = """

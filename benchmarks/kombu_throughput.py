@@ -2,14 +2,17 @@
 
 Usage::
 
-    python benchmarks/kombu_throughput.py [--messages 2000] [--prefetch 10] \
-        [--url postgresql://...] [--url redis://127.0.0.1:6379/0] [--json out.json]
+    python benchmarks/kombu_throughput.py [--messages 2000] [--prefetch 10] [--repeat 5] \
+        [--broker NAME=URL ...] [--durability-modes] [--json out.json]
 
-Each URL is measured in the same run, ``--repeat`` times in turn (median reported).
-Default: our transport on ``KOMBU_PGMQ_URL`` (else the embedded server) and Redis on
-localhost. Prints msgs/s for publish and for consume+ack (one ack per message, as
-Celery does). For PostgreSQL URLs it also measures the floor a publish stands on: a raw
-``SELECT pgmq.send(...)`` loop on one psycopg connection, same payload.
+Brokers (default: all of :mod:`brokers`: kombu_pgmq, redis, rabbitmq, kombu57_pgmq) are
+measured in the same run, ``--repeat`` times in turn (median reported). Prints msgs/s
+for publish and for consume+ack (one ack per message, as Celery does). For kombu_pgmq it
+also measures the floor a publish stands on: a raw ``SELECT pgmq.send(...)`` loop on one
+psycopg connection, same payload.
+
+``--durability-modes`` adds kombu_pgmq variants: ``durable_acks=True``; publishes with
+``synchronous_commit=off`` (libpq ``options``); a non-durable queue (UNLOGGED tables).
 """
 
 from __future__ import annotations
@@ -18,21 +21,37 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 import uuid
+from pathlib import Path
+from typing import Any
 
 import psycopg
 from kombu import Connection, Consumer, Producer, Queue
 
-import kombu_pgmq
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from brokers import DEFAULT_BROKERS, DEFAULT_OPTIONS, pg_dsn, prepare
+
+import kombu_pgmq  # noqa: F401  (registers postgresql://)
 from kombu_pgmq.conninfo import redact
 
+MODES: dict[str, tuple[dict[str, Any], bool]] = {
+    # name: (transport options, durable queue)
+    "durable_acks": ({"durable_acks": True}, True),
+    "async_commit": ({"connection_options": {"options": "-c synchronous_commit=off"}}, True),
+    "unlogged_queue": ({}, False),
+}
 
-def measure(url: str, messages: int, prefetch: int, durable: bool = True) -> dict[str, float | str]:
+
+def measure(
+    url: str, options: dict[str, Any], messages: int, prefetch: int, durable: bool = True
+) -> dict[str, float | str]:
     # durable=False: an UNLOGGED PGMQ queue with kombu_pgmq (no WAL; emptied by a crash).
     queue = Queue(f"bench_{uuid.uuid4().hex[:8]}", routing_key="bench", durable=durable)
     body = {"task": "noop", "args": [1, 2], "kwargs": {}, "id": str(uuid.uuid4())}
-    with Connection(url) as conn:
+    with Connection(url, transport_options=options) as conn:
         channel = conn.channel()
         producer = Producer(channel)
         queue(channel).declare()
@@ -64,10 +83,8 @@ def measure(url: str, messages: int, prefetch: int, durable: bool = True) -> dic
 
 def raw_send_rate(url: str, messages: int) -> float:
     """msgs/s of a plain ``SELECT pgmq.send`` loop (autocommit, one connection)."""
-    from kombu_pgmq.conninfo import make_dsn, url_to_params
-
     body = json.dumps({"task": "noop", "args": [1, 2], "kwargs": {}, "id": str(uuid.uuid4())})
-    with psycopg.connect(make_dsn(url_to_params(url)), autocommit=True) as conn:
+    with psycopg.connect(pg_dsn(url) or url, autocommit=True) as conn:
         conn.execute("SELECT pgmq.create('bench_raw')")
         start = time.perf_counter()
         for _ in range(messages):
@@ -81,51 +98,61 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--messages", type=int, default=2000)
     parser.add_argument("--prefetch", type=int, default=10)
-    parser.add_argument("--url", action="append")
+    parser.add_argument("--broker", action="append", metavar="NAME=URL")
     parser.add_argument("--repeat", type=int, default=3, help="runs per broker (median)")
-    parser.add_argument(
-        "--transient",
-        action="store_true",
-        help="also measure non-durable queues (UNLOGGED tables with kombu_pgmq)",
-    )
+    parser.add_argument("--durability-modes", action="store_true")
     parser.add_argument("--json", help="write results to this file")
     args = parser.parse_args()
-    urls = args.url or [kombu_pgmq.default_broker_url(), "redis://127.0.0.1:6379/0"]
-    cases = [(url, True) for url in urls]
-    if args.transient:
-        cases += [(url, False) for url in urls if url.startswith("postgres")]
-    runs: dict[tuple[str, bool], list[dict[str, float | str]]] = {case: [] for case in cases}
-    raw: dict[str, list[float]] = {url: [] for url in urls if url.startswith("postgres")}
+    brokers = dict(b.split("=", 1) for b in args.broker) if args.broker else dict(DEFAULT_BROKERS)
+    # case name -> (url, transport options, durable queue)
+    cases: dict[str, tuple[str, dict[str, Any], bool]] = {
+        name: (url, DEFAULT_OPTIONS.get(name, {}), True) for name, url in brokers.items()
+    }
+    if args.durability_modes and "kombu_pgmq" in brokers:
+        for mode, (options, durable) in MODES.items():
+            cases[f"kombu_pgmq {mode}"] = (brokers["kombu_pgmq"], options, durable)
+    for url, options, _ in cases.values():
+        prepare(url, options)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in cases}
+    errors: dict[str, str] = {}
+    raw: list[float] = []
     for _ in range(args.repeat):
-        for url, durable in cases:
-            runs[url, durable].append(measure(url, args.messages, args.prefetch, durable))
-            if url in raw and durable:
-                raw[url].append(raw_send_rate(url, args.messages))
+        for name, (url, options, durable) in cases.items():
+            if name in errors:
+                continue
+            try:
+                runs[name].append(measure(url, options, args.messages, args.prefetch, durable))
+            except Exception as exc:  # one broker failing must not hide the others
+                errors[name] = f"{type(exc).__name__}: {exc}"
+            if name == "kombu_pgmq":
+                raw.append(raw_send_rate(url, args.messages))
     results = []
-    for case in cases:
-        url, durable = case
-        row: dict[str, object] = {
-            "url": redact(url) + ("" if durable else " (non-durable: UNLOGGED)"),
-            "durable": durable,
-            "publish_per_s": statistics.median(float(r["publish_per_s"]) for r in runs[case]),
-            "consume_ack_per_s": statistics.median(
-                float(r["consume_ack_per_s"]) for r in runs[case]
-            ),
-            "runs": runs[case],
-        }
-        if url in raw and durable:
-            row["raw_pgmq_send_per_s"] = round(statistics.median(raw[url]))
+    for name, (url, options, durable) in cases.items():
+        row: dict[str, Any] = {"broker": name, "url": redact(url), "options": options}
+        row["durable_queue"] = durable
+        if runs[name]:
+            row["publish_per_s"] = statistics.median(r["publish_per_s"] for r in runs[name])
+            row["consume_ack_per_s"] = statistics.median(r["consume_ack_per_s"] for r in runs[name])
+            row["runs"] = runs[name]
+        if name in errors:
+            row["error"] = errors[name]
+        if name == "kombu_pgmq" and raw:
+            row["raw_pgmq_send_per_s"] = round(statistics.median(raw))
         results.append(row)
-    print(f"{'broker':72} {'publish/s':>10} {'consume+ack/s':>14} {'raw pgmq.send/s':>16}")
+    print(f"{'broker':30} {'publish/s':>10} {'consume+ack/s':>14} {'raw pgmq.send/s':>16}")
     for r in results:
+        if "error" in r:
+            print(f"{r['broker']:30} error: {r['error']}")
+            continue
         print(
-            f"{r['url']!s:72} {r['publish_per_s']:>10.0f} {r['consume_ack_per_s']:>14.0f} "
+            f"{r['broker']:30} {r['publish_per_s']:>10.0f} {r['consume_ack_per_s']:>14.0f} "
             f"{r.get('raw_pgmq_send_per_s', '-')!s:>16}"
         )
     if args.json:
         with open(args.json, "w") as fh:
             meta = {"messages": args.messages, "prefetch": args.prefetch, "repeat": args.repeat}
             json.dump({**meta, "host_cpus": os.cpu_count(), "results": results}, fh, indent=2)
+            fh.write("\n")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,189 @@
+"""Summary table (Markdown) and plot (PNG) of the benchmark results in ``benchmarks/results``.
+
+Usage::
+
+    python benchmarks/report.py [--results benchmarks/results] [--png docs/benchmarks.png]
+
+Reads ``kombu_throughput.json``, ``celery_bench.json``, ``scale.json`` and
+``churn_*.json`` (whichever exist), prints one table comparing the brokers, and draws a
+four-panel figure: Kombu publish and consume+ack, Celery latency, consume rate by
+consumer processes (small vs 1M backlog), and dead tuples during the churn runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+BROKERS = ["kombu_pgmq", "redis", "rabbitmq", "kombu57_pgmq"]
+LABELS = {
+    "kombu_pgmq": "kombu_pgmq",
+    "redis": "Redis",
+    "rabbitmq": "RabbitMQ",
+    "kombu57_pgmq": "kombu 5.7 pgmq",
+}
+COLORS = {
+    "kombu_pgmq": "#336791",
+    "redis": "#d82c20",
+    "rabbitmq": "#ff6600",
+    "kombu57_pgmq": "#999999",
+}
+
+
+def load(path: Path) -> Any:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def fmt(value: Any, spec: str = ",.0f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table(kombu: Any, celery: Any, scale: Any) -> str:
+    kombu_rows = {r["broker"]: r for r in (kombu or {}).get("results", [])}
+    celery_rows = (celery or {}).get("results", {})
+    scale_rows = (scale or {}).get("results", {})
+    head = [
+        "broker",
+        "Kombu publish/s",
+        "Kombu consume+ack/s",
+        "Celery latency p50 ms",
+        "p99 ms",
+        "Celery backlog tasks/s",
+        "consume/s, 1M backlog, 1 / 8 consumers",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name in BROKERS:
+        k = kombu_rows.get(name, {})
+        c = celery_rows.get(name, {})
+        lat, back = c.get("latency") or {}, c.get("backlog") or {}
+        runs = (scale_rows.get(name, {}).get("large") or {}).get("runs", [])
+        by_k = {r["consumers"]: r["per_s"] for r in runs}
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    LABELS[name],
+                    fmt(k.get("publish_per_s")),
+                    fmt(k.get("consume_ack_per_s")),
+                    fmt(lat.get("p50_ms"), ".1f"),
+                    fmt(lat.get("p99_ms"), ".1f"),
+                    fmt(back.get("tasks_per_s")),
+                    f"{fmt(by_k.get(1))} / {fmt(by_k.get(8))}",
+                ]
+            )
+            + " |"
+        )
+    raw = kombu_rows.get("kombu_pgmq", {}).get("raw_pgmq_send_per_s")
+    if raw:
+        lines.append(f"\nRaw `SELECT pgmq.send(...)` loop, same run: {raw:,}/s.")
+    return "\n".join(lines)
+
+
+def plot(kombu: Any, celery: Any, scale: Any, churns: list[Any], png: Path) -> None:
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    (ax_kombu, ax_lat), (ax_scale, ax_churn) = axes
+
+    rows = {r["broker"]: r for r in (kombu or {}).get("results", [])}
+    names = [n for n in BROKERS if n in rows and "publish_per_s" in rows[n]]
+    xs = range(len(names))
+    ax_kombu.bar(
+        [x - 0.2 for x in xs],
+        [rows[n]["publish_per_s"] for n in names],
+        0.4,
+        label="publish",
+        color="#8fb3d9",
+    )
+    ax_kombu.bar(
+        [x + 0.2 for x in xs],
+        [rows[n]["consume_ack_per_s"] for n in names],
+        0.4,
+        label="consume + ack",
+        color="#336791",
+    )
+    ax_kombu.set_xticks(list(xs), [LABELS[n] for n in names])
+    ax_kombu.set_ylabel("messages/s")
+    ax_kombu.set_title(f"Kombu, {kombu['messages'] if kombu else '?'} messages, prefetch 10")
+    ax_kombu.legend()
+
+    results = (celery or {}).get("results", {})
+    names = [n for n in BROKERS if (results.get(n) or {}).get("latency")]
+    xs = range(len(names))
+    ax_lat.bar(
+        [x - 0.2 for x in xs],
+        [results[n]["latency"]["p50_ms"] for n in names],
+        0.4,
+        label="p50",
+        color="#8fb3d9",
+    )
+    ax_lat.bar(
+        [x + 0.2 for x in xs],
+        [results[n]["latency"]["p99_ms"] for n in names],
+        0.4,
+        label="p99",
+        color="#336791",
+    )
+    ax_lat.set_xticks(list(xs), [LABELS[n] for n in names])
+    ax_lat.set_ylabel("ms (apply_async -> task start)")
+    ax_lat.set_yscale("log")
+    ax_lat.set_title("Celery task latency, prefork x2, 200 tasks 20 ms apart")
+    ax_lat.legend()
+
+    for name, entry in ((scale or {}).get("results") or {}).items():
+        for label, style in (("small", "--"), ("large", "-")):
+            runs = (entry.get(label) or {}).get("runs") or []
+            if runs:
+                ax_scale.plot(
+                    [r["consumers"] for r in runs],
+                    [r["per_s"] for r in runs],
+                    style,
+                    marker="o",
+                    color=COLORS.get(name),
+                    label=f"{LABELS.get(name, name)}, {entry[label]['backlog']:,}",
+                )
+    ax_scale.set_xscale("log", base=2)
+    ax_scale.set_xlabel("consumer processes")
+    ax_scale.set_ylabel("messages/s (consume + ack)")
+    ax_scale.set_title("Consume rate: backlog of --consume (dashed) vs 1,000,000 (solid)")
+    ax_scale.legend(fontsize=7)
+
+    for churn in churns:
+        samples = churn["samples"]
+        ax_churn.plot(
+            [s["t_s"] / 60 for s in samples],
+            [s["dead_tuples"] for s in samples],
+            label=churn["label"],
+        )
+    ax_churn.set_xlabel("minutes")
+    ax_churn.set_ylabel("dead tuples in the queue table")
+    ax_churn.set_title("Sustained churn (1 producer, 2 consumers)")
+    ax_churn.legend(fontsize=7)
+
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+
+
+def main() -> None:
+    here = Path(__file__).resolve().parent
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=here / "results")
+    parser.add_argument("--png", type=Path, default=here.parent / "docs" / "benchmarks.png")
+    args = parser.parse_args()
+    kombu = load(args.results / "kombu_throughput.json")
+    celery = load(args.results / "celery_bench.json")
+    scale = load(args.results / "scale.json")
+    churns = [load(p) for p in sorted(args.results.glob("churn_*.json"))]
+    print(table(kombu, celery, scale))
+    plot(kombu, celery, scale, churns, args.png)
+    print(f"\nplot: {args.png}")
+
+
+if __name__ == "__main__":
+    main()
