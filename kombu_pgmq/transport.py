@@ -25,11 +25,19 @@ Delivery semantics
 * At least once. A delivered message stays in its queue table, invisible, until it is
   acked (archived), rejected, or its visibility timeout passes; then it is delivered
   again (``delivery_info['redelivered']`` is true when ``read_ct > 1``).
-* A consumer reads up to its free prefetch in one round trip (``read_batch_size`` when
-  prefetch is unlimited). Consumers with ``no_ack=True`` use ``pgmq.pop`` (delete on
-  delivery, as AMQP auto-ack).
-* Closing a channel makes its unacked messages visible at once (``set_vt`` to now);
-  it never publishes copies, unlike kombu's default ``_restore``.
+* A consumer reads up to its free prefetch in one round trip, from all of a channel's
+  queues at once (``kombu_pgmq.read``; the first queue read rotates, so none starves);
+  ``read_batch_size`` caps it when prefetch is unlimited. Consumers with ``no_ack=True``
+  use ``pgmq.pop`` (delete on delivery, as AMQP auto-ack).
+* Acks are batched. Inside ``drain_events``, the acks its callbacks make are archived in
+  one statement per queue before it returns; in Celery's event loop they are archived at
+  the loop's next turn, in the same transaction as the next read. ``message.ack()`` thus
+  returns before the archive commits: if the process dies in between, the message is
+  delivered again after its visibility timeout (at least once). An ack made outside both
+  (e.g. after ``SimpleQueue.get``) is archived at once.
+* Closing a channel archives its batched acks and makes its unacked messages visible at
+  once (``set_vt`` to now); it never publishes copies, unlike kombu's default
+  ``_restore``.
 * Dead letters mirror SQS's redrive policy: after ``max_deliveries`` deliveries the next
   read moves the message to ``dead_letter_queue`` instead of delivering it; a reject
   without requeue does the same at once. The copy keeps body and headers and gains an
@@ -37,6 +45,53 @@ Delivery semantics
   dead_lettered_at}``; reasons are ``"max_deliveries"`` and ``"rejected"``.
 * ``queue_purge`` deletes ready messages only (unacked ones stay, as in AMQP) and
   returns the count; ``celery purge`` uses it.
+
+Durability
+==========
+
+* Publishes commit synchronously: once ``publish`` returns, the message survives a
+  server crash.
+* Deliveries and acks commit asynchronously (``synchronous_commit = off`` for those
+  transactions): a server crash (PostgreSQL or the machine) may forget the last ones,
+  roughly 3 x ``wal_writer_delay`` (600 ms by default); those messages are then delivered
+  again. Nothing is lost, and the contract stays at least once. ``durable_acks=True``
+  makes acks commit synchronously (an ack is never forgotten; it costs one WAL flush per
+  batch of acks).
+* Opt-in trade-offs, with the failure each one risks:
+
+  - ``connection_options={"options": "-c synchronous_commit=off"}`` on a *producer's*
+    connection: publishes stop waiting for the WAL flush; a server crash loses the
+    publishes of the last ~600 ms (the messages are gone, not duplicated). The database
+    stays consistent.
+  - Non-durable queues (``Queue(..., durable=False)``): UNLOGGED tables, no WAL at all.
+    Any unclean server stop empties them, and they are not replicated to standbys.
+    Celery's reply and event queues are declared this way.
+
+  ``benchmarks/README.md`` measures each.
+
+Wake-ups
+========
+
+Consumers do not poll. A consuming connection LISTENs on ``kombu_pgmq.<pgmq queue>`` for
+each queue it consumes (a second PostgreSQL connection, :mod:`kombu_pgmq.wakeups`); when
+a read finds a queue empty it records itself in ``kombu_pgmq.waiting`` and sleeps, and a
+publish NOTIFYs that queue only while someone waits on it, so a busy system sends no
+notifications (a NOTIFY takes a database-wide lock at commit, which would serialize all
+publishers). A shared/exclusive advisory lock per queue makes sure no wake-up is lost
+(see ``sql/migrations/0003_wakeups_and_batched_reads.sql``). A fallback poll every
+``polling_interval`` seconds finds messages that become visible without a publish
+(visibility timeout expiry, delayed sends). An ack that frees a prefetch slot wakes the
+consumer at once.
+
+With Celery, the transport runs in the worker's event loop (``asynloop``):
+``implements.asynchronous`` is true, and :meth:`Transport.register_with_event_loop`
+registers the LISTEN socket and a wake pipe with the loop.
+
+Connections: each Kombu connection uses one PostgreSQL connection for its statements
+(shared by its channels and its heartbeat thread), one more to LISTEN once it consumes,
+and a short-lived one when it VACUUMs a queue table. A Celery worker with the prefork
+pool therefore holds 2 for consuming, plus its producer pool's (events, replies) and the
+result backend's.
 
 Exchanges and queue lifetime
 ============================
@@ -70,7 +125,15 @@ Transport Options
   dead-letter queue (not kombu's ``deadletter_queue`` option, which is for unroutable
   messages).
 * ``read_batch_size`` (int, default 100): most messages read in one round trip.
-* ``polling_interval`` (seconds, default 0.1): sleep between polls of empty queues.
+* ``polling_interval`` (seconds, default 1): fallback poll of every consumed queue, for
+  messages that become visible without a publish (visibility timeout expiry, delayed
+  sends). New messages wake consumers at once through LISTEN/NOTIFY.
+* ``durable_acks`` (bool, default False): commit acks synchronously (see Durability).
+* ``vacuum_threshold`` (dead tuples, default 20000; 0 = never): a consuming process
+  VACUUMs a consumed queue's table when it has more dead row versions than this
+  (checked every ``consumer_heartbeat_interval``). Every delivery and ack leaves one; a
+  busy queue collects them faster than autovacuum (once a minute at best, and sometimes
+  off) removes them. Needs ownership of the queue tables; if refused, logged once.
 * ``install_schema`` (bool, default True): on connect, install PGMQ (extension, or the
   bundled SQL-only form) and kombu_pgmq's migrations if missing. When False, PGMQ and
   the migrations must already be there.

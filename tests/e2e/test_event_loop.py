@@ -48,3 +48,21 @@ def test_idle_worker_sends_no_query_more_often_than_the_fallback_interval(
     # plus a heartbeat every 10 s; the 0.1 s polling of before would show ~100.
     assert len(started) <= 4 * window_s, started
     assert len(started) >= 1  # the sampler sees the fallback polls at all
+
+
+def test_worker_recovers_when_its_database_connections_are_killed(
+    app: Celery, db: psycopg.Connection, start_worker: Callable[..., Worker]
+) -> None:
+    worker = start_worker(KPT_POLLING_INTERVAL="60")
+    assert app.tasks["e2e.add"].delay(1, 1).get(timeout=20) == 2
+    killed = db.execute(
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+        "WHERE datname = current_database() AND pid <> pg_backend_pid() "
+        "AND application_name <> 'kpt_e2e_test'"
+    ).fetchone()[0]
+    assert killed >= 2  # at least the worker's statement and LISTEN connections
+    # The worker reconnects by itself (Celery's connection retry) and LISTENs again.
+    assert app.tasks["e2e.add"].delay(2, 2).get(timeout=60) == 4
+    time.sleep(1.0)
+    assert app.tasks["e2e.add"].delay(3, 3).get(timeout=20) == 6
+    assert worker.alive()

@@ -281,7 +281,9 @@ def test_one_round_trip_reads_several_queues_in_turn(db_dsn):
 def test_fallback_poll_finds_messages_that_become_visible_without_a_publish(db_dsn):
     got: list[Any] = []
     with connect(db_dsn, polling_interval=0.5) as conn, conn.channel() as channel:
-        consumer = Consumer(channel, [Queue("later")], on_message=lambda m: (got.append(m), m.ack()))
+        consumer = Consumer(
+            channel, [Queue("later")], on_message=lambda m: (got.append(m), m.ack())
+        )
         with consumer:
             with pytest.raises(TimeoutError):
                 conn.drain_events(timeout=0.3)
@@ -295,7 +297,7 @@ def test_fallback_poll_finds_messages_that_become_visible_without_a_publish(db_d
 
 
 def test_durable_acks_must_be_a_bool(db_dsn):
-    with pytest.raises(ConfigurationError, match="durable_acks='yes'.*True or False"):
+    with pytest.raises(ConfigurationError, match=r"durable_acks='yes'.*True or False"):
         connect(db_dsn, durable_acks="yes").connect()
 
 
