@@ -1050,6 +1050,7 @@ class Transport(virtual.Transport):
         """A channel consumes PGMQ queue ``name``: LISTEN for it and read it now."""
         wakeups = self._get_wakeups()
         wakeups.listen([name])
+        wakeups.fileno()  # connected and LISTENing from now on
         self._ready.add(name)
         wakeups.wake()
 
@@ -1209,6 +1210,7 @@ class Transport(virtual.Transport):
             client.stop_waiting(self.owner, sorted(to_busy))
             self._waiting.difference_update(to_busy)
         if to_wait:
+            self._get_wakeups().fileno()  # LISTEN before publishers can see us waiting
             client.wait_for(self.owner, sorted(to_wait))
             self._waiting |= to_wait
             self._ready |= to_wait  # the final read, after wait_for committed

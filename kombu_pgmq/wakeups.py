@@ -42,7 +42,6 @@ class Wakeups:
         self._pipe_r, self._pipe_w = os.pipe()
         os.set_blocking(self._pipe_r, False)
         os.set_blocking(self._pipe_w, False)
-        self._woken = False
         self._closed = False
 
     # -- listening -----------------------------------------------------------------------
@@ -97,36 +96,36 @@ class Wakeups:
     # -- waking --------------------------------------------------------------------------
 
     def wake(self) -> None:
-        """Make the wait end now (safe from any thread; repeated calls fold)."""
-        if self._woken or self._closed:
+        """Make the wait end now (safe from any thread: one byte into the pipe)."""
+        if self._closed:
             return
-        self._woken = True
-        # pipe full (already readable) or closed
+        # pipe full (it is readable then anyway) or closed
         with contextlib.suppress(BlockingIOError, OSError):
             os.write(self._pipe_w, b"w")
 
     def collect(self) -> tuple[set[str] | None, bool]:
         """Return ``(notified queues, woken)`` without blocking.
 
-        ``notified`` is None when the LISTEN connection was lost (and is reconnected on
-        the next :meth:`fileno` or :meth:`wait`): notifications may have been missed, so
-        poll every queue.
+        ``notified`` is None when the LISTEN connection was not there or was lost: it is
+        (re)connected and LISTENing when this returns, but notifications may have been
+        missed before, so poll every queue.
+
+        Raises:
+            BrokerConnectionError: the LISTEN connection cannot be (re)established.
         """
-        woken = self._woken
-        if woken:
-            self._woken = False
-            try:
-                while os.read(self._pipe_r, 512):
-                    pass
-            except (BlockingIOError, OSError):
-                pass
+        woken = False
+        with contextlib.suppress(BlockingIOError, OSError):
+            while os.read(self._pipe_r, 4096):
+                woken = True
         listener = self._listener
         if listener is None:
+            self._client()
             return None, woken
         try:
             channels = listener.notifications()
         except KombuPgmqError:
             self._drop()
+            self._client()
             return None, woken
         cut = len(CHANNEL_PREFIX)
         return {c[cut:] for c in channels if c.startswith(CHANNEL_PREFIX)}, woken

@@ -85,8 +85,8 @@ def test_reads_up_to_free_prefetch_in_one_round_trip(db_dsn):
         reads: list[int] = []
         original = client.read_many
 
-        def counting_read(queues, vt_seconds, qty, acks=()):
-            rows = original(queues, vt_seconds, qty, acks)
+        def counting_read(queues, vt_seconds, qty, acks=(), **kwargs):
+            rows = original(queues, vt_seconds, qty, acks, **kwargs)
             reads.append(len(rows))
             return rows
 

@@ -324,3 +324,38 @@ def test_acks_commit_asynchronously_unless_durable_acks(db_dsn, durable):
             drain_until(conn, got, 3, timeout=10)
     assert seen and set(seen) == {bool(durable)}
     assert sql(db_dsn, f"SELECT count(*) FROM {table('durable_acks', 'a')}") == [(3,)]
+
+
+def test_a_consumer_vacuums_its_busy_queue_table(db_dsn):
+    options = {"vacuum_threshold": 100, "consumer_heartbeat_interval": 0.5}
+    got: list[Any] = []
+    with connect(db_dsn, **options) as conn:
+        publish(conn, "churned", list(range(300)))
+        with Consumer(
+            conn.default_channel,
+            [Queue("churned")],
+            on_message=lambda m: (got.append(m), m.ack()),
+            prefetch_count=50,
+        ):
+            drain_until(conn, got, 300, timeout=30)
+            # 300 deliveries and acks leave ~600 dead row versions: the heartbeat thread
+            # VACUUMs the table (statistics reach it within a few seconds).
+            deadline = time.monotonic() + 30
+            vacuums = 0
+            while vacuums == 0 and time.monotonic() < deadline:
+                with contextlib.suppress(TimeoutError):
+                    conn.drain_events(timeout=0.5)
+                vacuums = sql(
+                    db_dsn,
+                    "SELECT vacuum_count FROM pg_stat_user_tables "
+                    "WHERE schemaname = 'pgmq' AND relname = %s",
+                    (f"q_{pgmq_queue_name('churned')}",),
+                )[0][0]
+    assert len(got) == 300
+    assert vacuums >= 1
+
+
+@pytest.mark.parametrize("value", [-1, "many", 1.5, True])
+def test_vacuum_threshold_must_be_a_count(db_dsn, value):
+    with pytest.raises(ConfigurationError, match=r"vacuum_threshold=.*dead tuples >= 0"):
+        connect(db_dsn, vacuum_threshold=value).connect()
