@@ -11,10 +11,10 @@ kombu 5.7's pgmq: one Kombu-published row copied with ``INSERT ... SELECT`` from
 ``generate_series``; Redis: pipelined ``LPUSH`` of the Kombu payload; RabbitMQ: py-amqp
 ``basic_publish`` of the Kombu message), then for each consumer count ``k`` in
 ``--consumers``, ``k`` processes (Kombu ``Consumer``, prefetch 10, one ack per message)
-consume ``--consume`` messages between them (``--consume // k`` each, or what they get
-in ``--max-seconds``). Rate = messages acked / seconds from the start signal to the last
-process done. The small backlog is topped up to ``--consume`` before each count; the
-large one just loses what was consumed (at most 4 x ``--consume`` of a million).
+consume ``--consume`` messages between them (or what they get in ``--max-seconds``).
+Rate = messages acked / seconds from the start signal until the ``--consume``-th ack.
+The small backlog is topped up to ``--consume`` before each count; the large one just
+loses what was consumed (at most 4 x ``--consume`` of a million).
 """
 
 from __future__ import annotations
@@ -121,17 +121,17 @@ def consume(
     url: str,
     options: dict[str, Any],
     queue: str,
-    quota: int,
+    total: int,
     max_seconds: float,
     go: Any,
     acked: Any,
 ) -> None:
-    done = 0
+    """Consume and ack until the processes together acked ``total`` (or time is up)."""
 
     def on_message(_body: object, message: Any) -> None:
-        nonlocal done
         message.ack()
-        done += 1
+        with acked.get_lock():
+            acked.value += 1
 
     with Connection(url, transport_options=options) as conn:
         consumer = Consumer(
@@ -141,12 +141,10 @@ def consume(
         go.wait()
         consumer.consume()
         deadline = time.monotonic() + max_seconds
-        while done < quota and time.monotonic() < deadline:
+        while acked.value < total and time.monotonic() < deadline:
             with contextlib.suppress(TimeoutError, OSError):
-                conn.drain_events(timeout=1)
+                conn.drain_events(timeout=0.2)
         consumer.cancel()
-    with acked.get_lock():
-        acked.value += done
 
 
 def run_consumers(
@@ -155,7 +153,7 @@ def run_consumers(
     go = mp.Event()
     acked = mp.Value("q", 0)
     procs = [
-        mp.Process(target=consume, args=(url, options, queue, total // k, max_seconds, go, acked))
+        mp.Process(target=consume, args=(url, options, queue, total, max_seconds, go, acked))
         for _ in range(k)
     ]
     for p in procs:
@@ -163,16 +161,19 @@ def run_consumers(
     time.sleep(1.0 + 0.25 * k)  # connections and declarations done before the signal
     start = time.monotonic()
     go.set()
+    while acked.value < total and time.monotonic() - start < max_seconds:
+        time.sleep(0.005)
+    seconds = time.monotonic() - start
+    count = acked.value
     for p in procs:
-        p.join(timeout=max_seconds + 60)
+        p.join(timeout=60)
         if p.is_alive():
             p.kill()
-    seconds = time.monotonic() - start
     return {
         "consumers": k,
-        "acked": acked.value,
+        "acked": count,
         "seconds": round(seconds, 2),
-        "per_s": round(acked.value / seconds),
+        "per_s": round(count / seconds),
     }
 
 
