@@ -1165,6 +1165,10 @@ class Transport(virtual.Transport):
         or notifications may have been missed."""
         notified, _ = wakeups.collect()
         now = monotonic()
+        if notified is None:
+            # A new LISTEN connection: the database may have restarted and forgotten our
+            # waiting rows; record them again as queues are found empty.
+            self._waiting.clear()
         if notified is None or now >= self._next_fallback:
             self._next_fallback = now + self.polling_interval
             self._ready |= self._consumed()
@@ -1268,6 +1272,7 @@ class Transport(virtual.Transport):
         """Run consumers in Celery's event loop: readers on the LISTEN socket and the wake
         pipe, a fallback poll every ``polling_interval`` seconds. Acks are batched from
         here on (archived at the loop's next turn, with the next read)."""
+        self._unregister_from_event_loop()  # registered twice: the last loop wins
         self._hub = loop
         wakeups = self._get_wakeups()
         self._hub_fds = [wakeups.wake_fileno]

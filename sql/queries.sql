@@ -38,7 +38,14 @@ SELECT kombu_pgmq.wait_for(%(owner)s, %(queues)s::text[])
 
 -- name: stop_waiting
 -- The queues have a backlog: publishers need not notify this connection any more.
-DELETE FROM kombu_pgmq.waiting WHERE owner = %(owner)s AND pgmq_queue = ANY(%(queues)s::text[])
+-- Asynchronous commit: forgetting this in a crash costs only useless NOTIFYs.
+WITH gone AS (
+    DELETE FROM kombu_pgmq.waiting
+    WHERE owner = %(owner)s AND pgmq_queue = ANY(%(queues)s::text[])
+    RETURNING 1
+)
+SELECT set_config('synchronous_commit', 'off', true) AS synchronous_commit,
+       (SELECT count(*) FROM gone) AS deleted
 
 -- name: stop_waiting_all
 DELETE FROM kombu_pgmq.waiting WHERE owner = %(owner)s

@@ -81,13 +81,16 @@ $$;
 
 -- A consumer found these queues empty and is about to sleep: record it, and wait for
 -- publishers already past their waiting check (see the header). The caller reads the
--- queues once more after this commits.
+-- queues once more after this commits. The commit is asynchronous: the row is visible at
+-- commit all the same, and a server crash that forgets it also ends the consumer's
+-- connections (it records itself again when it reconnects).
 CREATE FUNCTION kombu_pgmq.wait_for(owner text, queues text[]) RETURNS void
 LANGUAGE plpgsql AS $$
 #variable_conflict use_column
 DECLARE
     q text;
 BEGIN
+    PERFORM set_config('synchronous_commit', 'off', true);
     INSERT INTO kombu_pgmq.waiting (pgmq_queue, owner)
     SELECT DISTINCT u, wait_for.owner FROM unnest(queues) AS u
     ON CONFLICT (pgmq_queue, owner) DO UPDATE SET since = clock_timestamp();
