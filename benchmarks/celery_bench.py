@@ -3,7 +3,8 @@
 Usage::
 
     python benchmarks/celery_bench.py [--broker NAME=URL ...] [--options NAME=JSON ...]
-        [--latency-tasks 200] [--interval-ms 20] [--backlog 2000] [--json PATH]
+        [--latency-tasks 200] [--interval-ms 20] [--rounds 1] [--backlog 10000]
+        [--json PATH]
 
 Default brokers (``--broker`` replaces the whole list):
 
@@ -19,7 +20,8 @@ subprocess ``celery -A celery_bench_app worker -P prefork -c 2 --without-gossip
 --without-mingle --without-heartbeat`` (queue ``celery_bench``, no result backend: tasks
 append ``kind,value,ts`` lines to a per-run file with ``O_APPEND``), then:
 
-1. latency: queue purged, worker started and warmed up (one ``ping`` task run), then
+1. latency (``--rounds`` times, brokers interleaved, samples pooled): queue purged,
+   worker started and warmed up (one ``ping`` task run), then
    ``--latency-tasks`` tasks sent ``--interval-ms`` apart with ``apply_async``; each
    records ``task start - sent timestamp`` (its argument). p50/p90/p99/max in ms.
 2. backlog: worker stopped, queue purged, one ``ping`` then ``--backlog`` noop tasks
@@ -233,6 +235,27 @@ def run_latency(app, name, url, options, workdir: Path, n: int, interval_s: floa
         "max_ms": round(lat[-1], 2),
         "mean_ms": round(statistics.fmean(lat), 2),
         "worker_exit_code": code,
+        "samples_ms": [round(x, 3) for x in lat],
+    }
+
+
+def pool_latency(runs: list[dict]) -> dict:
+    """Percentiles over the samples of several latency rounds (each round's p50 kept)."""
+    ok = [r for r in runs if "samples_ms" in r]
+    if not ok:
+        return runs[-1] if runs else {"error": "no latency run"}
+    lat = sorted(x for r in ok for x in r["samples_ms"])
+    return {
+        "rounds": len(ok),
+        "tasks": len(lat),
+        "p50_ms": round(pct(lat, 50), 2),
+        "p90_ms": round(pct(lat, 90), 2),
+        "p99_ms": round(pct(lat, 99), 2),
+        "max_ms": round(lat[-1], 2),
+        "mean_ms": round(statistics.fmean(lat), 2),
+        "round_p50_ms": [r["p50_ms"] for r in ok],
+        "round_p99_ms": [r["p99_ms"] for r in ok],
+        "errors": [r["error"] for r in runs if "error" in r],
     }
 
 
@@ -274,41 +297,24 @@ def run_backlog(app, name, url, options, workdir: Path, n: int) -> dict:
     }
 
 
-def bench_broker(name: str, url: str, options: dict[str, Any], args, workdir: Path) -> dict:
-    result: dict[str, Any] = {"url": maybe_sanitize_url(url), "transport_options": options}
+def setup_broker(name: str, url: str, options: dict[str, Any]) -> Any:
+    """Create the database (and kombu 5.7's SQL-only PGMQ) if needed; return the app."""
     dsn = pg_dsn(url)
+    if dsn is not None:
+        ensure_database(dsn)
+        if urlsplit(url).scheme == "pgmq" and not options.get("init_extension", True):
+            ensure_sql_pgmq(dsn)
+    return celery_bench_app.create_app(url, options)
+
+
+def guarded(label: str, name: str, fn: Any, verbose: bool) -> dict:
+    print(f"[{name}] {label}...", file=sys.stderr, flush=True)
     try:
-        if dsn is not None:
-            ensure_database(dsn)
-            if urlsplit(url).scheme == "pgmq" and not options.get("init_extension", True):
-                ensure_sql_pgmq(dsn)
-        app = celery_bench_app.create_app(url, options)
+        return fn()
     except Exception as exc:
-        result["error"] = f"setup: {type(exc).__name__}: {exc}"
-        return result
-    result["load_before"] = os.getloadavg()[0]
-    for label, fn in (
-        (
-            "latency",
-            lambda: run_latency(
-                app, name, url, options, workdir, args.latency_tasks, args.interval_ms / 1000
-            ),
-        ),
-        ("backlog", lambda: run_backlog(app, name, url, options, workdir, args.backlog)),
-    ):
-        print(f"[{name}] {label}...", file=sys.stderr, flush=True)
-        try:
-            result[label] = fn()
-        except Exception as exc:
-            if args.verbose:
-                traceback.print_exc()
-            result[label] = {"error": f"{type(exc).__name__}: {exc}"}
-    with contextlib.suppress(Exception):
-        purge(app)
-    with contextlib.suppress(Exception):
-        app.close()
-    result["load_after"] = os.getloadavg()[0]
-    return result
+        if verbose:
+            traceback.print_exc()
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 # -- output ---------------------------------------------------------------------------------
@@ -370,7 +376,10 @@ def main() -> None:
     )
     parser.add_argument("--latency-tasks", type=int, default=200)
     parser.add_argument("--interval-ms", type=float, default=20.0)
-    parser.add_argument("--backlog", type=int, default=2000)
+    parser.add_argument("--backlog", type=int, default=10_000)
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="latency rounds per broker (samples pooled)"
+    )
     parser.add_argument("--json", type=Path, help="write results as JSON here")
     parser.add_argument("--keep", action="store_true", help="keep the task logs / worker output")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -396,16 +405,47 @@ def main() -> None:
         "latency_tasks": args.latency_tasks,
         "interval_ms": args.interval_ms,
         "backlog": args.backlog,
+        "rounds": args.rounds,
         "worker": "prefork -c 2, --without-gossip/mingle/heartbeat, no result backend",
     }
     workdir = Path(tempfile.mkdtemp(prefix="celery_bench-"))
     results: dict[str, dict] = {}
+    apps: dict[str, Any] = {}
     for name, url in brokers.items():
+        results[name] = {"url": maybe_sanitize_url(url), "transport_options": options[name]}
         try:
-            results[name] = bench_broker(name, url, options[name], args, workdir)
+            apps[name] = setup_broker(name, url, options[name])
         except Exception as exc:  # never let one broker stop the run
-            error = f"{type(exc).__name__}: {exc}"
-            results[name] = {"url": maybe_sanitize_url(url), "error": error}
+            results[name]["error"] = f"setup: {type(exc).__name__}: {exc}"
+    latency_runs: dict[str, list[dict]] = {name: [] for name in apps}
+    for _ in range(args.rounds):  # brokers interleaved: drifts of the machine hit all alike
+        for name, app in apps.items():
+            url, opts = brokers[name], options[name]
+            latency_runs[name].append(
+                guarded(
+                    "latency",
+                    name,
+                    lambda app=app, name=name, url=url, opts=opts: run_latency(
+                        app, name, url, opts, workdir, args.latency_tasks, args.interval_ms / 1000
+                    ),
+                    args.verbose,
+                )
+            )
+    for name, app in apps.items():
+        url, opts = brokers[name], options[name]
+        results[name]["latency"] = pool_latency(latency_runs[name])
+        results[name]["backlog"] = guarded(
+            "backlog",
+            name,
+            lambda app=app, name=name, url=url, opts=opts: run_backlog(
+                app, name, url, opts, workdir, args.backlog
+            ),
+            args.verbose,
+        )
+        with contextlib.suppress(Exception):
+            purge(app)
+        with contextlib.suppress(Exception):
+            app.close()
     env["loadavg_end"] = os.getloadavg()
 
     print(table(results))
