@@ -10,6 +10,8 @@ for ``--seconds``; sends/s are summed over processes; the median of ``--rounds``
 (cases interleaved) is reported. Cases:
 
 * ``pgmq.send``: the floor, no wake-up at all.
+* ``pgmq.send with headers``: the same with a headers argument and a delay of 0, the
+  call ``kombu_pgmq.publish`` makes inside (like for like).
 * ``pgmq.send + pg_notify``: a NOTIFY on every publish (what pgmq's
   ``enable_notify_insert`` trigger does, minus its throttle row).
 * ``kombu_pgmq.publish, no waiter``: ours while consumers are busy (a backlog): shared
@@ -41,6 +43,7 @@ QUEUE = "notify_cost"
 BODY = '{"task": "noop", "args": [1, 2], "kwargs": {}}'
 CASES = {
     "pgmq.send": "SELECT pgmq.send(%(q)s, %(m)s::jsonb)",
+    "pgmq.send with headers": "SELECT pgmq.send(%(q)s, %(m)s::jsonb, '{}'::jsonb, 0)",
     "pgmq.send + pg_notify": (
         "SELECT pgmq.send(%(q)s, %(m)s::jsonb), pg_notify('kombu_pgmq.' || %(q)s, '')"
     ),
