@@ -25,6 +25,7 @@ import matplotlib.pyplot as plt
 BROKERS = ["kombu_pgmq", "redis", "rabbitmq", "kombu57_pgmq"]
 LABELS = {
     "kombu_pgmq": "kombu_pgmq",
+    "kombu_pgmq_async_publish": "kombu_pgmq, async-commit publishes",
     "redis": "Redis",
     "rabbitmq": "RabbitMQ",
     "kombu57_pgmq": "kombu 5.7 pgmq",
@@ -59,7 +60,8 @@ def table(kombu: Any, celery: Any, scale: Any) -> str:
         "consume/s, 1M backlog, 1 / 8 consumers",
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name in BROKERS:
+    extras = [n for n in celery_rows if n not in BROKERS]
+    for name in BROKERS + extras:
         k = kombu_rows.get(name, {})
         c = celery_rows.get(name, {})
         lat, back = c.get("latency") or {}, c.get("backlog") or {}
@@ -69,7 +71,7 @@ def table(kombu: Any, celery: Any, scale: Any) -> str:
             "| "
             + " | ".join(
                 [
-                    LABELS[name],
+                    LABELS.get(name, name),
                     fmt(k.get("publish_per_s")),
                     fmt(k.get("consume_ack_per_s")),
                     fmt(lat.get("p50_ms"), ".1f"),
