@@ -155,17 +155,21 @@ def plot(kombu: Any, celery: Any, scale: Any, churns: list[Any], png: Path) -> N
     ax_scale.set_title("Consume rate: backlog of --consume (dashed) vs 1,000,000 (solid)")
     ax_scale.legend(fontsize=7)
 
-    for churn in churns:
+    ax_rate = ax_churn.twinx()
+    for index, churn in enumerate(churns):
         samples = churn["samples"]
+        minutes = [s["t_s"] / 60 for s in samples]
+        color = f"C{index}"
         ax_churn.plot(
-            [s["t_s"] / 60 for s in samples],
-            [s["dead_tuples"] for s in samples],
-            label=churn["label"],
+            minutes, [s["dead_tuples"] for s in samples], color=color, label=churn["label"]
         )
+        ax_rate.plot(minutes, [s["consumed_per_s"] for s in samples], ":", color=color, linewidth=1)
     ax_churn.set_xlabel("minutes")
-    ax_churn.set_ylabel("dead tuples in the queue table")
-    ax_churn.set_title("Sustained churn (1 producer, 2 consumers)")
-    ax_churn.legend(fontsize=7)
+    ax_churn.set_ylabel("dead tuples in the queue table (solid)")
+    ax_rate.set_ylabel("messages consumed/s (dotted)")
+    ax_rate.set_ylim(bottom=0)
+    ax_churn.set_title("Sustained churn, 10 min (1 producer, 2 consumers)")
+    ax_churn.legend(fontsize=7, loc="upper left")
 
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
