@@ -307,4 +307,10 @@ UPDATE kombu_pgmq.queues SET last_used_at = clock_timestamp()
 WHERE queue IN (SELECT queue FROM beat)
 
 -- name: reap
+-- Also forgets the waiting rows (migration 0003) of connections without consumers; a
+-- data-modifying WITH runs even though nothing reads it.
+WITH forgotten AS (
+    DELETE FROM kombu_pgmq.waiting w
+    WHERE NOT EXISTS (SELECT 1 FROM kombu_pgmq.consumers c WHERE c.owner = w.owner)
+)
 SELECT kombu_pgmq.reap() AS queue

@@ -145,29 +145,3 @@ BEGIN
     END LOOP;
 END
 $$;
-
--- The reaper (0002) also forgets the waiting rows of connections without consumers.
-CREATE OR REPLACE FUNCTION kombu_pgmq.reap()
-RETURNS SETOF text
-LANGUAGE plpgsql AS $$
-DECLARE
-    victim record;
-BEGIN
-    DELETE FROM kombu_pgmq.consumers
-    WHERE heartbeat_at + make_interval(secs => stale_after_seconds) < clock_timestamp();
-    DELETE FROM kombu_pgmq.waiting w
-    WHERE NOT EXISTS (SELECT 1 FROM kombu_pgmq.consumers c WHERE c.owner = w.owner);
-    FOR victim IN
-        SELECT q.queue FROM kombu_pgmq.queues q
-        WHERE NOT EXISTS (SELECT 1 FROM kombu_pgmq.consumers c WHERE c.queue = q.queue)
-          AND ((q.auto_delete AND q.had_consumer)
-               OR (q.expires_ms IS NOT NULL
-                   AND q.last_used_at + q.expires_ms * interval '1 millisecond' < clock_timestamp()))
-        FOR UPDATE SKIP LOCKED
-    LOOP
-        IF kombu_pgmq.drop_queue(victim.queue) THEN
-            RETURN NEXT victim.queue;
-        END IF;
-    END LOOP;
-END
-$$;

@@ -359,3 +359,21 @@ def test_a_consumer_vacuums_its_busy_queue_table(db_dsn):
 def test_vacuum_threshold_must_be_a_count(db_dsn, value):
     with pytest.raises(ConfigurationError, match=r"vacuum_threshold=.*dead tuples >= 0"):
         connect(db_dsn, vacuum_threshold=value).connect()
+
+
+def test_reaper_forgets_waiting_rows_of_connections_without_consumers(db_dsn):
+    with connect(db_dsn) as conn:
+        conn.channel().queue_declare("orphan")
+        sql(db_dsn, "SELECT kombu_pgmq.wait_for('gone-host:1:abc', ARRAY['orphan'])")
+        assert waiting_rows(db_dsn, "orphan") == 1
+        conn.transport.reap()
+    assert waiting_rows(db_dsn, "orphan") == 0
+
+
+def test_drain_events_without_a_consumer_and_without_timeout_is_an_error(db_dsn):
+    with connect(db_dsn) as conn:
+        conn.connect()
+        with pytest.raises(ConfigurationError, match="start a Consumer first, or give a timeout"):
+            conn.drain_events()
+        with pytest.raises(TimeoutError):
+            conn.drain_events(timeout=0.1)
