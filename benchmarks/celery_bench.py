@@ -227,20 +227,27 @@ def run_latency(app, name, url, options, workdir: Path, n: int, interval_s: floa
     finally:
         code = worker.stop()
     in_order = [(ts - float(value)) * 1000 for kind, value, ts in rows if kind == "lat"]
-    lat = sorted(in_order)
     return {
         "tasks": n,
         "interval_ms": interval_s * 1000,
         "purged_before": purged,
         "send_s": round(send_s, 3),
-        "executed": len(lat),
+        "executed": len(in_order),
+        **percentiles(in_order),
+        "worker_exit_code": code,
+        "samples_ms": [round(x, 3) for x in in_order],  # in completion order
+    }
+
+
+def percentiles(values: list[float]) -> dict:
+    """p50/p90/p99/max/mean in ms of latency samples (any order)."""
+    lat = sorted(values)
+    return {
         "p50_ms": round(pct(lat, 50), 2),
         "p90_ms": round(pct(lat, 90), 2),
         "p99_ms": round(pct(lat, 99), 2),
         "max_ms": round(lat[-1], 2),
         "mean_ms": round(statistics.fmean(lat), 2),
-        "worker_exit_code": code,
-        "samples_ms": [round(x, 3) for x in in_order],  # in completion order
     }
 
 
@@ -249,15 +256,11 @@ def pool_latency(runs: list[dict]) -> dict:
     ok = [r for r in runs if "samples_ms" in r]
     if not ok:
         return runs[-1] if runs else {"error": "no latency run"}
-    lat = sorted(x for r in ok for x in r["samples_ms"])
+    samples = [x for r in ok for x in r["samples_ms"]]
     return {
         "rounds": len(ok),
-        "tasks": len(lat),
-        "p50_ms": round(pct(lat, 50), 2),
-        "p90_ms": round(pct(lat, 90), 2),
-        "p99_ms": round(pct(lat, 99), 2),
-        "max_ms": round(lat[-1], 2),
-        "mean_ms": round(statistics.fmean(lat), 2),
+        "tasks": len(samples),
+        **percentiles(samples),
         "round_p50_ms": [r["p50_ms"] for r in ok],
         "round_p99_ms": [r["p99_ms"] for r in ok],
         "errors": [r["error"] for r in runs if "error" in r],
