@@ -215,7 +215,8 @@ class QoS(virtual.QoS):
 
     def ack(self, delivery_tag: Any) -> None:
         """Archive the message: at once, or batched with others (see
-        :meth:`Transport.ack`: inside ``drain_events`` and in Celery's event loop)."""
+        :meth:`Transport.defer_ack`: inside ``drain_events`` and in Celery's event
+        loop)."""
         queue, msg_id, _ = self._locate(delivery_tag)
         transport = self.channel.connection
         if transport.defers_acks:
@@ -1163,7 +1164,7 @@ class Transport(virtual.Transport):
     def _note_wakeups(self, wakeups: Wakeups) -> None:
         """Mark notified queues ready; every consumed queue when the fallback poll is due
         or notifications may have been missed."""
-        notified, _ = wakeups.collect()
+        notified = wakeups.collect()
         now = monotonic()
         if notified is None:
             # A new LISTEN connection: the database may have restarted and forgotten our
@@ -1208,12 +1209,14 @@ class Transport(virtual.Transport):
             streak = self._full_reads[name] = self._full_reads.get(name, 0) + 1
             if streak >= self.busy_after_full_reads and name in self._waiting:
                 to_busy.append(name)
-        client = self.pgmq_client()
+        client = self.pgmq_client() if to_busy or to_wait else None
         if to_busy:
+            assert client is not None
             # A backlog: publishers stop notifying (their commits would serialize).
             client.stop_waiting(self.owner, sorted(to_busy))
             self._waiting.difference_update(to_busy)
         if to_wait:
+            assert client is not None
             self._get_wakeups().fileno()  # LISTEN before publishers can see us waiting
             client.wait_for(self.owner, sorted(to_wait))
             self._waiting |= to_wait

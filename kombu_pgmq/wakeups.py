@@ -103,32 +103,31 @@ class Wakeups:
         with contextlib.suppress(BlockingIOError, OSError):
             os.write(self._pipe_w, b"w")
 
-    def collect(self) -> tuple[set[str] | None, bool]:
-        """Return ``(notified queues, woken)`` without blocking.
+    def collect(self) -> set[str] | None:
+        """Return the notified queues without blocking (and empty the wake pipe).
 
-        ``notified`` is None when the LISTEN connection was not there or was lost: it is
+        None when the LISTEN connection was not there or was lost: it is
         (re)connected and LISTENing when this returns, but notifications may have been
         missed before, so poll every queue.
 
         Raises:
             BrokerConnectionError: the LISTEN connection cannot be (re)established.
         """
-        woken = False
         with contextlib.suppress(BlockingIOError, OSError):
             while os.read(self._pipe_r, 4096):
-                woken = True
+                pass
         listener = self._listener
         if listener is None:
             self._client()
-            return None, woken
+            return None
         try:
             channels = listener.notifications()
         except KombuPgmqError:
             self._drop()
             self._client()
-            return None, woken
+            return None
         cut = len(CHANNEL_PREFIX)
-        return {c[cut:] for c in channels if c.startswith(CHANNEL_PREFIX)}, woken
+        return {c[cut:] for c in channels if c.startswith(CHANNEL_PREFIX)}
 
     def wait(self, timeout: float | None) -> None:
         """Block until a notification, a :meth:`wake`, or ``timeout`` seconds."""
