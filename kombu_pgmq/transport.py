@@ -1235,6 +1235,11 @@ class Transport(virtual.Transport):
         :meth:`wake` (an ack freed a prefetch slot), or by the fallback poll every
         ``polling_interval`` seconds. Acks made by the callbacks are archived in one
         statement per queue before this returns.
+
+        Raises:
+            TimeoutError: nothing was delivered within ``timeout`` seconds.
+            ConfigurationError: nothing is consumed and ``timeout`` is None (it would
+                wait forever; kombu's virtual transports would sleep without end).
         """
         start = monotonic()
         wakeups = self._wakeups
