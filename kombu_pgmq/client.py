@@ -46,11 +46,38 @@ class RoutingTable(NamedTuple):
     version: int
     exchanges: dict[str, str]
     bindings: list[tuple[str, str, str, str]]
+    #: ``{queue: (priority_floors, band_pgmq_queues)}`` of bound queues with priorities.
+    bands: dict[str, tuple[list[int], list[str]]] = {}
+
+
+class QueueInfo(NamedTuple):
+    """A queue's arguments in force (as first declared): ``message_ttl_ms`` (None:
+    unlimited), ``max_priority`` (None: no priorities), the priority band ``floors`` and
+    the PGMQ queue of each band (None, None without priorities)."""
+
+    message_ttl_ms: int | None
+    max_priority: int | None
+    floors: list[int] | None
+    band_queues: list[str] | None
+
+
+class DeadLetter(NamedTuple):
+    """A row of a dead-letter queue: ``message``/``headers`` are JSON text."""
+
+    msg_id: int
+    read_ct: int
+    enqueued_at: Any  # datetime (timezone-aware)
+    message: str
+    headers: str | None
 
 
 @lru_cache(maxsize=2048)
 def _with_table(name: str, queue: str) -> sql.Composed:
     return sql.SQL(queries()[name]).format(queue_table=sql.Identifier("pgmq", f"q_{queue}"))
+
+
+def _with_archive(name: str, queue: str) -> sql.Composed:
+    return sql.SQL(queries()[name]).format(archive_table=sql.Identifier("pgmq", f"a_{queue}"))
 
 
 class PgmqClient:
@@ -234,6 +261,22 @@ class PgmqClient:
         )
         return [r[0] for r in rows]
 
+    def renew(self, held: Sequence[tuple[str, int, int]], vt_seconds: int) -> set[tuple[str, int]]:
+        """Extend the leases of held messages, ``(queue, msg_id, read_ct)`` each, to now +
+        ``vt_seconds``, in one round trip. Returns the ``(queue, msg_id)`` renewed; the
+        others lost their lease (read again elsewhere after their visibility timeout
+        passed, or gone)."""
+        rows = self._run(
+            self._q["renew"],
+            {
+                "queues": [h[0] for h in held],
+                "msg_ids": [h[1] for h in held],
+                "read_cts": [h[2] for h in held],
+                "vt_seconds": vt_seconds,
+            },
+        )
+        return {(str(q), int(i)) for q, i in rows}
+
     def dead_letter(
         self,
         queue: str,
@@ -275,14 +318,17 @@ class PgmqClient:
         auto_delete: bool = False,
         expires_ms: int | None = None,
         message_ttl_ms: int | None = None,
-    ) -> int | None:
+        max_priority: int | None = None,
+        floors: Sequence[int] | None = None,
+        band_queues: Sequence[str] | None = None,
+    ) -> QueueInfo:
         """Create the PGMQ queue (idempotent; UNLOGGED if not durable) and record its Kombu
         name and arguments in ``kombu_pgmq.queues`` (the first declaration's arguments
-        stay). Returns the queue's ``x-message-ttl`` in force (ms, or None)."""
+        stay), then the PGMQ queues of its priority bands as stored. Returns the
+        arguments in force."""
+        create = self._q["create_queue" if durable else "create_queue_unlogged"]
         with self.transaction():
-            self._run(
-                self._q["create_queue" if durable else "create_queue_unlogged"], {"queue": queue}
-            )
+            self._run(create, {"queue": queue})
             rows = self._run(
                 self._q["register_queue"],
                 {
@@ -292,10 +338,35 @@ class PgmqClient:
                     "auto_delete": auto_delete,
                     "expires_ms": expires_ms,
                     "message_ttl_ms": message_ttl_ms,
+                    "max_priority": max_priority,
+                    "priority_bands": list(floors) if max_priority is not None and floors else None,
+                    "band_queues": list(band_queues)
+                    if max_priority is not None and band_queues
+                    else None,
                 },
             )
-        ttl = rows[0][0]
-        return None if ttl is None else int(ttl)
+            ttl, stored_max, stored_floors, stored_queues = rows[0]
+            for band in (stored_queues or [])[1:]:
+                self._run(create, {"queue": band})
+        return QueueInfo(
+            None if ttl is None else int(ttl),
+            None if stored_max is None else int(stored_max),
+            None if stored_floors is None else [int(f) for f in stored_floors],
+            None if stored_queues is None else [str(q) for q in stored_queues],
+        )
+
+    def queue_info(self, kombu_queue: str) -> QueueInfo | None:
+        """Priority arguments of a Kombu queue as stored (None: no such queue recorded)."""
+        rows = self._run(self._q["queue_bands"], {"kombu_queue": kombu_queue})
+        if not rows:
+            return None
+        max_priority, floors, band_queues = rows[0]
+        return QueueInfo(
+            None,
+            None if max_priority is None else int(max_priority),
+            None if floors is None else [int(f) for f in floors],
+            None if band_queues is None else [str(q) for q in band_queues],
+        )
 
     def drop_queue(self, queue: str, kombu_queue: str) -> bool:
         """Drop the queue, its archive, bindings and consumers; False if it did not exist."""
@@ -354,7 +425,10 @@ class PgmqClient:
         """Every exchange and binding, with the routing version, from one snapshot."""
         version, exchanges, bindings = self._run(self._q["routing_table"])[0]
         return RoutingTable(
-            int(version), dict(exchanges), [(b[0], b[1], b[2], b[3]) for b in bindings]
+            int(version),
+            dict(exchanges),
+            [(b[0], b[1], b[2], b[3]) for b in bindings],
+            {b[2]: (list(b[4]), list(b[5])) for b in bindings if b[4] and b[5]},
         )
 
     def routing_version(self) -> int:
@@ -362,18 +436,30 @@ class PgmqClient:
         return int(self.scalar("routing_version"))
 
     def send_routed(
-        self, queues: Sequence[str], message: str, headers: str, *, version: int
+        self,
+        queues: Sequence[str],
+        message: str,
+        headers: str,
+        *,
+        version: int,
+        delay_seconds: int = 0,
     ) -> tuple[int, list[int]]:
         """Send one message to several PGMQ queues in one statement, if the routing version
         is still ``version``. Returns ``(current_version, msg_ids)``; when the versions
-        differ nothing was sent.
+        differ nothing was sent. ``delay_seconds > 0``: visible only after that long.
 
         Raises:
             QueueNotFound: one of the queues is gone (nothing was sent).
         """
         row = self._run(
             self._q["send_routed"],
-            {"queues": list(queues), "message": message, "headers": headers, "version": version},
+            {
+                "queues": list(queues),
+                "message": message,
+                "headers": headers,
+                "version": version,
+                "delay_seconds": delay_seconds,
+            },
         )[0]
         return int(row[0]), list(row[1])
 
@@ -436,6 +522,54 @@ class PgmqClient:
     def purge(self, queue: str) -> int:
         """Delete the ready messages (not the unacked ones); return how many."""
         return int(self._run(_with_table("purge", queue))[0][0])
+
+    # -- dead letters and archive retention (kombu_pgmq.dlq, kombu_pgmq.retention) ------
+
+    def dead_letters(
+        self,
+        queue: str,
+        *,
+        take: bool = False,
+        msg_ids: Sequence[int] | None = None,
+        original_queue: str | None = None,
+        reason: str | None = None,
+        task: str | None = None,
+        after_id: int = 0,
+        limit: int = 100,
+    ) -> list[DeadLetter]:
+        """Rows of dead-letter queue ``queue`` matching the filters (None: any), oldest
+        first, msg_id > ``after_id``, at most ``limit``. ``take=True`` deletes them too
+        (use inside :meth:`transaction` to send them elsewhere atomically).
+
+        Raises:
+            QueueNotFound: the dead-letter queue does not exist.
+        """
+        rows = self._run(
+            _with_table("take_dead_letters" if take else "dead_letters", queue),
+            {
+                "msg_ids": None if msg_ids is None else list(msg_ids),
+                "queue": original_queue,
+                "reason": reason,
+                "task": task,
+                "after_id": after_id,
+                "limit": limit,
+            },
+        )
+        return [DeadLetter(*r) for r in rows]
+
+    def queue_tables(self) -> list[tuple[str, bool]]:
+        """Every PGMQ queue: ``(name, has_archive_table)``."""
+        return [(str(q), bool(a)) for q, a in self._run(self._q["queue_tables"])]
+
+    def prune_archive(self, queue: str, older_than_seconds: float, batch_size: int) -> int:
+        """Delete up to ``batch_size`` messages archived more than ``older_than_seconds``
+        ago from ``pgmq.a_<queue>`` (one short transaction); return how many."""
+        return int(
+            self._run(
+                _with_archive("prune_archive", queue),
+                {"older_than_seconds": older_than_seconds, "batch_size": batch_size},
+            )[0][0]
+        )
 
     # -- notifications (a client used as a listener) ------------------------------------
 

@@ -153,6 +153,7 @@ import socket
 import threading
 import uuid
 from collections import defaultdict
+from collections.abc import Sequence
 from itertools import count
 from queue import Empty
 from time import monotonic, sleep
@@ -164,9 +165,12 @@ from kombu.transport import virtual
 from kombu.transport.base import to_rabbitmq_queue_arguments
 from kombu.utils.objects import cached_property
 
-from . import conninfo, encoding, errors
+from . import conninfo, encoding, errors, priorities
 from .client import PgmqClient, Row
+from .delays import delay_seconds
+from .leases import LeaseKeeper, held_by
 from .naming import pgmq_queue_name
+from .priorities import Bands
 from .routing import EXCHANGE_TYPES, Routes
 from .schema import ensure_schema, verify
 from .wakeups import Wakeups
@@ -229,12 +233,13 @@ class QoS(virtual.QoS):
 
     def reject(self, delivery_tag: Any, requeue: bool = False) -> None:
         queue, msg_id, kombu_queue = self._locate(delivery_tag)
-        if requeue:
-            self.channel.pgmq.set_vt(queue, [msg_id], 0)
-        else:
-            self.channel._dead_letter(kombu_queue, queue, [msg_id], "rejected")
-        self._quick_ack(delivery_tag)
-        self.channel.connection.wake()
+        with self.channel.connection.leases.lock:
+            if requeue:
+                self.channel.pgmq.set_vt(queue, [msg_id], 0)
+            else:
+                self.channel._dead_letter(kombu_queue, queue, [msg_id], "rejected")
+            self._quick_ack(delivery_tag)
+        self.channel.connection.wake(requeued=queue if requeue else None)
 
     def restore_unacked(self) -> list[tuple[BaseException, Any]]:
         """Make every unacked message visible again (one ``set_vt`` per queue); batched
@@ -243,6 +248,11 @@ class QoS(virtual.QoS):
         transport = self.channel.connection
         if transport is not None:
             transport.flush_acks()
+            with transport.leases.lock:  # no renewal round may extend them afterwards
+                return self._requeue_unacked()
+        return self._requeue_unacked()
+
+    def _requeue_unacked(self) -> list[tuple[BaseException, Any]]:
         by_queue: dict[str, list[Any]] = defaultdict(list)
         for message in self._delivered.values():
             by_queue[message.delivery_info["pgmq_queue"]].append(message)
@@ -273,14 +283,21 @@ class Channel(virtual.Channel):
     #: Kombu. The ``body_encoding`` transport option still applies if set.
     body_encoding = None  # type: ignore[assignment]
 
-    #: Seconds a delivered, unacked message stays invisible before redelivery.
-    visibility_timeout: float = 1800
+    #: Seconds a delivered, unacked message stays invisible before redelivery, unless
+    #: its lease is renewed (see :mod:`kombu_pgmq.leases`).
+    visibility_timeout: float = 30
     #: Deliveries after which a message is dead-lettered (None: unlimited).
     max_deliveries: int | None = None
     #: Kombu name of the dead-letter queue.
     dead_letter_queue: str = "kombu_pgmq_dlq"
     #: Most messages read in one round trip.
     read_batch_size: int = 100
+    #: Floors of the priority bands of queues declared with x-max-priority (None: one
+    #: band per priority level); see :mod:`kombu_pgmq.priorities`.
+    priority_steps: Any = None
+    #: Seconds before its ETA that a Celery task becomes visible (native delayed
+    #: delivery); see :mod:`kombu_pgmq.delays`.
+    eta_lead_seconds: float = 2.0
 
     from_transport_options = (  # type: ignore[assignment]
         *virtual.Channel.from_transport_options,
@@ -288,6 +305,8 @@ class Channel(virtual.Channel):
         "max_deliveries",
         "dead_letter_queue",
         "read_batch_size",
+        "priority_steps",
+        "eta_lead_seconds",
     )
 
     def __init__(self, connection: Transport, **kwargs: Any) -> None:
@@ -327,6 +346,10 @@ class Channel(virtual.Channel):
             raise bad("read_batch_size", rb, "an int >= 1")
         if not isinstance(self.dead_letter_queue, str) or not self.dead_letter_queue:
             raise bad("dead_letter_queue", self.dead_letter_queue, "a queue name")
+        self.priority_steps = priorities.validate_steps(self.priority_steps)
+        lead = self.eta_lead_seconds
+        if isinstance(lead, bool) or not isinstance(lead, int | float) or lead < 0:
+            raise bad("eta_lead_seconds", lead, "seconds >= 0")
 
     @property
     def pgmq(self) -> PgmqClient:
@@ -363,14 +386,30 @@ class Channel(virtual.Channel):
         args = arguments or {}
         expires = _milliseconds(args, "x-expires")
         ttl = _milliseconds(args, "x-message-ttl")
-        self._message_ttl[queue] = self.pgmq.create_queue(
+        max_priority = priorities.max_priority_argument(args, queue)
+        bands = priorities.make_bands(queue, max_priority, self.priority_steps)
+        info = self.pgmq.create_queue(
             name,
             queue,
             durable=bool(durable),
             auto_delete=bool(auto_delete or exclusive),
             expires_ms=expires,
             message_ttl_ms=ttl,
+            max_priority=max_priority,
+            floors=bands.floors,
+            band_queues=bands.queues,
         )
+        self._message_ttl[queue] = info.message_ttl_ms
+        self.connection.set_bands(queue, priorities.stored(name, info.floors, info.band_queues))
+        if max_priority is not None and info.max_priority != max_priority:
+            raise ChannelError(
+                f"PRECONDITION_FAILED - inequivalent arg 'x-max-priority' for queue {queue!r}: "
+                f"received {max_priority} but current is {info.max_priority}; declare it "
+                "with the same x-max-priority, or delete the queue first (queue_delete)",
+                (50, 10),
+                "Channel.queue_declare",
+                "406",
+            )
         self._known_queues.add(name)
 
     def prepare_queue_arguments(self, arguments: Any, **kwargs: Any) -> Any:
@@ -382,21 +421,24 @@ class Channel(virtual.Channel):
         return self.pgmq.queue_exists(pgmq_queue_name(queue))
 
     def _size(self, queue: str) -> int:
-        try:
-            return self.pgmq.size(pgmq_queue_name(queue))
-        except errors.QueueNotFound:
-            return 0
+        total = 0
+        for name in self.connection.bands(queue).queues:
+            with contextlib.suppress(errors.QueueNotFound):
+                total += self.pgmq.size(name)
+        return total
 
     def _purge(self, queue: str) -> int:
-        try:
-            return self.pgmq.purge(pgmq_queue_name(queue))
-        except errors.QueueNotFound:
-            return 0
+        total = 0
+        for name in self.connection.bands(queue).queues:
+            with contextlib.suppress(errors.QueueNotFound):
+                total += self.pgmq.purge(name)
+        return total
 
     def _delete(self, queue: str, *args: Any, **kwargs: Any) -> None:
         name = pgmq_queue_name(queue)
         self._known_queues.discard(name)
-        self.pgmq.drop_queue(name, queue)
+        self.pgmq.drop_queue(name, queue)  # every band with it
+        self.connection.forget_bands(queue)
 
     def queue_delete(
         self, queue: str, if_unused: bool = False, if_empty: bool = False, **kwargs: Any
@@ -520,13 +562,24 @@ class Channel(virtual.Channel):
         if not exchange:
             return self._put(routing_key, message, **kwargs)
         body, headers = encoding.encode(message)
+        priority = self._get_message_priority(message)
+        delay = delay_seconds(message, self.eta_lead_seconds)
         try:
-            self._publish_routed(exchange, routing_key, body, headers)
+            self._publish_routed(exchange, routing_key, body, headers, priority, delay)
         except errors.InvalidJsonBody:
-            self._publish_routed(exchange, routing_key, *encoding.reencode_opaque(body, headers))
+            body, headers = encoding.reencode_opaque(body, headers)
+            self._publish_routed(exchange, routing_key, body, headers, priority, delay)
         return None
 
-    def _publish_routed(self, exchange: str, routing_key: str, body: str, headers: str) -> None:
+    def _publish_routed(
+        self,
+        exchange: str,
+        routing_key: str,
+        body: str,
+        headers: str,
+        priority: int = 0,
+        delay: int = 0,
+    ) -> None:
         transport = self.connection
         fresh = transport._routes is None  # routes (re)loaded during this publish
         for attempt in range(3):
@@ -541,7 +594,7 @@ class Channel(virtual.Channel):
                     fresh = True
                     continue
                 if self.deadletter_queue:
-                    self._send_to(self.deadletter_queue, body, headers)
+                    self._send_to(self.deadletter_queue, body, headers, priority, delay)
                     return
                 # Debug, not warning: Celery's events go unheard whenever no monitor runs.
                 logger.debug(
@@ -551,9 +604,13 @@ class Channel(virtual.Channel):
                     routing_key,
                 )
                 return
+            if priority:
+                names = [transport.bands(queue).queue_for(priority) for queue, _ in targets]
+            else:
+                names = [pgmq for _, pgmq in targets]
             try:
                 version, _ = self.pgmq.send_routed(
-                    [pgmq for _, pgmq in targets], body, headers, version=routes.version
+                    names, body, headers, version=routes.version, delay_seconds=delay
                 )
             except errors.QueueNotFound as exc:
                 # A bound queue was dropped meanwhile (its bindings normally go with it):
@@ -575,24 +632,35 @@ class Channel(virtual.Channel):
         )
 
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
-        self._send_to(queue, *encoding.encode(message))
+        body, headers = encoding.encode(message)
+        priority = self._get_message_priority(message)
+        self._send_to(queue, body, headers, priority, delay_seconds(message, self.eta_lead_seconds))
 
-    def _send_to(self, queue: str, body: str, headers: str) -> None:
-        name = pgmq_queue_name(queue)
+    def _send_to(
+        self, queue: str, body: str, headers: str, priority: int = 0, delay: int = 0
+    ) -> None:
         try:
-            self._send(name, queue, body, headers)
+            self._send(queue, body, headers, priority, delay)
         except errors.InvalidJsonBody:
-            self._send(name, queue, *encoding.reencode_opaque(body, headers))
+            body, headers = encoding.reencode_opaque(body, headers)
+            self._send(queue, body, headers, priority, delay)
 
-    def _send(self, name: str, queue: str, body: str, headers: str) -> None:
+    def _send(self, queue: str, body: str, headers: str, priority: int, delay: int) -> None:
+        if priority:
+            name = self.connection.bands(queue).queue_for(priority)
+        else:
+            name = pgmq_queue_name(queue)
         try:
-            self.pgmq.send(name, body, headers)
+            self.pgmq.send(name, body, headers, delay)
         except errors.QueueNotFound:
             # Dropped by another process (or never declared): AMQP would drop the
             # message; we create the queue so nothing is lost.
-            self._known_queues.discard(name)
+            self._known_queues.discard(pgmq_queue_name(queue))
+            self.connection.forget_bands(queue)
             self._new_queue(queue)
-            self.pgmq.send(name, body, headers)
+            if priority:
+                name = self.connection.bands(queue).queue_for(priority)
+            self.pgmq.send(name, body, headers, delay)
 
     # -- consume ---------------------------------------------------------------------
 
@@ -605,7 +673,7 @@ class Channel(virtual.Channel):
             self._no_ack_queues.discard(queue)
         result = super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
         self.connection.register_consumer(queue, consumer_tag)
-        self.connection.on_consume(pgmq_queue_name(queue))
+        self.connection.on_consume(self.connection.bands(queue).queues)
         return result
 
     def basic_cancel(self, consumer_tag: str) -> Any:
@@ -616,7 +684,7 @@ class Channel(virtual.Channel):
                 self._no_ack_queues.discard(queue)
             if self.connection.release_consumer(queue, consumer_tag):
                 self._known_queues.discard(pgmq_queue_name(queue))
-            self.connection.on_cancel(pgmq_queue_name(queue))
+            self.connection.on_cancel(self.connection.bands(queue).queues)
         return result
 
     def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
@@ -627,6 +695,7 @@ class Channel(virtual.Channel):
         message = self.Message(payloads[0], channel=self)
         if not no_ack:
             self.qos.append(message, message.delivery_tag)
+            self.connection.keep_leases()
         return message
 
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
@@ -646,7 +715,7 @@ class Channel(virtual.Channel):
         empty, and of queues that filled the read (may hold more); ``acks_sent`` is
         False when ``acks`` were not archived (the caller archives them).
         """
-        queues = [q for q in self._active_queues if only is None or pgmq_queue_name(q) in only]
+        queues = self._active_queues
         if not queues:
             return 0, set(), set(), False
         free = self.qos.can_consume_max_estimate()
@@ -664,35 +733,41 @@ class Channel(virtual.Channel):
             if rows:
                 batches.append((queue, name, rows, no_ack))
 
-        acked = []
-        for queue in queues:
+        bands = self.connection.bands
+        acked: list[tuple[str, str]] = []  # (kombu queue, PGMQ queue of a band)
+        turn = next(self._turns) % len(queues)  # rotate: fair across queues
+        for queue in queues[turn:] + queues[:turn]:
+            # priority bands highest first (kombu_pgmq.priorities)
+            names = [n for n in bands(queue).read_order if only is None or n in only]
             if queue not in self._no_ack_queues:
-                acked.append(queue)
-            elif remaining > 0:
-                name = pgmq_queue_name(queue)
-                account(queue, name, self._rows(queue, name, remaining, no_ack=True), True)
+                acked.extend((queue, name) for name in names)
+                continue
+            for name in names:
+                if remaining > 0:
+                    account(queue, name, self._rows(queue, name, remaining, no_ack=True), True)
         acks_sent = False
         if acked and remaining > 0:
-            turn = next(self._turns) % len(acked)  # rotate: fair across queues
-            acked = acked[turn:] + acked[:turn]
-            names = [pgmq_queue_name(q) for q in acked]
             try:
                 durable = self.connection.durable_acks
                 pairs = self.pgmq.read_many(
-                    names, self._vt_seconds, remaining, acks, durable_acks=durable
+                    [name for _, name in acked],
+                    self._vt_seconds,
+                    remaining,
+                    acks,
+                    durable_acks=durable,
                 )
                 acks_sent = True
             except errors.QueueNotFound:
                 pairs = None  # one is gone: go queue by queue (recreates it)
             if pairs is None:
-                for queue, name in zip(acked, names, strict=True):
+                for queue, name in acked:
                     if remaining > 0:
                         account(queue, name, self._rows(queue, name, remaining), False)
             else:
                 by_name: dict[str, list[Row]] = defaultdict(list)
                 for name, row in pairs:
                     by_name[name].append(row)
-                for queue, name in zip(acked, names, strict=True):
+                for queue, name in acked:
                     if remaining > 0:
                         account(queue, name, by_name.get(name, []), False)
         deliveries = [
@@ -790,6 +865,7 @@ class Channel(virtual.Channel):
         info["redelivered"] = row.read_ct > 1
         info["pgmq_queue"] = name
         info["pgmq_msg_id"] = row.msg_id
+        info["pgmq_read_ct"] = row.read_ct
         info["kombu_queue"] = queue
         info.setdefault("routing_key", queue)
         info.setdefault("exchange", "")
@@ -883,7 +959,15 @@ class Transport(virtual.Transport):
         self._vacuum_refused: set[str] = set()
         self._maintainer: threading.Thread | None = None
         self._stop_maintainer = threading.Event()
+        self._bands: dict[str, Bands] = {}  # Kombu queue -> priority bands, as stored
+        self._connection_lost_at: float | None = None
         options = client.transport_options
+        self.leases = LeaseKeeper(
+            lambda: self._client,
+            lambda: held_by(self.channels),
+            self._still_held,
+            self._lease_renewal_interval(options),
+        )
         for name in ("consumer_heartbeat_interval", "consumer_stale_after"):
             if name in options:
                 try:
@@ -916,6 +1000,58 @@ class Transport(virtual.Transport):
 
     def __repr__(self) -> str:
         return f"<kombu_pgmq.Transport {conninfo.redact(self._url)}>"
+
+    @staticmethod
+    def _lease_renewal_interval(options: dict[str, Any]) -> float:
+        try:
+            vt = float(options.get("visibility_timeout", Channel.visibility_timeout))
+        except (TypeError, ValueError):
+            return 0.0  # the channel reports the bad visibility_timeout
+        value = options.get("lease_renewal_interval")
+        if value is None:
+            return vt / 3.0
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < vt:
+            raise errors.ConfigurationError(
+                f"transport option lease_renewal_interval={value!r} is invalid: expected "
+                f"seconds below visibility_timeout ({vt:g}), e.g. {vt / 3:g}; 0 turns lease "
+                "renewal off"
+            )
+        return float(value)
+
+    # -- leases (kombu_pgmq.leases) ------------------------------------------------------
+
+    def keep_leases(self) -> None:
+        """Start renewing the leases of held messages (idempotent; see
+        :mod:`kombu_pgmq.leases`)."""
+        self.leases.start()
+
+    def _still_held(self, queue: str, msg_id: int) -> bool:
+        for channel in list(self.channels):
+            for message in list(channel.qos._delivered.copy().values()):
+                info = message.delivery_info
+                if info["pgmq_msg_id"] == msg_id and info["pgmq_queue"] == queue:
+                    return True
+        return False
+
+    # -- priority bands (kombu_pgmq.priorities) ------------------------------------------
+
+    def bands(self, queue: str) -> Bands:
+        """Priority bands of Kombu queue ``queue`` as stored in the database (cached; a
+        queue without x-max-priority, or unknown yet, has one band: its PGMQ queue)."""
+        bands = self._bands.get(queue)
+        if bands is None:
+            name = pgmq_queue_name(queue)
+            info = self.pgmq_client().queue_info(queue)
+            if info is None:  # not declared yet: ask again next time
+                return priorities.single(name)
+            bands = self._bands[queue] = priorities.stored(name, info.floors, info.band_queues)
+        return bands
+
+    def set_bands(self, queue: str, bands: Bands) -> None:
+        self._bands[queue] = bands
+
+    def forget_bands(self, queue: str) -> None:
+        self._bands.pop(queue, None)
 
     @cached_property
     def _url(self) -> str:
@@ -984,7 +1120,10 @@ class Transport(virtual.Transport):
         return routes
 
     def reload_routes(self) -> Routes:
-        routes = self._routes = Routes(self.pgmq_client().routing_table())
+        table = self.pgmq_client().routing_table()
+        for queue, (floors, queues) in table.bands.items():
+            self._bands[queue] = priorities.stored(pgmq_queue_name(queue), floors, queues)
+        routes = self._routes = Routes(table)
         return routes
 
     # -- consumers and queue lifetime ---------------------------------------------------
@@ -995,6 +1134,7 @@ class Transport(virtual.Transport):
             queue, self.owner, consumer_tag, stale_after_seconds=self.consumer_stale_after
         )
         self._consumers.add((queue, consumer_tag))
+        self.keep_leases()
         if self._maintainer is None:
             self._maintainer = threading.Thread(
                 target=self._maintain, name="kombu_pgmq-heartbeat", daemon=True
@@ -1047,32 +1187,39 @@ class Transport(virtual.Transport):
             wakeups = self._wakeups = Wakeups(self.conninfo())
         return wakeups
 
-    def on_consume(self, name: str) -> None:
-        """A channel consumes PGMQ queue ``name``: LISTEN for it and read it now."""
+    def on_consume(self, names: Sequence[str]) -> None:
+        """A channel consumes PGMQ queues ``names`` (a queue's priority bands): LISTEN for
+        them and read them now."""
         wakeups = self._get_wakeups()
-        wakeups.listen([name])
+        wakeups.listen(names)
         wakeups.fileno()  # connected and LISTENing from now on
-        self._ready.add(name)
+        self._ready.update(names)
         wakeups.wake()
 
-    def on_cancel(self, name: str) -> None:
-        """A consumer of ``name`` was cancelled: stop listening if none is left."""
-        if name in self._consumed():
-            return
-        self._ready.discard(name)
-        self._full_reads.pop(name, None)
-        if self._wakeups is not None:
-            self._wakeups.unlisten([name])
-        if name in self._waiting:
-            self._waiting.discard(name)
-            client = self._client
-            if client is not None:
-                # the reaper removes the row with our consumers
-                with contextlib.suppress(errors.KombuPgmqError):
-                    client.stop_waiting(self.owner, [name])
+    def on_cancel(self, names: Sequence[str]) -> None:
+        """A consumer of PGMQ queues ``names`` was cancelled: stop listening to those no
+        consumer is left for."""
+        consumed = self._consumed()
+        for name in names:
+            if name in consumed:
+                continue
+            self._ready.discard(name)
+            self._full_reads.pop(name, None)
+            if self._wakeups is not None:
+                self._wakeups.unlisten([name])
+            if name in self._waiting:
+                self._waiting.discard(name)
+                client = self._client
+                if client is not None:
+                    # the reaper removes the row with our consumers
+                    with contextlib.suppress(errors.KombuPgmqError):
+                        client.stop_waiting(self.owner, [name])
 
     def _consumed(self) -> set[str]:
-        return {pgmq_queue_name(q) for c in self.channels for q in c._active_queues}
+        """PGMQ queues (every priority band) of the queues consumed now."""
+        return {
+            name for c in self.channels for q in c._active_queues for name in self.bands(q).queues
+        }
 
     def _vacuum(self, client: PgmqClient) -> None:
         """VACUUM consumed queue tables with more than ``vacuum_threshold`` dead tuples.
@@ -1081,7 +1228,7 @@ class Transport(virtual.Transport):
         busy queue table collects dead row versions fast; autovacuum visits a database
         once a minute at best (and may be off). See benchmarks/README.md (churn).
         """
-        names = sorted({pgmq_queue_name(queue) for queue, _ in self._consumers})
+        names = sorted({n for queue, _ in self._consumers for n in self.bands(queue).queues})
         due = [
             name
             for name, dead in client.dead_tuples(names).items()
@@ -1111,13 +1258,16 @@ class Transport(virtual.Transport):
         finally:
             vacuumer.close()
 
-    def wake(self) -> None:
+    def wake(self, requeued: str | None = None) -> None:
         """End the current wait of :meth:`drain_events` (or run a poll in Celery's event
         loop) now; safe from any thread.
 
         Called when an ack or reject frees a prefetch slot (often from another thread,
         e.g. Celery's pool result handler), so the next read does not wait for a poll.
+        ``requeued``: a PGMQ queue a message was just made visible in (read it too).
         """
+        if requeued is not None:
+            self._ready.add(requeued)
         wakeups = self._wakeups
         if wakeups is not None:
             wakeups.wake()
@@ -1144,6 +1294,33 @@ class Transport(virtual.Transport):
         with self._acks_lock:
             acks, self._acks = self._acks, []
         return acks
+
+    def _requeue_acks(self, acks: list[tuple[str, int]]) -> None:
+        with self._acks_lock:
+            self._acks[:0] = acks
+
+    def _connection_lost(self, exc: BaseException) -> None:
+        """The statement connection was lost in the event loop: keep every held message
+        (leases renew once reconnected) and retry at the next fallback poll, instead of
+        making Celery restart its consumer (which would requeue the running tasks)."""
+        if self._connection_lost_at is None:
+            self._connection_lost_at = monotonic()
+            logger.warning(
+                "database connection lost (%s); reconnecting every %.1f s, held messages are kept",
+                exc,
+                self.polling_interval,
+            )
+        self._waiting.clear()  # recorded again as queues are found empty
+        with contextlib.suppress(errors.KombuPgmqError):
+            self._ready |= self._consumed()
+
+    def _connection_ok(self) -> None:
+        if self._connection_lost_at is not None:
+            logger.warning(
+                "database connection re-established after %.1f s",
+                monotonic() - self._connection_lost_at,
+            )
+            self._connection_lost_at = None
 
     def flush_acks(self) -> None:
         """Archive the batched acks now (one ``pgmq.archive`` per queue)."""
@@ -1198,7 +1375,11 @@ class Transport(virtual.Transport):
                 full |= filled
         finally:
             if acks:
-                self._archive(acks)
+                try:
+                    self._archive(acks)
+                except errors.BrokerConnectionError:
+                    self._requeue_acks(acks)  # archived at the next round instead
+                    raise
         self._ready -= drained
         self._ready |= full
         to_wait = drained - self._waiting
@@ -1252,15 +1433,26 @@ class Transport(virtual.Transport):
             sleep(timeout)
             raise TimeoutError()
         self._draining += 1
+        retried = False
         try:
             while True:
-                self._note_wakeups(wakeups)
-                if self._ready or self._acks:
-                    delivered, again = self._poll()
-                    if delivered:
-                        return
-                    if again:
-                        continue
+                try:
+                    self._note_wakeups(wakeups)
+                    if self._ready or self._acks:
+                        delivered, again = self._poll()
+                        self._connection_ok()
+                        if delivered:
+                            return
+                        if again:
+                            continue
+                except errors.BrokerConnectionError as exc:
+                    # A dropped connection (server restart, pg_terminate_backend): the
+                    # next statement reconnects. Retry once; raise if that fails too.
+                    if retried:
+                        raise
+                    retried = True
+                    self._connection_lost(exc)
+                    continue
                 now = monotonic()
                 if timeout is not None and now - start >= timeout:
                     raise TimeoutError()
@@ -1305,14 +1497,19 @@ class Transport(virtual.Transport):
         wakeups = self._wakeups
         if wakeups is None or self._hub is None:
             return
-        self._note_wakeups(wakeups)
-        self._watch_listener(wakeups)
-        for _ in range(2):  # a round, and the final read of queues that went to sleep
-            if not (self._ready or self._acks):
-                break
-            _, again = self._poll()
-            if not again:
-                break
+        try:
+            self._note_wakeups(wakeups)
+            self._watch_listener(wakeups)
+            for _ in range(2):  # a round, and the final read of queues that went to sleep
+                if not (self._ready or self._acks):
+                    break
+                _, again = self._poll()
+                if not again:
+                    break
+        except errors.BrokerConnectionError as exc:
+            self._connection_lost(exc)  # the fallback poll retries
+        else:
+            self._connection_ok()
 
     def _unregister_from_event_loop(self) -> None:
         hub, self._hub = self._hub, None
@@ -1337,6 +1534,7 @@ class Transport(virtual.Transport):
 
     def _close_client(self) -> None:
         self._stop_maintainer.set()
+        self.leases.stop()
         self._unregister_from_event_loop()
         client, self._client = self._client, None
         if client is not None:

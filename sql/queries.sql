@@ -77,6 +77,15 @@ SELECT pgmq.archive(%(queue)s, %(msg_ids)s::bigint[]) AS msg_id,
 -- Requeue (vt_seconds = 0) or extend the lease of messages. Returns updated ids.
 SELECT msg_id FROM pgmq.set_vt(%(queue)s, %(msg_ids)s::bigint[], %(vt_seconds)s::integer)
 
+-- name: renew
+-- Lease renewal (migration 0004): push the visibility timeout of held messages to now +
+-- vt_seconds, all queues in one round trip. Returns the (queue, msg_id) renewed; a held
+-- message missing from the result lost its lease (read again by another consumer after
+-- its visibility timeout passed, or gone).
+SELECT queue, msg_id
+FROM kombu_pgmq.renew(%(queues)s::text[], %(msg_ids)s::bigint[], %(read_cts)s::integer[],
+                      %(vt_seconds)s::integer)
+
 -- name: create_queue
 SELECT pgmq.create(%(queue)s)
 
@@ -88,13 +97,20 @@ SELECT pgmq.create_unlogged(%(queue)s)
 -- Remember the Kombu name and the declared arguments of a PGMQ queue (kombu_pgmq.naming
 -- is one-way). The first declaration's arguments stay (a redeclare without them, as
 -- plain consumers do, must not turn a TTL off); a redeclare counts as use (x-expires).
--- Returns the arguments in force.
+-- Returns the arguments in force, and the priority bands (migration 0004).
 INSERT INTO kombu_pgmq.queues
-    (queue, pgmq_queue, durable, auto_delete, expires_ms, message_ttl_ms)
+    (queue, pgmq_queue, durable, auto_delete, expires_ms, message_ttl_ms, max_priority,
+     priority_bands, band_queues)
 VALUES (%(kombu_queue)s, %(queue)s, %(durable)s, %(auto_delete)s, %(expires_ms)s,
-        %(message_ttl_ms)s)
+        %(message_ttl_ms)s, %(max_priority)s, %(priority_bands)s::smallint[],
+        %(band_queues)s::text[])
 ON CONFLICT (queue) DO UPDATE SET last_used_at = clock_timestamp()
-RETURNING message_ttl_ms
+RETURNING message_ttl_ms, max_priority, priority_bands, band_queues
+
+-- name: queue_bands
+-- Priority bands of a Kombu queue (NULL arrays: no priorities); no row: unknown queue.
+SELECT max_priority, priority_bands, band_queues FROM kombu_pgmq.queues
+WHERE queue = %(kombu_queue)s
 
 -- name: drop_queue
 -- Drops pgmq.q_<queue>, its archive, our row, its bindings and consumers; false if it
@@ -256,7 +272,8 @@ SELECT v.version,
        coalesce((SELECT jsonb_object_agg(e.exchange, e.type) FROM kombu_pgmq.exchanges e),
                 '{}'::jsonb) AS exchanges,
        coalesce((SELECT jsonb_agg(jsonb_build_array(b.exchange, b.routing_key, b.queue,
-                                                    q.pgmq_queue))
+                                                    q.pgmq_queue, q.priority_bands,
+                                                    q.band_queues))
                  FROM kombu_pgmq.bindings b JOIN kombu_pgmq.queues q USING (queue)),
                 '[]'::jsonb) AS bindings
 FROM kombu_pgmq.routing_version v
@@ -269,10 +286,11 @@ SELECT version FROM kombu_pgmq.routing_version
 -- Publish one message to every queue an exchange routed it to, in one transaction (so
 -- in all of them or in none), only if the routing table is still at %(version)s: the
 -- caller's cached routes are then exact. Returns the current version and the msg_ids
--- (empty when the version moved: reload the table and publish again).
+-- (empty when the version moved: reload the table and publish again). delay_seconds > 0
+-- uses PGMQ's native delay (migration 0004).
 SELECT version, msg_ids
 FROM kombu_pgmq.publish_routed(%(queues)s::text[], %(message)s::jsonb, %(headers)s::jsonb,
-                               %(version)s::bigint)
+                               %(version)s::bigint, %(delay_seconds)s::integer)
 
 -- name: register_consumer
 WITH used AS (
@@ -314,3 +332,58 @@ WITH forgotten AS (
     WHERE NOT EXISTS (SELECT 1 FROM kombu_pgmq.consumers c WHERE c.owner = w.owner)
 )
 SELECT kombu_pgmq.reap() AS queue
+
+-- name: dead_letters
+-- Dead letters of a dead-letter queue ({queue_table}), oldest first, filtered by
+-- msg_ids, original Kombu queue, reason and task name (NULL: any), from after_id on.
+SELECT msg_id, read_ct, enqueued_at, message::text AS message, headers::text AS headers
+FROM {queue_table}
+WHERE msg_id > %(after_id)s
+  AND (%(msg_ids)s::bigint[] IS NULL OR msg_id = ANY(%(msg_ids)s::bigint[]))
+  AND (%(queue)s::text IS NULL OR headers -> 'x-dead-letter' ->> 'queue' = %(queue)s::text)
+  AND (%(reason)s::text IS NULL OR headers -> 'x-dead-letter' ->> 'reason' = %(reason)s::text)
+  AND (%(task)s::text IS NULL OR headers ->> 'task' = %(task)s::text)
+ORDER BY msg_id
+LIMIT %(limit)s
+
+-- name: take_dead_letters
+-- Remove up to limit matching dead letters (same filters as dead_letters) and return
+-- them, for a replay in the same transaction; rows another session holds are skipped.
+WITH taken AS (
+    DELETE FROM {queue_table}
+    WHERE msg_id IN (
+        SELECT msg_id FROM {queue_table}
+        WHERE msg_id > %(after_id)s
+          AND (%(msg_ids)s::bigint[] IS NULL OR msg_id = ANY(%(msg_ids)s::bigint[]))
+          AND (%(queue)s::text IS NULL OR headers -> 'x-dead-letter' ->> 'queue' = %(queue)s::text)
+          AND (%(reason)s::text IS NULL OR headers -> 'x-dead-letter' ->> 'reason' = %(reason)s::text)
+          AND (%(task)s::text IS NULL OR headers ->> 'task' = %(task)s::text)
+        ORDER BY msg_id
+        LIMIT %(limit)s
+        FOR UPDATE SKIP LOCKED
+    )
+    RETURNING msg_id, read_ct, enqueued_at, message, headers
+)
+SELECT msg_id, read_ct, enqueued_at, message::text AS message, headers::text AS headers
+FROM taken ORDER BY msg_id
+
+-- name: queue_tables
+-- Every PGMQ queue (name, and whether its archive table exists).
+SELECT m.queue_name AS queue,
+       to_regclass('pgmq.' || quote_ident('a_' || m.queue_name)) IS NOT NULL AS archived
+FROM pgmq.meta m ORDER BY m.queue_name
+
+-- name: prune_archive
+-- Archive retention: delete up to batch_size archived messages older than
+-- older_than_seconds from {archive_table} (oldest first, by its archived_at index).
+-- Each batch is its own short transaction; SKIP LOCKED never waits for another pruner.
+WITH doomed AS (
+    SELECT msg_id FROM {archive_table}
+    WHERE archived_at < clock_timestamp() - make_interval(secs => %(older_than_seconds)s::float8)
+    ORDER BY archived_at
+    LIMIT %(batch_size)s
+    FOR UPDATE SKIP LOCKED
+), gone AS (
+    DELETE FROM {archive_table} a USING doomed WHERE a.msg_id = doomed.msg_id RETURNING 1
+)
+SELECT count(*) AS deleted FROM gone

@@ -97,7 +97,8 @@ def test_reads_up_to_free_prefetch_in_one_round_trip(db_dsn):
 
 
 def test_unacked_message_is_redelivered_after_visibility_timeout(db_dsn):
-    with connect(db_dsn, visibility_timeout=1) as conn:
+    # lease renewal off: this holder behaves like a crashed one
+    with connect(db_dsn, visibility_timeout=1, lease_renewal_interval=0) as conn:
         publish(conn, "vt", ["x"])
         channel = conn.channel()
         first = channel.basic_get("vt")
@@ -141,7 +142,11 @@ def test_reject_without_requeue_dead_letters(db_dsn):
 
 def test_dead_letter_after_max_deliveries(db_dsn):
     with connect(
-        db_dsn, visibility_timeout=1, max_deliveries=2, dead_letter_queue="Custom.DLQ"
+        db_dsn,
+        visibility_timeout=1,
+        max_deliveries=2,
+        dead_letter_queue="Custom.DLQ",
+        lease_renewal_interval=0,  # the holder "crashes": no renewals
     ) as conn:
         publish(conn, "flaky", ["x"])
         channel = conn.channel()
