@@ -536,10 +536,12 @@ class PgmqClient:
         task: str | None = None,
         after_id: int = 0,
         limit: int = 100,
+        any_header: bool = True,
     ) -> list[DeadLetter]:
         """Rows of dead-letter queue ``queue`` matching the filters (None: any), oldest
         first, msg_id > ``after_id``, at most ``limit``. ``take=True`` deletes them too
         (use inside :meth:`transaction` to send them elsewhere atomically).
+        ``any_header=False``: only rows with an ``x-dead-letter`` header.
 
         Raises:
             QueueNotFound: the dead-letter queue does not exist.
@@ -553,6 +555,7 @@ class PgmqClient:
                 "task": task,
                 "after_id": after_id,
                 "limit": limit,
+                "any_header": any_header,
             },
         )
         return [DeadLetter(*r) for r in rows]

@@ -113,3 +113,11 @@ def redact(url_or_dsn: str) -> str:
     if "password" in params:
         params["password"] = "**"
     return " ".join(f"{k}={v}" for k, v in params.items())
+
+
+def to_dsn(url_or_dsn: str) -> str:
+    """A broker URL (``postgresql://...``) or a libpq ``key=value`` string -> a libpq
+    connection string."""
+    if "://" in url_or_dsn:
+        return make_dsn(url_to_params(url_or_dsn))
+    return url_or_dsn

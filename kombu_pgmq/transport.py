@@ -794,8 +794,15 @@ class Channel(virtual.Channel):
             self.pgmq.set_vt(name, ids, 0)
 
     def _fetch(self, queue: str, qty: int, *, no_ack: bool) -> list[dict[str, Any]]:
-        name = pgmq_queue_name(queue)
-        return self._to_payloads(queue, name, self._rows(queue, name, qty, no_ack), no_ack)
+        """Read up to ``qty`` messages of one queue, priority bands highest first."""
+        payloads: list[dict[str, Any]] = []
+        for name in self.connection.bands(queue).read_order:
+            if qty <= 0:
+                break
+            rows = self._rows(queue, name, qty, no_ack)
+            qty -= len(rows)
+            payloads += self._to_payloads(queue, name, rows, no_ack)
+        return payloads
 
     def _rows(self, queue: str, name: str, qty: int, no_ack: bool = False) -> list[Row]:
         """Read (or pop, for no_ack) up to ``qty`` rows of one queue; a consumed queue

@@ -335,7 +335,8 @@ SELECT kombu_pgmq.reap() AS queue
 
 -- name: dead_letters
 -- Dead letters of a dead-letter queue ({queue_table}), oldest first, filtered by
--- msg_ids, original Kombu queue, reason and task name (NULL: any), from after_id on.
+-- msg_ids, original Kombu queue, reason and task name (NULL: any), from after_id on;
+-- any_header false: only rows with an x-dead-letter header (replayable ones).
 SELECT msg_id, read_ct, enqueued_at, message::text AS message, headers::text AS headers
 FROM {queue_table}
 WHERE msg_id > %(after_id)s
@@ -343,6 +344,7 @@ WHERE msg_id > %(after_id)s
   AND (%(queue)s::text IS NULL OR headers -> 'x-dead-letter' ->> 'queue' = %(queue)s::text)
   AND (%(reason)s::text IS NULL OR headers -> 'x-dead-letter' ->> 'reason' = %(reason)s::text)
   AND (%(task)s::text IS NULL OR headers ->> 'task' = %(task)s::text)
+  AND (%(any_header)s::boolean OR headers ? 'x-dead-letter')
 ORDER BY msg_id
 LIMIT %(limit)s
 
@@ -358,6 +360,7 @@ WITH taken AS (
           AND (%(queue)s::text IS NULL OR headers -> 'x-dead-letter' ->> 'queue' = %(queue)s::text)
           AND (%(reason)s::text IS NULL OR headers -> 'x-dead-letter' ->> 'reason' = %(reason)s::text)
           AND (%(task)s::text IS NULL OR headers ->> 'task' = %(task)s::text)
+          AND (%(any_header)s::boolean OR headers ? 'x-dead-letter')
         ORDER BY msg_id
         LIMIT %(limit)s
         FOR UPDATE SKIP LOCKED

@@ -125,3 +125,13 @@ def test_queue_without_priority_ignores_message_priority(db_dsn):
         _publish(conn, Queue("plainq", routing_key="plainq"), [(9, "a"), (0, "b"), (5, "c")])
         got = drain(conn, "plainq", expect=3)
         assert [m.payload for m in got] == ["a", "b", "c"]
+
+
+def test_basic_get_takes_the_highest_priority_first(db_dsn):
+    queue = Queue("getprio", routing_key="getprio", max_priority=9)
+    with connect(db_dsn) as conn:
+        _publish(conn, queue, [(2, "two"), (8, "eight"), (0, "zero")])
+        channel = conn.channel()
+        got = [channel.basic_get("getprio", no_ack=True).payload for _ in range(3)]
+        assert got == ["eight", "two", "zero"]
+        assert channel.basic_get("getprio") is None

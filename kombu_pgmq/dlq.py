@@ -1,0 +1,305 @@
+"""Dead-letter queue operations: list, replay, purge (mirrors SQS's DLQ redrive).
+
+Messages reach the dead-letter queue (transport option ``dead_letter_queue``, default
+``kombu_pgmq_dlq``, a PGMQ queue like any other) after ``max_deliveries`` deliveries, or
+when rejected without requeue. Each keeps its body and headers and gains an
+``x-dead-letter`` header: ``{queue, pgmq_queue, msg_id, read_ct, reason, enqueued_at,
+dead_lettered_at}``. In SQL::
+
+    SELECT msg_id, headers->'x-dead-letter'->>'queue', headers->>'task'
+    FROM pgmq.q_kombu_pgmq_dlq;
+
+:class:`DeadLetterQueue` is the Python API; ``kombu-pgmq dlq list|replay|purge`` the
+command line (:mod:`kombu_pgmq.cli`). Replay moves a message back to its original Kombu
+queue (the priority band of its priority) in one transaction per batch: it is removed
+from the dead-letter queue and sent to its queue together, or not at all. The replayed
+copy loses ``x-dead-letter`` and counts its replays in ``x-dead-letter-replays``; its
+``read_ct`` starts again at 0, so it gets ``max_deliveries`` fresh deliveries.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from . import conninfo, errors, priorities
+from .client import DeadLetter, PgmqClient
+from .encoding import ENVELOPE_KEY, dumps
+from .naming import pgmq_queue_name
+
+#: The transport's default dead-letter queue (Kombu name).
+DEFAULT_DEAD_LETTER_QUEUE = "kombu_pgmq_dlq"
+_HEADER = "x-dead-letter"
+_REPLAYS = "x-dead-letter-replays"
+
+
+@dataclass(frozen=True)
+class DeadLetterInfo:
+    """One dead letter, decoded.
+
+    ``queue``/``pgmq_queue``: where it came from (None if it lacks ``x-dead-letter``);
+    ``read_ct``: deliveries it had there; ``reason``: ``"max_deliveries"`` or
+    ``"rejected"``; ``task``/``task_id``: Celery's headers (None for plain Kombu
+    messages); ``body``: the stored message as JSON text; times are timezone-aware.
+    """
+
+    msg_id: int
+    queue: str | None
+    pgmq_queue: str | None
+    original_msg_id: int | None
+    read_ct: int | None
+    reason: str | None
+    enqueued_at: datetime | None
+    dead_lettered_at: datetime | None
+    task: str | None
+    task_id: str | None
+    body: str
+    headers: dict[str, Any] = field(repr=False)
+
+    @classmethod
+    def from_row(cls, row: DeadLetter) -> DeadLetterInfo:
+        headers = json.loads(row.headers) if row.headers else {}
+        dead = headers.get(_HEADER) or {}
+
+        def when(value: Any) -> datetime | None:
+            try:
+                return datetime.fromisoformat(value) if value else None
+            except (TypeError, ValueError):
+                return None
+
+        return cls(
+            msg_id=row.msg_id,
+            queue=dead.get("queue"),
+            pgmq_queue=dead.get("pgmq_queue"),
+            original_msg_id=dead.get("msg_id"),
+            read_ct=dead.get("read_ct"),
+            reason=dead.get("reason"),
+            enqueued_at=when(dead.get("enqueued_at")),
+            dead_lettered_at=when(dead.get("dead_lettered_at")),
+            task=headers.get("task"),
+            task_id=headers.get("id"),
+            body=row.message,
+            headers=headers,
+        )
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    """``replayed``: messages sent back, per original Kombu queue; ``skipped``: msg_ids
+    matched but not replayable (no ``x-dead-letter`` header to tell their queue)."""
+
+    replayed: dict[str, int]
+    skipped: list[int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.replayed.values())
+
+
+class DeadLetterQueue:
+    """Operations on one dead-letter queue.
+
+    Arguments:
+        url: the broker URL (``postgresql://...``) or a libpq connection string.
+        queue: Kombu name of the dead-letter queue (the transport option
+            ``dead_letter_queue``).
+        client: use this :class:`PgmqClient` instead of connecting to ``url``.
+
+    Filters (every method): ``ids`` (dead-letter msg_ids), ``queue`` (original Kombu
+    queue), ``reason``, ``task`` (Celery task name); None matches anything. ``replay``
+    and ``purge`` need a filter or ``all=True``.
+
+    Raises (every method):
+        BrokerConnectionError: the database cannot be reached.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        queue: str = DEFAULT_DEAD_LETTER_QUEUE,
+        client: PgmqClient | None = None,
+    ) -> None:
+        if client is None and url is None:
+            raise errors.ConfigurationError("DeadLetterQueue needs a broker url or a client")
+        self.queue = queue
+        self.pgmq_queue = pgmq_queue_name(queue)
+        self._own_client = client is None
+        self._client = client if client is not None else PgmqClient(conninfo.to_dsn(url or ""))
+
+    def close(self) -> None:
+        if self._own_client:
+            self._client.close()
+
+    def __enter__(self) -> DeadLetterQueue:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def list(
+        self,
+        *,
+        ids: Sequence[int] | None = None,
+        queue: str | None = None,
+        reason: str | None = None,
+        task: str | None = None,
+        limit: int = 100,
+        after_id: int = 0,
+    ) -> list[DeadLetterInfo]:
+        """Dead letters matching the filters, oldest first (at most ``limit``, msg_id >
+        ``after_id``). An absent dead-letter queue has none."""
+        try:
+            rows = self._client.dead_letters(
+                self.pgmq_queue,
+                msg_ids=ids,
+                original_queue=queue,
+                reason=reason,
+                task=task,
+                after_id=after_id,
+                limit=limit,
+            )
+        except errors.QueueNotFound:
+            return []
+        return [DeadLetterInfo.from_row(r) for r in rows]
+
+    def replay(
+        self,
+        *,
+        ids: Sequence[int] | None = None,
+        queue: str | None = None,
+        reason: str | None = None,
+        task: str | None = None,
+        all: bool = False,
+        batch_size: int = 500,
+    ) -> ReplayResult:
+        """Send matching dead letters back to their original queues (one transaction per
+        batch of ``batch_size``: removed here and sent there together).
+
+        Raises:
+            ConfigurationError: no filter and not ``all``.
+            QueueNotFound: an original queue no longer exists (that batch stays in the
+                dead-letter queue; declare the queue, or purge those dead letters).
+        """
+        _need_filter("replay", ids, queue, reason, task, all)
+        replayed: Counter[str] = Counter()
+        skipped: list[int] = []
+        after_id = 0
+        while True:
+            with self._client.transaction():
+                try:
+                    rows = self._client.dead_letters(
+                        self.pgmq_queue,
+                        take=True,
+                        msg_ids=ids,
+                        original_queue=queue,
+                        reason=reason,
+                        task=task,
+                        after_id=after_id,
+                        limit=batch_size,
+                        any_header=False,
+                    )
+                except errors.QueueNotFound:
+                    return ReplayResult({}, [])
+                for row in rows:
+                    info = DeadLetterInfo.from_row(row)
+                    if info.queue is None:
+                        raise _NotReplayable(row.msg_id)
+                    self._send_back(info)
+                    replayed[info.queue] += 1
+            if rows:
+                after_id = rows[-1].msg_id
+            if len(rows) < batch_size:
+                break
+        # rows without x-dead-letter were left alone by the statement (see _NotReplayable)
+        for info in self.list(ids=ids, queue=queue, reason=reason, task=task, limit=10_000):
+            if info.queue is None:
+                skipped.append(info.msg_id)
+        return ReplayResult(dict(replayed), skipped)
+
+    def _send_back(self, info: DeadLetterInfo) -> None:
+        assert info.queue is not None
+        stored = self._client.queue_info(info.queue)
+        if stored is None:
+            raise errors.QueueNotFound(
+                f"dead letter {info.msg_id} came from queue {info.queue!r}, which no longer "
+                "exists: declare that queue (start its consumers) and replay again, or purge "
+                "these dead letters; nothing was replayed from this batch"
+            )
+        bands = priorities.stored(pgmq_queue_name(info.queue), stored.floors, stored.band_queues)
+        properties = (info.headers.get(ENVELOPE_KEY) or {}).get("properties") or {}
+        try:
+            priority = min(max(int(properties.get("priority") or 0), 0), priorities.MAX_LEVEL)
+        except (TypeError, ValueError):
+            priority = 0
+        headers = {k: v for k, v in info.headers.items() if k != _HEADER}
+        headers[_REPLAYS] = int(headers.get(_REPLAYS) or 0) + 1
+        self._client.send(bands.queue_for(priority), info.body, dumps(headers))
+
+    def purge(
+        self,
+        *,
+        ids: Sequence[int] | None = None,
+        queue: str | None = None,
+        reason: str | None = None,
+        task: str | None = None,
+        all: bool = False,
+        batch_size: int = 5000,
+    ) -> int:
+        """Delete matching dead letters for good; return how many.
+
+        Raises:
+            ConfigurationError: no filter and not ``all``.
+        """
+        _need_filter("purge", ids, queue, reason, task, all)
+        deleted = 0
+        after_id = 0
+        while True:
+            try:
+                rows = self._client.dead_letters(
+                    self.pgmq_queue,
+                    take=True,
+                    msg_ids=ids,
+                    original_queue=queue,
+                    reason=reason,
+                    task=task,
+                    after_id=after_id,
+                    limit=batch_size,
+                    any_header=True,
+                )
+            except errors.QueueNotFound:
+                return deleted
+            deleted += len(rows)
+            if rows:
+                after_id = rows[-1].msg_id
+            if len(rows) < batch_size:
+                return deleted
+
+
+class _NotReplayable(errors.OperationalError):
+    """A row without x-dead-letter was taken (cannot happen: the statement skips them)."""
+
+    def __init__(self, msg_id: int) -> None:
+        super().__init__(
+            f"dead letter {msg_id} has no x-dead-letter header, so its original queue is "
+            "unknown: purge it (kombu-pgmq dlq purge --id) or move it by hand"
+        )
+
+
+def _need_filter(
+    action: str,
+    ids: Sequence[int] | None,
+    queue: str | None,
+    reason: str | None,
+    task: str | None,
+    all: bool,
+) -> None:
+    if not all and ids is None and queue is None and reason is None and task is None:
+        raise errors.ConfigurationError(
+            f"dlq {action}: say which dead letters (ids, queue, reason or task), or all=True "
+            "(--all) for every one"
+        )
