@@ -14,11 +14,17 @@ Environment
     ``consumer_heartbeat_interval``.
     ``KPT_CONSUMER_STALE_AFTER`` (seconds, optional): transport option
     ``consumer_stale_after``.
+    ``KPT_LEASE_RENEWAL_INTERVAL``, ``KPT_ETA_LEAD_SECONDS`` (seconds, optional) and
+    ``KPT_MAX_DELIVERIES`` (int, optional): the transport options of those names.
+    ``KPT_MAX_PRIORITY`` (int, optional): queue ``celery`` is declared with
+    ``x-max-priority``. ``KPT_PREFETCH_MULTIPLIER`` (int, optional):
+    ``worker_prefetch_multiplier``.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -26,6 +32,7 @@ from urllib.parse import urlsplit
 
 import psycopg
 from celery import Celery
+from kombu import Exchange, Queue
 
 import kombu_pgmq  # noqa: F401  (registers postgresql:// with kombu)
 
@@ -85,9 +92,13 @@ def create_app(env: Mapping[str, str] = os.environ) -> Celery:
         ("KPT_POLLING_INTERVAL", "polling_interval"),
         ("KPT_CONSUMER_HEARTBEAT_INTERVAL", "consumer_heartbeat_interval"),
         ("KPT_CONSUMER_STALE_AFTER", "consumer_stale_after"),
+        ("KPT_LEASE_RENEWAL_INTERVAL", "lease_renewal_interval"),
+        ("KPT_ETA_LEAD_SECONDS", "eta_lead_seconds"),
     ):
         if env.get(var):
             transport_options[option] = float(env[var])
+    if env.get("KPT_MAX_DELIVERIES"):
+        transport_options["max_deliveries"] = int(env["KPT_MAX_DELIVERIES"])
 
     app = Celery("kpt_e2e", set_as_current=False)
     app.conf.update(
@@ -102,6 +113,13 @@ def create_app(env: Mapping[str, str] = os.environ) -> Celery:
         worker_hijack_root_logger=True,
         worker_redirect_stdouts=True,
     )
+    if env.get("KPT_MAX_PRIORITY"):
+        arguments = {"x-max-priority": int(env["KPT_MAX_PRIORITY"])}
+        app.conf.task_queues = [
+            Queue("celery", Exchange("celery"), routing_key="celery", queue_arguments=arguments)
+        ]
+    if env.get("KPT_PREFETCH_MULTIPLIER"):
+        app.conf.worker_prefetch_multiplier = int(env["KPT_PREFETCH_MULTIPLIER"])
 
     @app.task(shared=False, name="e2e.ping")
     def ping() -> str:
@@ -122,6 +140,13 @@ def create_app(env: Mapping[str, str] = os.environ) -> Celery:
         runs = record_run(broker_url, self)
         time.sleep(seconds if runs == 1 else rerun_seconds)
         return {"runs": runs, "pid": os.getpid()}
+
+    @app.task(shared=False, name="e2e.crash", bind=True, acks_late=True, reject_on_worker_lost=True)
+    def crash(self: Any) -> None:
+        """Record the execution, then SIGKILL the pool process running it (a segfault or
+        an OOM kill); Celery requeues the message (reject_on_worker_lost)."""
+        record_run(broker_url, self)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     @app.task(shared=False, name="e2e.retry_once", bind=True, max_retries=3)
     def retry_once(self: Any, value: Any) -> dict[str, Any]:

@@ -1,0 +1,157 @@
+"""End to end, real ``celery worker`` subprocesses: lease renewal, kill -9 recovery,
+countdown via PGMQ's native delay, priorities, poison tasks to the dead-letter queue,
+a killed database connection during renewals."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import psycopg
+from celery import Celery
+
+from kombu_pgmq.dlq import DeadLetterQueue
+from tests.e2e import celery_app
+from tests.e2e.helpers import Worker, runs, wait_for
+
+RESULT_TIMEOUT_S = 30.0
+
+
+def _parent_pid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _queue(db: psycopg.Connection, table: str = "q_celery") -> list[tuple]:
+    return db.execute(
+        f"SELECT msg_id, read_ct, headers->>'id', vt FROM pgmq.{table} ORDER BY msg_id"
+    ).fetchall()
+
+
+def test_task_running_five_times_the_visibility_timeout_runs_once(
+    app: Celery, db: psycopg.Connection, start_worker: Callable[..., Worker]
+) -> None:
+    vt = 2
+    # Two workers: the idle one reads the queue all along, and must not get the message.
+    start_worker(KPT_VISIBILITY_TIMEOUT=str(vt))
+    start_worker(KPT_VISIBILITY_TIMEOUT=str(vt))
+    result = app.tasks["e2e.record_and_sleep"].delay(5 * vt, 0.0)
+    assert result.get(timeout=RESULT_TIMEOUT_S + 5 * vt)["runs"] == 1
+    assert len(runs(db, result.id)) == 1
+    wait_for(lambda: not _queue(db), RESULT_TIMEOUT_S, "the ack")
+    assert [r[1] for r in _queue(db, "a_celery") if r[2] == result.id] == [1]
+
+
+def test_killed_worker_task_runs_again_within_one_visibility_timeout(
+    app: Celery, db: psycopg.Connection, start_worker: Callable[..., Worker]
+) -> None:
+    vt = 3
+    workers = [start_worker(KPT_VISIBILITY_TIMEOUT=str(vt)) for _ in range(2)]
+    # First run sleeps 60 s (killed mid-task); the redelivered run 0.2 s.
+    result = app.tasks["e2e.record_and_sleep"].delay(60, 0.2)
+    [first_run] = wait_for(lambda: runs(db, result.id), RESULT_TIMEOUT_S, "the first run")
+    holder = next(w for w in workers if w.pid == _parent_pid(first_run["pid"]))
+    survivor = next(w for w in workers if w is not holder)
+    time.sleep(2.5 * vt)  # renewed meanwhile: not delivered again
+    assert len(runs(db, result.id)) == 1
+    holder.kill()
+    (killed_at,) = db.execute("SELECT clock_timestamp()").fetchone() or ()
+
+    assert result.get(timeout=RESULT_TIMEOUT_S)["runs"] == 2
+    attempts = runs(db, result.id)
+    assert [a["redelivered"] for a in attempts] == [False, True]
+    delay = (attempts[1]["started_at"] - killed_at).total_seconds()
+    print(f"redelivery delay after kill -9: {delay:.2f} s (visibility timeout {vt} s)")
+    # The last renewal was at most vt/3 before the kill: the lease ends within
+    # (2/3 vt, vt] after it; the survivor's fallback poll adds up to 1 s.
+    assert vt / 3 < delay <= vt + 1.5
+    wait_for(lambda: not _queue(db), RESULT_TIMEOUT_S, "the ack")
+    assert survivor.alive()
+
+
+def test_countdown_of_three_visibility_timeouts_runs_once_on_time(
+    app: Celery, db: psycopg.Connection, start_worker: Callable[..., Worker]
+) -> None:
+    vt = 2
+    start_worker(KPT_VISIBILITY_TIMEOUT=str(vt))
+    eta = datetime.now(timezone.utc) + timedelta(seconds=3 * vt)
+    result = app.tasks["e2e.record_and_sleep"].apply_async((0.0,), eta=eta)
+    # Waiting in the queue table (PGMQ's native delay), not in the worker's memory.
+    time.sleep(1.0)
+    [(_, read_ct, task_id, visible_at)] = _queue(db)
+    assert (read_ct, task_id) == (0, result.id)
+    assert eta - timedelta(seconds=3.5) <= visible_at <= eta
+    assert result.get(timeout=RESULT_TIMEOUT_S)["runs"] == 1
+    [run] = runs(db, result.id)
+    print(f"countdown task started {(run['started_at'] - eta).total_seconds():+.3f} s from ETA")
+    assert abs(run["started_at"] - eta) <= timedelta(seconds=1)
+
+
+def test_priority_order_under_a_backlog(
+    db: psycopg.Connection, start_worker: Callable[..., Worker], e2e_env: dict[str, str]
+) -> None:
+    settings = {"KPT_MAX_PRIORITY": "9", "KPT_PREFETCH_MULTIPLIER": "1"}
+    start_worker(extra_args=["-c", "1"], **settings)
+    publisher = celery_app.create_app({**e2e_env, **settings})
+    sleep_task = publisher.tasks["e2e.record_and_sleep"]
+    blocker = sleep_task.delay(2.0)
+    wait_for(lambda: runs(db, blocker.id), RESULT_TIMEOUT_S, "the blocker to run")
+    # The worker's single prefetch slot is taken: these wait in the queue's bands.
+    priorities = [3, 0, 9, 5, 9, 1, 7, 0, 5, 3, 8, 6]
+    results = [sleep_task.apply_async((0.0,), priority=p) for p in priorities]
+    try:
+        for r in results:
+            r.get(timeout=RESULT_TIMEOUT_S)
+    finally:
+        publisher.close()
+    order = [
+        row[0]
+        for row in db.execute(
+            "SELECT task_id FROM e2e_runs WHERE task_id <> %s ORDER BY id", (blocker.id,)
+        ).fetchall()
+    ]
+    by_id = {r.id: (p, i) for i, (r, p) in enumerate(zip(results, priorities, strict=True))}
+    ran = [by_id[task_id] for task_id in order if task_id in by_id]
+    # highest priority first, FIFO (publish order) within a priority
+    assert ran == sorted(ran, key=lambda pi: (-pi[0], pi[1]))
+
+
+def test_task_crashing_its_worker_process_is_dead_lettered_after_max_deliveries(
+    app: Celery, db: psycopg.Connection, start_worker: Callable[..., Worker], db_dsn: str
+) -> None:
+    worker = start_worker(KPT_MAX_DELIVERIES="3")
+    poison = app.tasks["e2e.crash"].delay()
+    with DeadLetterQueue(db_dsn) as dlq:
+        [letter] = wait_for(dlq.list, 60, "the poison task in the dead-letter queue")
+    assert (letter.queue, letter.reason, letter.task_id) == ("celery", "max_deliveries", poison.id)
+    assert len(runs(db, poison.id)) == 3  # three deliveries, each killed its process
+    assert not [r for r in _queue(db) if r[2] == poison.id]
+    # The worker keeps serving others.
+    assert app.tasks["e2e.add"].delay(20, 22).get(timeout=RESULT_TIMEOUT_S) == 42
+    assert worker.alive()
+
+
+def test_database_connections_killed_during_renewals_cause_no_duplicate(
+    app: Celery, db: psycopg.Connection, start_worker: Callable[..., Worker]
+) -> None:
+    vt = 2
+    worker = start_worker(KPT_VISIBILITY_TIMEOUT=str(vt))
+    result = app.tasks["e2e.record_and_sleep"].delay(4 * vt, 0.0)
+    wait_for(lambda: runs(db, result.id), RESULT_TIMEOUT_S, "the task to start")
+    for _ in range(2):
+        killed = db.execute(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid() "
+            "AND application_name NOT IN ('kpt_e2e_test', 'kpt_e2e_task')"
+        ).fetchone()[0]
+        assert killed >= 2  # the worker's statement and LISTEN connections at least
+        time.sleep(1.5 * vt)  # past the visibility timeout
+    assert result.get(timeout=RESULT_TIMEOUT_S)["runs"] == 1
+    assert len(runs(db, result.id)) == 1
+    wait_for(lambda: not _queue(db), RESULT_TIMEOUT_S, "the ack")
+    assert [r[1] for r in _queue(db, "a_celery") if r[2] == result.id] == [1]
+    # Recovered by itself: still consuming, no restart of its consumer needed.
+    assert app.tasks["e2e.add"].delay(1, 2).get(timeout=RESULT_TIMEOUT_S) == 3
+    assert worker.alive()
+    assert "Traceback" not in worker.log()
