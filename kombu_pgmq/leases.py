@@ -58,12 +58,15 @@ class Renewal(NamedTuple):
 
 def held_by(channels: Iterable[Any]) -> list[Held]:
     """Unacked deliveries of kombu_pgmq channels (any thread: the QoS dicts are copied
-    atomically under the GIL)."""
+    atomically under the GIL). Acked ones kombu has not yet removed (``QoS._dirty``) are
+    left out."""
     held = []
     for channel in list(channels):
-        delivered = getattr(getattr(channel, "qos", None), "_delivered", None)
+        qos = getattr(channel, "qos", None)
+        delivered = getattr(qos, "_delivered", None)
         if not delivered:
             continue
+        settled = set(getattr(qos, "_dirty", ()))  # acked/rejected, removed lazily by kombu
         for _ in range(3):  # a copy racing a resize raises; retry
             try:
                 messages = list(delivered.copy().values())
@@ -74,6 +77,8 @@ def held_by(channels: Iterable[Any]) -> list[Held]:
             continue
         vt = channel._vt_seconds
         for message in messages:
+            if message.delivery_tag in settled:
+                continue
             info = message.delivery_info
             held.append(Held(info["pgmq_queue"], info["pgmq_msg_id"], info["pgmq_read_ct"], vt))
     return held

@@ -25,6 +25,23 @@ Delivery semantics
 * At least once. A delivered message stays in its queue table, invisible, until it is
   acked (archived), rejected, or its visibility timeout passes; then it is delivered
   again (``delivery_info['redelivered']`` is true when ``read_ct > 1``).
+* Leases are renewed (:mod:`kombu_pgmq.leases`): while a connection holds a message
+  (running, prefetched, or waiting for its ETA) a thread pushes its visibility timeout
+  to now + ``visibility_timeout`` every ``lease_renewal_interval`` seconds, one statement
+  for all held messages. A healthy task that runs for hours is never delivered twice; a
+  killed worker's messages are delivered again at most one visibility timeout (30 s by
+  default) after its last renewal. A lease found lost (the message was read again
+  elsewhere, e.g. after a database outage longer than the visibility timeout) is logged.
+* A lost database connection is not reported to Celery while the server answers again:
+  the next statement reconnects (in Celery's event loop at the next fallback poll), so
+  the worker keeps its held messages and their leases instead of restarting its
+  consumer and requeueing running tasks.
+* Countdown/ETA tasks and ``x-delay`` messages wait in their queue table with a future
+  visibility (PGMQ's native delay), not in a worker's memory: see
+  :mod:`kombu_pgmq.delays` for the path Celery takes.
+* Priorities: a queue declared with ``x-max-priority`` (``Queue(max_priority=9)``) has a
+  PGMQ queue per priority band, read highest first in the same round trip; higher
+  numbers first, as AMQP (see :mod:`kombu_pgmq.priorities`).
 * A consumer reads up to its free prefetch in one round trip, from all of a channel's
   queues at once (``kombu_pgmq.read``; the first queue read rotates, so none starves);
   ``read_batch_size`` caps it when prefetch is unlimited. Consumers with ``no_ack=True``
@@ -42,7 +59,14 @@ Delivery semantics
   read moves the message to ``dead_letter_queue`` instead of delivering it; a reject
   without requeue does the same at once. The copy keeps body and headers and gains an
   ``x-dead-letter`` header ``{queue, pgmq_queue, msg_id, read_ct, reason, enqueued_at,
-  dead_lettered_at}``; reasons are ``"max_deliveries"`` and ``"rejected"``.
+  dead_lettered_at}``; reasons are ``"max_deliveries"`` and ``"rejected"``. A Celery task
+  that kills its pool process (segfault, OOM) is requeued by Celery when it has
+  ``acks_late=True, reject_on_worker_lost=True``, and so reaches the dead-letter queue
+  after ``max_deliveries``. List, replay and purge dead letters with
+  :class:`kombu_pgmq.dlq.DeadLetterQueue` or ``kombu-pgmq dlq list|replay|purge``.
+* Acked messages stay in the archive ``pgmq.a_<queue>``; remove old ones with
+  :func:`kombu_pgmq.retention.prune_archives` (Celery beat: ``add_beat_task``) or
+  ``kombu-pgmq archive prune --older-than 7d``.
 * ``queue_purge`` deletes ready messages only (unacked ones stay, as in AMQP) and
   returns the count; ``celery purge`` uses it.
 
@@ -116,15 +140,25 @@ within PGMQ's 47 characters. ``kombu_pgmq.queues`` records the Kombu name of eac
 Transport Options
 =================
 
-* ``visibility_timeout`` (seconds, default 1800): how long a delivered, unacked
-  message stays invisible before it is delivered again. Longer than your longest task
-  (with ``acks_late``) or ETA wait, until lease renewal arrives.
+* ``visibility_timeout`` (seconds, default 30): how long a delivered, unacked message
+  stays invisible after its last lease renewal before it is delivered again; so how
+  long a crashed worker's messages wait. Tasks may run far longer (leases are renewed).
+* ``lease_renewal_interval`` (seconds, default ``visibility_timeout / 3``; 0 = off):
+  how often held messages' visibility timeouts are pushed forward. Must be below
+  ``visibility_timeout``; the margin is how long a stalled process or a database
+  outage may last before a held message is delivered again.
 * ``max_deliveries`` (int, default ``None`` = unlimited): deliveries after which a
   message is dead-lettered instead of delivered again.
 * ``dead_letter_queue`` (str, default ``"kombu_pgmq_dlq"``): Kombu name of the
   dead-letter queue (not kombu's ``deadletter_queue`` option, which is for unroutable
   messages).
 * ``read_batch_size`` (int, default 100): most messages read in one round trip.
+* ``priority_steps`` (list of ints 0-9, default None = one band per priority level):
+  floors of the priority bands of queues *first declared* by this process with
+  ``x-max-priority`` (as kombu's Redis transport; e.g. ``[0, 3, 6, 9]``: 4 tables).
+* ``eta_lead_seconds`` (seconds, default 2): a Celery ETA/countdown task becomes visible
+  this long before its ETA (Celery then waits for the ETA itself); keep it above the
+  consumers' ``polling_interval``.
 * ``polling_interval`` (seconds, default 1): fallback poll of every consumed queue, for
   messages that become visible without a publish (visibility timeout expiry, delayed
   sends). New messages wake consumers at once through LISTEN/NOTIFY.
@@ -178,6 +212,9 @@ from .wakeups import Wakeups
 logger = logging.getLogger(__name__)
 
 __all__ = ["Channel", "QoS", "Transport"]
+
+#: Seconds between reconnection attempts of a consumer in Celery's event loop.
+RECONNECT_SECONDS = 1.0
 
 
 def _milliseconds(arguments: dict[str, Any], key: str) -> int | None:
@@ -962,6 +999,7 @@ class Transport(virtual.Transport):
         self._draining = 0
         self._hub: Any = None
         self._hub_fds: list[int] = []
+        self._hub_listener = (-1, -1)  # (fd, generation) of the LISTEN socket watched
         self._hub_timer: Any = None
         self._vacuum_refused: set[str] = set()
         self._maintainer: threading.Thread | None = None
@@ -1033,12 +1071,7 @@ class Transport(virtual.Transport):
         self.leases.start()
 
     def _still_held(self, queue: str, msg_id: int) -> bool:
-        for channel in list(self.channels):
-            for message in list(channel.qos._delivered.copy().values()):
-                info = message.delivery_info
-                if info["pgmq_msg_id"] == msg_id and info["pgmq_queue"] == queue:
-                    return True
-        return False
+        return any(h.queue == queue and h.msg_id == msg_id for h in held_by(self.channels))
 
     # -- priority bands (kombu_pgmq.priorities) ------------------------------------------
 
@@ -1320,6 +1353,8 @@ class Transport(virtual.Transport):
         self._waiting.clear()  # recorded again as queues are found empty
         with contextlib.suppress(errors.KombuPgmqError):
             self._ready |= self._consumed()
+        if self._hub is not None:  # retry soon, not at the next fallback poll only
+            self._hub.call_later(RECONNECT_SECONDS, self._on_hub_fallback)
 
     def _connection_ok(self) -> None:
         if self._connection_lost_at is not None:
@@ -1483,6 +1518,7 @@ class Transport(virtual.Transport):
         self._hub = loop
         wakeups = self._get_wakeups()
         self._hub_fds = [wakeups.wake_fileno]
+        self._hub_listener = (-1, -1)
         loop.add_reader(wakeups.wake_fileno, self._on_hub_event)
         self._watch_listener(wakeups)
         self._hub_timer = loop.call_repeatedly(self.polling_interval, self._on_hub_fallback)
@@ -1490,10 +1526,12 @@ class Transport(virtual.Transport):
 
     def _watch_listener(self, wakeups: Wakeups) -> None:
         fd = wakeups.fileno()  # connects (and LISTENs) after a lost connection
-        if fd not in self._hub_fds:
+        if (fd, wakeups.generation) != self._hub_listener:
             for old in self._hub_fds[1:]:
-                self._hub.remove_reader(old)
+                with contextlib.suppress(Exception):  # closed with the lost connection
+                    self._hub.remove_reader(old)
             self._hub_fds[1:] = [fd]
+            self._hub_listener = (fd, wakeups.generation)
             self._hub.add_reader(fd, self._on_hub_event)
 
     def _on_hub_fallback(self) -> None:

@@ -43,6 +43,9 @@ class Wakeups:
         os.set_blocking(self._pipe_r, False)
         os.set_blocking(self._pipe_w, False)
         self._closed = False
+        #: Bumped on every (re)connect of the LISTEN connection: its socket may get the
+        #: number of the lost one, so an event loop must not go by the number alone.
+        self.generation = 0
 
     # -- listening -----------------------------------------------------------------------
 
@@ -56,6 +59,7 @@ class Wakeups:
                 listener.close()
                 raise
             self._listener = listener
+            self.generation += 1
         return listener
 
     def listen(self, queues: Iterable[str]) -> None:
