@@ -111,7 +111,12 @@ def _table(letters: list[DeadLetterInfo], dlq_name: str) -> Table:
         ("dead-lettered at", "left"),
         ("task id / body", "left"),
     ]:
-        table.add_column(column, justify=justify, overflow="fold")  # type: ignore[arg-type]
+        table.add_column(
+            column,
+            justify=justify,  # type: ignore[arg-type]
+            overflow="ellipsis" if column.startswith("task id") else "fold",
+            no_wrap=column.startswith("task id"),
+        )
     for d in letters:
         when = d.dead_lettered_at.strftime("%Y-%m-%d %H:%M:%S") if d.dead_lettered_at else "-"
         detail = d.task_id or (d.body if len(d.body) <= 60 else d.body[:57] + "...")
@@ -120,7 +125,7 @@ def _table(letters: list[DeadLetterInfo], dlq_name: str) -> Table:
             d.queue or "?",
             d.task or "-",
             d.reason or "?",
-            "-" if d.read_ct is None else str(d.read_ct),
+            "-" if d.deliveries is None else str(d.deliveries),
             when,
             detail,
         )
@@ -160,6 +165,7 @@ def dlq_list(
                         "task_id": d.task_id,
                         "reason": d.reason,
                         "read_ct": d.read_ct,
+                        "deliveries": d.deliveries,
                         "dead_lettered_at": d.dead_lettered_at.isoformat()
                         if d.dead_lettered_at
                         else None,

@@ -42,7 +42,7 @@ class DeadLetterInfo:
     """One dead letter, decoded.
 
     ``queue``/``pgmq_queue``: where it came from (None if it lacks ``x-dead-letter``);
-    ``read_ct``: deliveries it had there; ``reason``: ``"max_deliveries"`` or
+    ``read_ct``: its read count there (see :attr:`deliveries`); ``reason``: ``"max_deliveries"`` or
     ``"rejected"``; ``task``/``task_id``: Celery's headers (None for plain Kombu
     messages); ``body``: the stored message as JSON text; times are timezone-aware.
     """
@@ -59,6 +59,14 @@ class DeadLetterInfo:
     task_id: str | None
     body: str
     headers: dict[str, Any] = field(repr=False)
+
+    @property
+    def deliveries(self) -> int | None:
+        """Times it was delivered: ``read_ct``, less the read that found it over
+        ``max_deliveries`` (that read moved it instead of delivering it)."""
+        if self.read_ct is None:
+            return None
+        return self.read_ct - 1 if self.reason == "max_deliveries" else self.read_ct
 
     @classmethod
     def from_row(cls, row: DeadLetter) -> DeadLetterInfo:

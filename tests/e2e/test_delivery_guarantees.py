@@ -126,6 +126,7 @@ def test_task_crashing_its_worker_process_is_dead_lettered_after_max_deliveries(
         [letter] = wait_for(dlq.list, 60, "the poison task in the dead-letter queue")
     assert (letter.queue, letter.reason, letter.task_id) == ("celery", "max_deliveries", poison.id)
     assert len(runs(db, poison.id)) == 3  # three deliveries, each killed its process
+    assert letter.deliveries == 3 and letter.read_ct == 4
     assert not [r for r in _queue(db) if r[2] == poison.id]
     # The worker keeps serving others.
     assert app.tasks["e2e.add"].delay(20, 22).get(timeout=RESULT_TIMEOUT_S) == 42

@@ -51,6 +51,7 @@ def test_list_with_filters(letters):
             ("emails", "mail.send", "rejected", 1),
         ]
         assert every[0].task_id == "t-1" and json.loads(every[0].body) == {"n": 1}
+        assert every[0].deliveries == 1
         assert every[0].dead_lettered_at is not None
         assert [d.queue for d in dlq.list(queue="emails")] == ["emails"]
         assert len(dlq.list(task="shop.charge")) == 2
