@@ -43,7 +43,14 @@ RESULT_TIMEOUT_S = 30.0
 CLI_REPLY_TIMEOUT_S = "20"
 #: Where the ping latency test writes its median/p90 (also printed).
 LATENCY_REPORT = Path("/tmp/kombu_pgmq_e2e_ping_latency.json")
-E2E_TASKS = ["e2e.add", "e2e.crash", "e2e.ping", "e2e.record_and_sleep", "e2e.retry_once", "e2e.xsum"]
+E2E_TASKS = [
+    "e2e.add",
+    "e2e.crash",
+    "e2e.ping",
+    "e2e.record_and_sleep",
+    "e2e.retry_once",
+    "e2e.xsum",
+]
 
 
 def cli_ok(env: dict[str, str], *args: str) -> str:
