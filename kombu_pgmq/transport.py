@@ -33,9 +33,9 @@ Delivery semantics
   default) after its last renewal. A lease found lost (the message was read again
   elsewhere, e.g. after a database outage longer than the visibility timeout) is logged.
 * A lost database connection is not reported to Celery while the server answers again:
-  the next statement reconnects (in Celery's event loop at the next fallback poll), so
-  the worker keeps its held messages and their leases instead of restarting its
-  consumer and requeueing running tasks.
+  the next statement reconnects (in Celery's event loop, retried every second), so the
+  worker keeps its held messages and their leases instead of restarting its consumer
+  and requeueing running tasks. ``drain_events`` retries once and then raises.
 * Countdown/ETA tasks and ``x-delay`` messages wait in their queue table with a future
   visibility (PGMQ's native delay), not in a worker's memory: see
   :mod:`kombu_pgmq.delays` for the path Celery takes.
