@@ -53,6 +53,13 @@ def _url(url: str | None) -> str:
     return default_broker_url()
 
 
+def _console() -> Console:
+    """A console for tables: a terminal's width, or wide enough when piped (rich would
+    assume 80 columns and fold task names)."""
+    console = Console()
+    return console if console.is_terminal else Console(width=160)
+
+
 def _fail(exc: Exception) -> NoReturn:
     Console(stderr=True).print(f"[bold red]error:[/] {exc}", highlight=False)
     raise SystemExit(1)
@@ -174,7 +181,7 @@ def dlq_list(
                 )
             )
         return
-    console = Console()
+    console = _console()
     if not letters:
         console.print(f"no dead letters in {dlq_name} match")
         return
@@ -264,7 +271,7 @@ def archive_prune(
         )
     except errors.KombuPgmqError as exc:
         _fail(exc)
-    console = Console()
+    console = _console()
     if not deleted:
         console.print(f"nothing archived more than {older_than} ago")
         return

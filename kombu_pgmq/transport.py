@@ -203,6 +203,7 @@ from . import conninfo, encoding, errors, priorities
 from .client import PgmqClient, Row
 from .delays import delay_seconds
 from .leases import LeaseKeeper, held_by
+from .maintenance import Maintainer
 from .naming import pgmq_queue_name
 from .priorities import Bands
 from .routing import EXCHANGE_TYPES, Routes
@@ -1001,9 +1002,6 @@ class Transport(virtual.Transport):
         self._hub_fds: list[int] = []
         self._hub_listener = (-1, -1)  # (fd, generation) of the LISTEN socket watched
         self._hub_timer: Any = None
-        self._vacuum_refused: set[str] = set()
-        self._maintainer: threading.Thread | None = None
-        self._stop_maintainer = threading.Event()
         self._bands: dict[str, Bands] = {}  # Kombu queue -> priority bands, as stored
         self._connection_lost_at: float | None = None
         options = client.transport_options
@@ -1042,6 +1040,19 @@ class Transport(virtual.Transport):
         #: acks, and those messages are delivered again; publishes always commit
         #: synchronously, so no message is lost either way.
         self.durable_acks = durable_acks
+        #: Heartbeats, reaper and VACUUM of the consumed queue tables (a thread).
+        self.maintainer = Maintainer(
+            client=lambda: self._client,
+            owner=self.owner,
+            interval_seconds=self.consumer_heartbeat_interval,
+            consuming=lambda: bool(self._consumers),
+            consumed_tables=lambda: sorted(
+                {n for queue, _ in self._consumers for n in self.bands(queue).queues}
+            ),
+            reap=self.reap,
+            conninfo=self.conninfo,
+            vacuum_threshold=self.vacuum_threshold,
+        )
 
     def __repr__(self) -> str:
         return f"<kombu_pgmq.Transport {conninfo.redact(self._url)}>"
@@ -1175,11 +1186,7 @@ class Transport(virtual.Transport):
         )
         self._consumers.add((queue, consumer_tag))
         self.keep_leases()
-        if self._maintainer is None:
-            self._maintainer = threading.Thread(
-                target=self._maintain, name="kombu_pgmq-heartbeat", daemon=True
-            )
-            self._maintainer.start()
+        self.maintainer.start()
 
     def release_consumer(self, queue: str, consumer_tag: str) -> bool:
         """Forget a consumer; True if that auto-deleted its queue."""
@@ -1203,21 +1210,6 @@ class Transport(virtual.Transport):
         if dropped:
             logger.info("dropped %d abandoned queue(s): %s", len(dropped), ", ".join(dropped))
         return dropped
-
-    def _maintain(self) -> None:
-        """Heartbeat thread: while consumers exist, beat and reap every interval."""
-        while not self._stop_maintainer.wait(self.consumer_heartbeat_interval):
-            client = self._client
-            if client is None or not self._consumers:
-                continue
-            try:
-                client.heartbeat(self.owner)
-                self.reap(client)  # never self.pgmq_client(): it would reopen a closed one
-                if self.vacuum_threshold:
-                    self._vacuum(client)
-            except errors.KombuPgmqError as exc:
-                if not self._stop_maintainer.is_set():  # else: closing, not a failure
-                    logger.warning("consumer heartbeat failed (%s); retrying", exc)
 
     # -- wake-ups, polling and acks ------------------------------------------------------
 
@@ -1260,43 +1252,6 @@ class Transport(virtual.Transport):
         return {
             name for c in self.channels for q in c._active_queues for name in self.bands(q).queues
         }
-
-    def _vacuum(self, client: PgmqClient) -> None:
-        """VACUUM consumed queue tables with more than ``vacuum_threshold`` dead tuples.
-
-        Each delivery updates a row (the visibility timeout) and each ack deletes it, so a
-        busy queue table collects dead row versions fast; autovacuum visits a database
-        once a minute at best (and may be off). See benchmarks/README.md (churn).
-        """
-        names = sorted({n for queue, _ in self._consumers for n in self.bands(queue).queues})
-        due = [
-            name
-            for name, dead in client.dead_tuples(names).items()
-            if dead > self.vacuum_threshold and name not in self._vacuum_refused
-        ]
-        if not due:
-            return
-        # A connection of its own: VACUUM takes a while, and must not hold up the
-        # consumers' statements on the shared one.
-        vacuumer = PgmqClient(self.conninfo())
-        try:
-            for name in due:
-                try:
-                    vacuumer.vacuum(name)
-                except errors.QueueNotFound:
-                    continue
-                except errors.BrokerConnectionError:
-                    raise
-                except errors.KombuPgmqError as exc:
-                    self._vacuum_refused.add(name)
-                    logger.warning(
-                        "cannot VACUUM queue table pgmq.q_%s (%s): leaving it to autovacuum; "
-                        "set transport option vacuum_threshold=0 to stop trying",
-                        name,
-                        exc,
-                    )
-        finally:
-            vacuumer.close()
 
     def wake(self, requeued: str | None = None) -> None:
         """End the current wait of :meth:`drain_events` (or run a poll in Celery's event
@@ -1578,7 +1533,7 @@ class Transport(virtual.Transport):
             raise
 
     def _close_client(self) -> None:
-        self._stop_maintainer.set()
+        self.maintainer.stop()
         self.leases.stop()
         self._unregister_from_event_loop()
         client, self._client = self._client, None

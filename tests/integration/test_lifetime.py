@@ -78,7 +78,7 @@ def test_dead_consumers_queue_is_reaped(db_dsn):
         q = Queue("dead.worker.pidbox", auto_delete=True, durable=False)
         Consumer(dead.channel(), [q], on_message=lambda m: None).consume()
         # The "dead" process stops heartbeating (as after kill -9): no cancel ever comes.
-        dead.transport._stop_maintainer.set()
+        dead.transport.maintainer.stop()
         dead.transport._consumers.clear()
         time.sleep(0.8)
         assert survivor.transport.reap() == ["dead.worker.pidbox"]
