@@ -1004,6 +1004,7 @@ class Transport(virtual.Transport):
         self._hub_timer: Any = None
         self._bands: dict[str, Bands] = {}  # Kombu queue -> priority bands, as stored
         self._connection_lost_at: float | None = None
+        self._retry_pending = False  # a reconnection attempt is scheduled in the event loop
         options = client.transport_options
         self.leases = LeaseKeeper(
             lambda: self._client,
@@ -1308,8 +1309,14 @@ class Transport(virtual.Transport):
         self._waiting.clear()  # recorded again as queues are found empty
         with contextlib.suppress(errors.KombuPgmqError):
             self._ready |= self._consumed()
-        if self._hub is not None:  # retry soon, not at the next fallback poll only
-            self._hub.call_later(RECONNECT_SECONDS, self._on_hub_fallback)
+        if self._hub is not None and not self._retry_pending:
+            # retry soon, not at the next fallback poll only; one timer at a time
+            self._retry_pending = True
+            self._hub.call_later(RECONNECT_SECONDS, self._on_hub_retry)
+
+    def _on_hub_retry(self) -> None:
+        self._retry_pending = False
+        self._on_hub_fallback()
 
     def _connection_ok(self) -> None:
         if self._connection_lost_at is not None:
