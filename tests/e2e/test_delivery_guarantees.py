@@ -4,17 +4,20 @@ a killed database connection during renewals."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import psycopg
+import pytest
 from celery import Celery
 
 from kombu_pgmq.dlq import DeadLetterQueue
 from tests.e2e import celery_app
-from tests.e2e.helpers import Worker, runs, wait_for
+from tests.e2e.helpers import REPO_ROOT, Worker, runs, wait_for
+from tests.support import pgserver
 
 RESULT_TIMEOUT_S = 30.0
 
@@ -158,3 +161,60 @@ def test_database_connections_killed_during_renewals_cause_no_duplicate(
     log = worker.log()
     assert "Traceback" not in log
     assert "lost the lease" not in log
+
+
+def test_database_restart_during_a_long_task_causes_no_duplicate(tmp_path: Path) -> None:
+    """A real outage: the worker's PostgreSQL server restarts (``pg_ctl restart -m
+    fast``, every connection gone for about a second) while a task runs. Leases resume
+    after the restart; the task runs once and the worker recovers by itself."""
+    try:
+        server = pgserver.start_server()
+    except pgserver.EmbeddedPostgresMissing as exc:
+        pytest.skip(str(exc))
+    worker = None
+    try:
+        url = pgserver.database_url(server.dsn, "restart")
+        with psycopg.connect(server.dsn, autocommit=True) as admin:
+            admin.execute("CREATE DATABASE restart")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KPT_")}
+        env.update(
+            KPT_BROKER_URL=url,
+            KPT_VISIBILITY_TIMEOUT="10",
+            PYTHONPATH=str(REPO_ROOT),
+            PYTHONUNBUFFERED="1",
+        )
+        app = celery_app.create_app(env)
+        app.backend.ResultSession().close()
+        with psycopg.connect(url, autocommit=True) as db:
+            db.execute(celery_app.RUNS_DDL)
+        worker = Worker("restart", env, tmp_path / "worker_restart.log")
+        worker.start()
+        worker.wait_ready(app)
+        task_id = app.tasks["e2e.record_and_sleep"].delay(14, 0.0).id
+        app.close()
+
+        def rows(query: str) -> list[tuple]:
+            with psycopg.connect(url, autocommit=True) as db:
+                return db.execute(query, (task_id,)).fetchall()
+
+        run_rows = "SELECT 1 FROM e2e_runs WHERE task_id = %s"
+        wait_for(lambda: rows(run_rows), RESULT_TIMEOUT_S, "the task to start")
+        time.sleep(2.0)
+        server._pg_ctl("-m", "fast", "restart")  # every connection is cut
+        archived = "SELECT read_ct FROM pgmq.a_celery WHERE headers->>'id' = %s"
+        assert wait_for(lambda: rows(archived), 40, "the task's ack") == [(1,)]
+        assert len(rows(run_rows)) == 1
+        log = worker.log()
+        assert "database connection re-established" in log
+        assert "lost the lease" not in log
+        # Still serving, no restart of its consumer.
+        app = celery_app.create_app(env)
+        try:
+            assert app.tasks["e2e.add"].delay(2, 5).get(timeout=RESULT_TIMEOUT_S) == 7
+        finally:
+            app.close()
+        assert worker.alive()
+    finally:
+        if worker is not None:
+            worker.stop()
+        server.stop()
