@@ -27,6 +27,7 @@ from .dlq import DEFAULT_DEAD_LETTER_QUEUE, DeadLetterInfo, DeadLetterQueue
 from .retention import prune_archives
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
@@ -102,6 +103,25 @@ def _filters(func: F) -> F:
     return func
 
 
+def _where(options: dict[str, Any]) -> dict[str, Any]:
+    """The filter options of a dlq command as :class:`DeadLetterQueue` keywords."""
+    return {
+        "ids": list(options["ids"]) or None,
+        "queue": options["queue"],
+        "reason": options["reason"],
+        "task": options["task"],
+    }
+
+
+def _with_dlq(url: str | None, dlq_name: str, action: Callable[[DeadLetterQueue], T]) -> T:
+    """Run ``action`` on the dead-letter queue; an error is printed (exit status 1)."""
+    try:
+        with DeadLetterQueue(_url(url), queue=dlq_name) as dead:
+            return action(dead)
+    except errors.KombuPgmqError as exc:
+        _fail(exc)
+
+
 @main.group()
 def dlq() -> None:
     """Dead letters: list, replay to their queues, purge."""
@@ -143,24 +163,9 @@ def _table(letters: list[DeadLetterInfo], dlq_name: str) -> Table:
 @_filters
 @click.option("--limit", default=50, show_default=True, help="Most rows shown.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
-def dlq_list(
-    url: str | None,
-    dlq_name: str,
-    ids: tuple[int, ...],
-    queue: str | None,
-    reason: str | None,
-    task: str | None,
-    limit: int,
-    as_json: bool,
-) -> None:
+def dlq_list(url: str | None, dlq_name: str, limit: int, as_json: bool, **where: Any) -> None:
     """List dead letters: original queue, task, reason, deliveries."""
-    try:
-        with DeadLetterQueue(_url(url), queue=dlq_name) as dead:
-            letters = dead.list(
-                ids=list(ids) or None, queue=queue, reason=reason, task=task, limit=limit
-            )
-    except errors.KombuPgmqError as exc:
-        _fail(exc)
+    letters = _with_dlq(url, dlq_name, lambda dead: dead.list(**_where(where), limit=limit))
     if as_json:
         for d in letters:
             click.echo(
@@ -191,23 +196,9 @@ def dlq_list(
 @dlq.command("replay")
 @_filters
 @click.option("--all", "everything", is_flag=True, help="Every dead letter.")
-def dlq_replay(
-    url: str | None,
-    dlq_name: str,
-    ids: tuple[int, ...],
-    queue: str | None,
-    reason: str | None,
-    task: str | None,
-    everything: bool,
-) -> None:
+def dlq_replay(url: str | None, dlq_name: str, everything: bool, **where: Any) -> None:
     """Send dead letters back to their original queues (atomically, per batch)."""
-    try:
-        with DeadLetterQueue(_url(url), queue=dlq_name) as dead:
-            result = dead.replay(
-                ids=list(ids) or None, queue=queue, reason=reason, task=task, all=everything
-            )
-    except errors.KombuPgmqError as exc:
-        _fail(exc)
+    result = _with_dlq(url, dlq_name, lambda dead: dead.replay(**_where(where), all=everything))
     console = Console()
     if not result.replayed:
         console.print("nothing replayed: no dead letter matches")
@@ -224,26 +215,11 @@ def dlq_replay(
 @_filters
 @click.option("--all", "everything", is_flag=True, help="Every dead letter.")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
-def dlq_purge(
-    url: str | None,
-    dlq_name: str,
-    ids: tuple[int, ...],
-    queue: str | None,
-    reason: str | None,
-    task: str | None,
-    everything: bool,
-    yes: bool,
-) -> None:
+def dlq_purge(url: str | None, dlq_name: str, everything: bool, yes: bool, **where: Any) -> None:
     """Delete dead letters for good."""
     if not yes:
         click.confirm(f"delete the matching dead letters of {dlq_name} for good?", abort=True)
-    try:
-        with DeadLetterQueue(_url(url), queue=dlq_name) as dead:
-            n = dead.purge(
-                ids=list(ids) or None, queue=queue, reason=reason, task=task, all=everything
-            )
-    except errors.KombuPgmqError as exc:
-        _fail(exc)
+    n = _with_dlq(url, dlq_name, lambda dead: dead.purge(**_where(where), all=everything))
     Console().print(f"purged {n} dead letter(s) from {dlq_name}")
 
 

@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import conninfo, errors, priorities
 from .client import DeadLetter, PgmqClient
@@ -161,19 +161,29 @@ class DeadLetterQueue:
     ) -> list[DeadLetterInfo]:
         """Dead letters matching the filters, oldest first (at most ``limit``, msg_id >
         ``after_id``). An absent dead-letter queue has none."""
+        where = _Where(ids, queue, reason, task)
+        rows = self._rows(where, take=False, after_id=after_id, limit=limit)
+        return [DeadLetterInfo.from_row(r) for r in rows or []]
+
+    def _rows(
+        self, where: _Where, *, take: bool, after_id: int, limit: int, any_header: bool = True
+    ) -> Sequence[DeadLetter] | None:
+        """The matching rows (deleted too if ``take``); None if the dead-letter queue does
+        not exist."""
         try:
-            rows = self._client.dead_letters(
+            return self._client.dead_letters(
                 self.pgmq_queue,
-                msg_ids=ids,
-                original_queue=queue,
-                reason=reason,
-                task=task,
+                take=take,
+                msg_ids=where.ids,
+                original_queue=where.queue,
+                reason=where.reason,
+                task=where.task,
                 after_id=after_id,
                 limit=limit,
+                any_header=any_header,
             )
         except errors.QueueNotFound:
-            return []
-        return [DeadLetterInfo.from_row(r) for r in rows]
+            return None
 
     def replay(
         self,
@@ -193,55 +203,53 @@ class DeadLetterQueue:
             QueueNotFound: an original queue no longer exists (that batch stays in the
                 dead-letter queue; declare the queue, or purge those dead letters).
         """
-        _need_filter("replay", ids, queue, reason, task, all)
+        where = _Where(ids, queue, reason, task)
+        where.require("replay", all)
         replayed: Counter[str] = Counter()
-        skipped: list[int] = []
+        targets: dict[str, priorities.Bands] = {}  # original queue -> its bands, this call
         after_id = 0
         while True:
             with self._client.transaction():
-                try:
-                    rows = self._client.dead_letters(
-                        self.pgmq_queue,
-                        take=True,
-                        msg_ids=ids,
-                        original_queue=queue,
-                        reason=reason,
-                        task=task,
-                        after_id=after_id,
-                        limit=batch_size,
-                        any_header=False,
-                    )
-                except errors.QueueNotFound:
+                # only rows with an x-dead-letter header: the others have no known queue
+                rows = self._rows(
+                    where, take=True, after_id=after_id, limit=batch_size, any_header=False
+                )
+                if rows is None:
                     return ReplayResult({}, [])
                 for row in rows:
                     info = DeadLetterInfo.from_row(row)
                     if info.queue is None:
                         raise _NotReplayable(row.msg_id)
-                    self._send_back(info)
+                    self._send_back(info, targets)
                     replayed[info.queue] += 1
             if rows:
                 after_id = rows[-1].msg_id
             if len(rows) < batch_size:
                 break
-        # rows without x-dead-letter were left alone by the statement (see _NotReplayable)
-        for info in self.list(ids=ids, queue=queue, reason=reason, task=task, limit=10_000):
-            if info.queue is None:
-                skipped.append(info.msg_id)
+        skipped = [
+            d.msg_id
+            for d in self.list(ids=ids, queue=queue, reason=reason, task=task, limit=10_000)
+            if d.queue is None
+        ]
         return ReplayResult(dict(replayed), skipped)
 
-    def _send_back(self, info: DeadLetterInfo) -> None:
+    def _send_back(self, info: DeadLetterInfo, targets: dict[str, priorities.Bands]) -> None:
         assert info.queue is not None
-        stored = self._client.queue_info(info.queue)
-        if stored is None:
-            raise errors.QueueNotFound(
-                f"dead letter {info.msg_id} came from queue {info.queue!r}, which no longer "
-                "exists: declare that queue (start its consumers) and replay again, or purge "
-                "these dead letters; nothing was replayed from this batch"
+        bands = targets.get(info.queue)
+        if bands is None:
+            stored = self._client.queue_info(info.queue)
+            if stored is None:
+                raise errors.QueueNotFound(
+                    f"dead letter {info.msg_id} came from queue {info.queue!r}, which no "
+                    "longer exists: declare that queue (start its consumers) and replay "
+                    "again, or purge these dead letters; nothing was replayed from this batch"
+                )
+            bands = targets[info.queue] = priorities.stored(
+                pgmq_queue_name(info.queue), stored.floors, stored.band_queues
             )
-        bands = priorities.stored(pgmq_queue_name(info.queue), stored.floors, stored.band_queues)
         properties = (info.headers.get(ENVELOPE_KEY) or {}).get("properties") or {}
         try:
-            priority = min(max(int(properties.get("priority") or 0), 0), priorities.MAX_LEVEL)
+            priority = int(properties.get("priority") or 0)  # queue_for clamps it
         except (TypeError, ValueError):
             priority = 0
         headers = {k: v for k, v in info.headers.items() if k != _HEADER}
@@ -263,23 +271,13 @@ class DeadLetterQueue:
         Raises:
             ConfigurationError: no filter and not ``all``.
         """
-        _need_filter("purge", ids, queue, reason, task, all)
+        where = _Where(ids, queue, reason, task)
+        where.require("purge", all)
         deleted = 0
         after_id = 0
         while True:
-            try:
-                rows = self._client.dead_letters(
-                    self.pgmq_queue,
-                    take=True,
-                    msg_ids=ids,
-                    original_queue=queue,
-                    reason=reason,
-                    task=task,
-                    after_id=after_id,
-                    limit=batch_size,
-                    any_header=True,
-                )
-            except errors.QueueNotFound:
+            rows = self._rows(where, take=True, after_id=after_id, limit=batch_size)
+            if rows is None:
                 return deleted
             deleted += len(rows)
             if rows:
@@ -289,7 +287,8 @@ class DeadLetterQueue:
 
 
 class _NotReplayable(errors.OperationalError):
-    """A row without x-dead-letter was taken (cannot happen: the statement skips them)."""
+    """A dead letter whose x-dead-letter header does not name its queue (written by
+    something other than kombu_pgmq)."""
 
     def __init__(self, msg_id: int) -> None:
         super().__init__(
@@ -298,16 +297,22 @@ class _NotReplayable(errors.OperationalError):
         )
 
 
-def _need_filter(
-    action: str,
-    ids: Sequence[int] | None,
-    queue: str | None,
-    reason: str | None,
-    task: str | None,
-    all: bool,
-) -> None:
-    if not all and ids is None and queue is None and reason is None and task is None:
-        raise errors.ConfigurationError(
-            f"dlq {action}: say which dead letters (ids, queue, reason or task), or all=True "
-            "(--all) for every one"
-        )
+class _Where(NamedTuple):
+    """The filters of a dead-letter operation (None: any)."""
+
+    ids: Sequence[int] | None
+    queue: str | None
+    reason: str | None
+    task: str | None
+
+    def require(self, action: str, all: bool) -> None:
+        """Refuse an unfiltered replay or purge unless ``all``.
+
+        Raises:
+            ConfigurationError: no filter and not ``all``.
+        """
+        if not all and self == (None, None, None, None):
+            raise errors.ConfigurationError(
+                f"dlq {action}: say which dead letters (ids, queue, reason or task), or "
+                "all=True (--all) for every one"
+            )
