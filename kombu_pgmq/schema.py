@@ -230,14 +230,14 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import os
 
-    from .conninfo import make_dsn, redact, url_to_params
+    from .conninfo import redact, to_dsn
 
     parser = argparse.ArgumentParser(prog="python -m kombu_pgmq.schema", description=main.__doc__)
     parser.add_argument("url", nargs="?", default=os.environ.get("KOMBU_PGMQ_URL"))
     args = parser.parse_args(argv)
     if not args.url:
         parser.error("give a postgresql:// URL or set KOMBU_PGMQ_URL")
-    info = bootstrap(make_dsn(url_to_params(args.url)))
+    info = bootstrap(to_dsn(args.url))
     print(
         f"{redact(args.url)}: PGMQ {info.pgmq_version} ({info.method}), kombu_pgmq schema "
         f"version {info.schema_version}, applied now: {list(info.applied) or 'nothing'}"

@@ -832,9 +832,25 @@ class Channel(virtual.Channel):
             self.pgmq.set_vt(name, ids, 0)
 
     def _fetch(self, queue: str, qty: int, *, no_ack: bool) -> list[dict[str, Any]]:
-        """Read up to ``qty`` messages of one queue, priority bands highest first."""
+        """Read up to ``qty`` messages of one queue, priority bands highest first (all
+        bands in one round trip, unless popping)."""
+        names = self.connection.bands(queue).read_order
+        if len(names) > 1 and not no_ack:
+            try:
+                pairs = self.pgmq.read_many(names, self._vt_seconds, qty)
+            except errors.QueueNotFound:
+                pass  # one is gone: band by band below (recreates a consumed queue)
+            else:
+                by_name: dict[str, list[Row]] = defaultdict(list)
+                for name, row in pairs:
+                    by_name[name].append(row)
+                return [
+                    payload
+                    for name in names
+                    for payload in self._to_payloads(queue, name, by_name[name], no_ack)
+                ]
         payloads: list[dict[str, Any]] = []
-        for name in self.connection.bands(queue).read_order:
+        for name in names:
             if qty <= 0:
                 break
             rows = self._rows(queue, name, qty, no_ack)
@@ -1048,7 +1064,7 @@ class Transport(virtual.Transport):
             interval_seconds=self.consumer_heartbeat_interval,
             consuming=lambda: bool(self._consumers),
             consumed_tables=lambda: sorted(
-                {n for queue, _ in self._consumers for n in self.bands(queue).queues}
+                {n for queue, _ in self._consumers for n in self.known_bands(queue).queues}
             ),
             reap=self.reap,
             conninfo=self.conninfo,
@@ -1098,6 +1114,11 @@ class Transport(virtual.Transport):
                 return priorities.single(name)
             bands = self._bands[queue] = priorities.stored(name, info.floors, info.band_queues)
         return bands
+
+    def known_bands(self, queue: str) -> Bands:
+        """:meth:`bands` as cached, without a query (for threads that must not reopen a
+        closed connection)."""
+        return self._bands.get(queue) or priorities.single(pgmq_queue_name(queue))
 
     def set_bands(self, queue: str, bands: Bands) -> None:
         self._bands[queue] = bands
