@@ -103,10 +103,6 @@ class ReplayResult:
     replayed: dict[str, int]
     skipped: list[int]
 
-    @property
-    def total(self) -> int:
-        return sum(self.replayed.values())
-
 
 class DeadLetterQueue:
     """Operations on one dead-letter queue.

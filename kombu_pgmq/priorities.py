@@ -86,7 +86,11 @@ def max_priority_argument(arguments: dict[str, Any] | None, queue: str) -> int |
     value = (arguments or {}).get("x-max-priority")
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 255:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or not 1 <= value <= MAX_PRIORITY_ARGUMENT
+    ):
         raise ConfigurationError(
             f"queue {queue!r} argument x-max-priority={value!r} is invalid: expected an int "
             "from 1 to 255 (priorities above 9 share the band of 9)"

@@ -93,10 +93,6 @@ class Wakeups:
         """Read end of the wake pipe (readable after :meth:`wake`)."""
         return self._pipe_r
 
-    @property
-    def connected(self) -> bool:
-        return self._listener is not None
-
     # -- waking --------------------------------------------------------------------------
 
     def wake(self) -> None:
