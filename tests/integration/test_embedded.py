@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -109,3 +110,35 @@ def test_concurrent_starts_share_one_server(embedded_dir: Path) -> None:
             "SELECT count(*) FROM pg_database WHERE datname = 'kombu_pgmq'"
         ).fetchone() == (1,)
     assert embedded.start() == url
+
+
+def test_server_left_running_by_a_deleted_virtualenv_is_restarted(embedded_dir: Path) -> None:
+    """The server outlives the process (and virtualenv) that started it. If that
+    installation is deleted, the running server cannot load plpgsql any more; start()
+    notices and restarts it from the current installation, data kept."""
+    from tests.support import pgserver
+
+    url = embedded.start()
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("CREATE TABLE kept (x int)")
+    # Restart the server from a copy of the installation, then delete the copy: as if
+    # the first virtualenv had been removed.
+    copy = embedded_dir.parent / "install"
+    shutil.copytree(pgserver.embedded_install_dir(), copy, copy_function=pgserver._link_or_copy)
+    user = embedded._owner_if_root(embedded_dir)
+    if user is not None:
+        shutil.chown(embedded_dir.parent, user, user)
+    options = shlex.split((embedded_dir / "postmaster.opts").read_text())[1:]  # not argv[0]
+    assert embedded.stop() is True
+    pg_ctl = [str(copy / "bin" / "pg_ctl"), "-D", str(embedded_dir), "-w"]
+    log = str(embedded_dir.parent / "copy.log")
+    pgserver._run([*pg_ctl, "-l", log, "-o", shlex.join(options), "start"], user=user, cwd=copy)
+    orphan = _postmaster_pid(embedded_dir)
+    shutil.rmtree(copy)
+    assert os.readlink(f"/proc/{orphan}/exe").endswith(" (deleted)")
+
+    assert embedded.start() == url
+    assert _postmaster_pid(embedded_dir) != orphan
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("DO $$ BEGIN PERFORM 1; END $$")  # plpgsql loads again
+        assert conn.execute("SELECT count(*) FROM kept").fetchone() == (0,)
