@@ -574,6 +574,89 @@ class PgmqClient:
             )[0][0]
         )
 
+    # -- Spark writes and reads (kombu_pgmq.spark, migration 0005) ---------------------
+
+    def stage_messages(self, queue: str, messages: Sequence[str], headers: Sequence[str]) -> int:
+        """Send a batch hidden for 10 years (a Spark write's staged messages: ``headers``
+        carry its write attempt); return how many. Made visible by :meth:`commit_write`."""
+        rows = self._run(
+            self._q["stage_messages"],
+            {"queue": queue, "messages": list(messages), "headers": list(headers)},
+        )
+        return int(rows[0][0])
+
+    def commit_write(
+        self, queue: str, write_id: str, after_id: int, attempts: Sequence[str]
+    ) -> int:
+        """Make the messages of the committed task ``attempts`` (``"<write id>/<partition>/
+        <attempt>"``) visible and delete what other attempts staged, in one transaction;
+        return how many became visible."""
+        params = {
+            "queue": queue,
+            "write_id": write_id,
+            "after_id": after_id,
+            "attempts": list(attempts),
+        }
+        return int(self._run(self._q["commit_write"], params)[0][0])
+
+    def abort_write(self, queue: str, write_id: str, after_id: int) -> int:
+        """Delete every message a write staged; return how many."""
+        params = {"queue": queue, "write_id": write_id, "after_id": after_id}
+        return int(self._run(self._q["abort_write"], params)[0][0])
+
+    def last_msg_id(self, queue: str) -> int:
+        """Highest msg_id in the queue table (0 if empty)."""
+        return int(self._run(_with_table("last_msg_id", queue))[0][0])
+
+    def _table(self, queue: str, archive: bool) -> sql.Identifier:
+        return sql.Identifier("pgmq", f"{'a' if archive else 'q'}_{queue}")
+
+    def msg_id_range(self, queue: str, *, archive: bool = False) -> tuple[int, int] | None:
+        """``(lowest, highest)`` msg_id of the queue or its archive; None when empty."""
+        query = sql.SQL(self._q["msg_id_range"]).format(table=self._table(queue, archive))
+        lo, hi = self._run(query)[0]
+        return None if lo is None else (int(lo), int(hi))
+
+    def snapshot(
+        self, queue: str, lo: int, hi: int, *, archive: bool = False, batch_rows: int = 10_000
+    ) -> Iterator[tuple[Any, ...]]:
+        """Rows with ``lo < msg_id <= hi`` of the queue or its archive, by msg_id, through a
+        server-side cursor (``batch_rows`` per fetch); nothing is consumed. Row shape:
+        ``(msg_id, read_ct, enqueued_at, last_read_at | None, vt, archived_at | None,
+        task | None, task_id | None, message_json, headers_json | None)``."""
+        table = self._table(queue, archive)
+        present = set(
+            self.column("table_columns", {"table": f"pgmq.{'a' if archive else 'q'}_{queue}"})
+        )
+        cols = {
+            name: sql.Identifier(name) if name in present else sql.SQL("NULL::timestamptz")
+            for name in ("last_read_at", "archived_at")
+        }
+        query = sql.SQL(self._q["snapshot"]).format(table=table, **cols)
+        try:
+            with self.connection.transaction(), self.connection.cursor(name="snapshot") as cur:
+                cur.itersize = batch_rows
+                cur.execute(query, {"lo": lo, "hi": hi})
+                yield from cur
+        except psycopg.Error as exc:
+            raise self._fail(exc) from exc
+
+    def stream_horizon(self, queue: str, after_id: int, max_rows: int, wait_seconds: float) -> int:
+        """Highest msg_id a streaming reader may take after ``after_id`` (see migration
+        0005); ``after_id`` itself when nothing can be taken yet."""
+        params = {
+            "queue": queue,
+            "after_id": after_id,
+            "max_rows": max_rows,
+            "wait_seconds": wait_seconds,
+        }
+        return int(self._run(self._q["stream_horizon"], params)[0][0])
+
+    def archive_range(self, queue: str, lo: int, hi: int) -> int:
+        """Archive the messages with ``lo < msg_id <= hi``; return how many."""
+        params = {"queue": queue, "lo": lo, "hi": hi}
+        return int(self._run(_with_table("archive_range", queue), params)[0][0])
+
     # -- notifications (a client used as a listener) ------------------------------------
 
     def listen(self, channels: Iterable[str]) -> None:

@@ -67,6 +67,14 @@ class InvalidJsonBody(OperationalError):
     """PostgreSQL rejected a body declared as JSON (e.g. invalid JSON, ``\\u0000``)."""
 
 
+class SparkError(KombuPgmqError):
+    """A Spark integration failure (:mod:`kombu_pgmq.spark`) not raised by Spark itself."""
+
+
+class SparkServerError(SparkError):
+    """The local Spark Connect server could not be started or reached (see its log)."""
+
+
 _CONNECTION_SQLSTATE_CLASSES = ("08", "57")  # connection exception, operator intervention
 
 

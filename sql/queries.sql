@@ -390,3 +390,49 @@ WITH doomed AS (
     DELETE FROM {archive_table} a USING doomed WHERE a.msg_id = doomed.msg_id RETURNING 1
 )
 SELECT count(*) AS deleted FROM gone
+
+-- name: stage_messages
+-- Spark writer (migration 0005): send a batch hidden for 10 years; headers carry the
+-- write attempt ("x-kombu-pgmq-write"). kombu_pgmq.commit_write makes them visible.
+SELECT count(*) AS sent
+FROM pgmq.send_batch(%(queue)s, %(messages)s::jsonb[], %(headers)s::jsonb[], 315360000)
+
+-- name: commit_write
+SELECT kombu_pgmq.commit_write(%(queue)s, %(write_id)s, %(after_id)s, %(attempts)s::text[])
+    AS committed
+
+-- name: abort_write
+SELECT kombu_pgmq.abort_write(%(queue)s, %(write_id)s, %(after_id)s) AS deleted
+
+-- name: last_msg_id
+-- Highest msg_id in the queue table (primary key: one index probe); 0 when empty.
+SELECT coalesce(max(msg_id), 0) AS msg_id FROM {queue_table}
+
+-- name: msg_id_range
+-- Lowest and highest msg_id (primary key) of a queue or archive table, NULLs when empty.
+SELECT min(msg_id) AS lo, max(msg_id) AS hi FROM {table}
+
+-- name: snapshot
+-- Rows of a queue or archive table with lo < msg_id <= hi, by primary key, read without
+-- consuming. {last_read_at} / {archived_at} are the column, or NULL where the table has
+-- none (queue tables have no archived_at; PGMQ < 1.11 has no last_read_at).
+SELECT msg_id, read_ct, enqueued_at, {last_read_at} AS last_read_at, vt,
+       {archived_at} AS archived_at, headers ->> 'task' AS task, headers ->> 'id' AS task_id,
+       message::text AS message, headers::text AS headers
+FROM {table}
+WHERE msg_id > %(lo)s AND msg_id <= %(hi)s
+ORDER BY msg_id
+
+-- name: table_columns
+SELECT attname FROM pg_attribute
+WHERE attrelid = %(table)s::regclass AND attnum > 0 AND NOT attisdropped
+
+-- name: stream_horizon
+SELECT kombu_pgmq.stream_horizon(%(queue)s, %(after_id)s, %(max_rows)s,
+                                 %(wait_seconds)s) AS msg_id
+
+-- name: archive_range
+-- Streaming reader's commit: archive the messages lo < msg_id <= hi (primary key range).
+SELECT count(*) AS archived
+FROM pgmq.archive(%(queue)s, ARRAY(SELECT msg_id FROM {queue_table}
+                                   WHERE msg_id > %(lo)s AND msg_id <= %(hi)s))

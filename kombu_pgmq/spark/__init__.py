@@ -1,0 +1,39 @@
+"""Spark for Celery tasks and DataFrames in and out of queues (extra ``kombu_pgmq[spark]``).
+
+* :class:`SparkTask` / :func:`spark_task`: Celery tasks with ``self.spark``, a Spark Connect
+  session per execution (progress as ``PROGRESS`` state, cancelled on revoke/time limit,
+  orphans interrupted), against a local Connect server started on demand
+  (:mod:`kombu_pgmq.spark.server`) or a cluster (``spark_remote`` / ``$SPARK_REMOTE``).
+* The ``pgmq`` data source (:mod:`kombu_pgmq.spark.datasource`): ``df.write.format("pgmq")``
+  (rows or Celery task messages, atomic per job), ``spark.read.format("pgmq")`` (queue or
+  archive snapshot), ``spark.readStream.format("pgmq")`` (archive on commit).
+
+Importing this package does not import pyspark (the worker's main process must not open a
+Spark session before the prefork pool forks).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .session import connect_url, interrupt_task, open_session, session_id
+from .task import PROGRESS, SparkRequest, SparkTask, spark_task
+
+__all__ = [
+    "PROGRESS",
+    "SparkRequest",
+    "SparkTask",
+    "connect_url",
+    "interrupt_task",
+    "open_session",
+    "register",
+    "session_id",
+    "spark_task",
+]
+
+
+def register(spark: Any) -> None:
+    """Register the ``pgmq`` data source in ``spark`` (a classic or Connect session)."""
+    from .datasource import register as _register
+
+    _register(spark)
