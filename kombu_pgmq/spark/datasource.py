@@ -73,6 +73,7 @@ from pyspark.sql.datasource import (
     InputPartition,
     WriterCommitMessage,
 )
+from pyspark.sql.streaming.datasource import SupportsTriggerAvailableNow
 from pyspark.sql.types import StructType
 
 from .. import conninfo
@@ -304,17 +305,26 @@ class SnapshotReader(DataSourceReader):
 # -- stream read -----------------------------------------------------------------------------
 
 
-class QueueStreamReader(DataSourceStreamReader):
+class QueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """Consumes a queue in msg_id ranges; archives a range when Spark commits it."""
 
     def __init__(self, options: _Options) -> None:
         self.options = options
+        self._target: int | None = None  # trigger(availableNow=True): the last offset
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        opts = self.options
+        client = opts.client()
+        try:
+            self._target = client.stream_horizon(opts.pgmq_queue, 0, 2**31 - 1, opts.wait_seconds)
+        finally:
+            client.close()
 
     def initialOffset(self) -> dict[str, int]:
         return {"msg_id": 0}
 
     def getDefaultReadLimit(self) -> Any:
-        from pyspark.sql.streaming.datasource import ReadMaxRows
+        from pyspark.sql.streaming.datasource import ReadMaxRows  # Spark 4.2+
 
         return ReadMaxRows(self.options.max_messages)
 
@@ -333,6 +343,8 @@ class QueueStreamReader(DataSourceStreamReader):
             )
         finally:
             client.close()
+        if self._target is not None:
+            horizon = max(int(start["msg_id"]), min(horizon, self._target))
         return {"msg_id": horizon}
 
     def partitions(self, start: dict[str, int], end: dict[str, int]) -> Sequence[InputPartition]:

@@ -131,7 +131,9 @@ def test_soft_time_limit_cancels_the_spark_job(
     _wait_progress(result)
     started = runs(db, result.id)[0]["started_at"]
     _wait_cancelled(log, offset, session_id(result.id), timeout=30)
-    cancelled_after = (db.execute("SELECT clock_timestamp()").fetchone()[0] - started).total_seconds()
+    cancelled_after = (
+        db.execute("SELECT clock_timestamp()").fetchone()[0] - started
+    ).total_seconds()
     print(f"task start -> Spark cancel: {cancelled_after:.3f} s (soft limit 4 s)")
     assert 3.5 <= cancelled_after < 5.0
     with pytest.raises(Exception, match="SoftTimeLimitExceeded"):

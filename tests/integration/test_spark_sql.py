@@ -1,0 +1,112 @@
+"""The SQL behind the Spark data source (migration 0005), without Spark: staged writes,
+commit/abort per attempt, stream horizons, range archiving, snapshots."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import psycopg
+import pytest
+
+from kombu_pgmq.client import PgmqClient
+from kombu_pgmq.encoding import dumps
+from kombu_pgmq.spark.messages import WRITE_HEADER, row_message
+from tests.integration.helpers import connect, drain, publish
+
+
+@pytest.fixture
+def client(db_dsn: str):
+    c = PgmqClient(db_dsn)
+    c.create_queue("rows", "rows")
+    yield c
+    c.close()
+
+
+def _stage(client: PgmqClient, marker: str, values: range) -> int:
+    pairs = [row_message({"v": v}, "rows", marker) for v in values]
+    return client.stage_messages("rows", [m for m, _ in pairs], [h for _, h in pairs])
+
+
+def _rows(db_dsn: str) -> list[tuple]:
+    with psycopg.connect(db_dsn) as conn:
+        return conn.execute(
+            "SELECT (message->>'v')::int, vt <= clock_timestamp(), headers ? %s"
+            " FROM pgmq.q_rows ORDER BY msg_id",
+            (WRITE_HEADER,),
+        ).fetchall()
+
+
+def test_staged_messages_are_invisible_until_their_attempt_commits(client, db_dsn) -> None:
+    after = client.last_msg_id("rows")
+    assert _stage(client, "w1/0/0", range(0, 3)) == 3
+    _stage(client, "w1/1/0", range(3, 5))  # attempt 0 of partition 1 failed...
+    _stage(client, "w1/1/1", range(5, 7))  # ...attempt 1 succeeded
+    _stage(client, "w2/0/0", range(100, 101))  # another write in flight
+    with connect(db_dsn) as conn:
+        assert drain(conn, "rows", expect=1, timeout=0.5) == []  # nothing visible yet
+    committed = client.commit_write("rows", "w1", after, ["w1/0/0", "w1/1/1"])
+    assert committed == 5
+    assert _rows(db_dsn) == [
+        (0, True, False),
+        (1, True, False),
+        (2, True, False),
+        (5, True, False),
+        (6, True, False),
+        (100, False, True),  # the other write is untouched
+    ]
+    with connect(db_dsn) as conn:
+        bodies = sorted(m.decode()["v"] for m in drain(conn, "rows", expect=5))
+    assert bodies == [0, 1, 2, 5, 6]
+    assert client.abort_write("rows", "w2", after) == 1
+    assert _rows(db_dsn) == []
+
+
+def test_stream_horizon_stops_before_hidden_messages(client, db_dsn) -> None:
+    with connect(db_dsn) as conn:
+        publish(conn, "rows", [1, 2, 3])
+    first = client.last_msg_id("rows") - 2
+    assert client.stream_horizon("rows", 0, 100, 1.0) == first + 2
+    assert client.stream_horizon("rows", 0, 2, 1.0) == first + 1  # max_rows
+    after = client.last_msg_id("rows")
+    _stage(client, "w/0/0", range(1))  # hidden: the horizon must not pass it
+    with connect(db_dsn) as conn:
+        publish(conn, "rows", [4])
+    assert client.stream_horizon("rows", first + 2, 100, 1.0) == first + 2
+    client.commit_write("rows", "w", after, ["w/0/0"])
+    assert client.stream_horizon("rows", first + 2, 100, 1.0) == first + 4
+
+
+def test_stream_horizon_waits_for_writers_in_flight(client, db_dsn) -> None:
+    """A transaction that took a smaller msg_id but has not committed yet must not be
+    skipped: the horizon waits for it (or gives no progress after wait_seconds)."""
+    with connect(db_dsn) as conn:
+        publish(conn, "rows", [1])
+    base = client.last_msg_id("rows")
+    with psycopg.connect(db_dsn) as slow:  # takes msg_id base+1, commits later
+        slow.execute(
+            "SELECT pgmq.send('rows', %s::jsonb, %s::jsonb)",
+            (dumps(2), dumps({"x-kombu": {}})),
+        )
+        # msg_id base+2, committed (client.send: a Kombu publish would redeclare the queue,
+        # and pgmq.create waits for the open transaction's table lock)
+        client.send("rows", dumps(3), dumps({"x-kombu": {}}))
+        t0 = time.monotonic()
+        assert client.stream_horizon("rows", base, 100, 0.3) == base  # gave up: no progress
+        assert time.monotonic() - t0 >= 0.3
+        threading.Timer(0.3, slow.commit).start()
+        assert client.stream_horizon("rows", base, 100, 5.0) == base + 2
+
+
+def test_archive_range_and_snapshot(client, db_dsn) -> None:
+    with connect(db_dsn) as conn:
+        publish(conn, "rows", list(range(6)))
+    lo, hi = client.msg_id_range("rows")
+    assert hi - lo == 5
+    rows = list(client.snapshot("rows", lo - 1, hi))
+    assert [r[0] for r in rows] == list(range(lo, hi + 1))
+    assert client.archive_range("rows", 0, lo + 2) == 3
+    assert client.msg_id_range("rows") == (lo + 3, hi)
+    archived = list(client.snapshot("rows", 0, hi, archive=True))
+    assert [r[0] for r in archived] == [lo, lo + 1, lo + 2]
+    assert all(r[5] is not None for r in archived)  # archived_at
