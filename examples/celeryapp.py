@@ -37,7 +37,7 @@ def result_backend_url(broker_url: str) -> str:
 
 broker_url = kombu_pgmq.default_broker_url()
 
-app = Celery("examples", include=["examples.tasks"])
+app = Celery("examples", include=["examples.tasks", "examples.pipeline"])
 app.conf.update(
     broker_url=broker_url,
     result_backend=result_backend_url(broker_url),

@@ -1,4 +1,4 @@
-"""The main job: a real Celery worker running real tasks, a Spark job among them, over PostgreSQL.
+"""The main job: a real Celery worker running real tasks, Spark jobs among them, over PostgreSQL.
 
 Run from the repository root::
 
@@ -6,7 +6,9 @@ Run from the repository root::
 
 It starts ``celery -A examples.celeryapp worker`` (prefork pool, 2 processes) as a
 subprocess, sends it work through PostgreSQL (PGMQ queues), prints what the worker returned,
-then stops the worker. Exit status 0 only if every result was right and the worker stopped
+then stops the worker. The Spark tasks (:mod:`examples.pipeline`) run on a local Spark
+Connect server that the first of them starts (it keeps running for the next run: stop it
+with ``kombu-pgmq spark server stop``). Exit status 0 only if every result was right and the worker stopped
 cleanly. The broker is ``$KOMBU_PGMQ_URL``, else ``$DATABASE_URL``, else an embedded
 PostgreSQL (see :func:`kombu_pgmq.default_broker_url`).
 """
@@ -237,7 +239,7 @@ def run(job: Job) -> None:
 
     from . import tasks
     from .celeryapp import app, broker_url
-    from .spark_flights import format_table
+    from .pipeline import flights_pipeline, format_latency, format_report
 
     print(f"broker: {redact(broker_url)}{'' if configured else ' (embedded)'}", flush=True)
     # Fail early and readably if PostgreSQL is unreachable; this also installs the broker
@@ -259,12 +261,6 @@ def run(job: Job) -> None:
         f"worker: started (prefork, {CONCURRENCY} processes) in {fmt_s(time.perf_counter() - t0)}",
         flush=True,
     )
-
-    # The Spark task goes first: it holds one worker process (JVM start, then the job)
-    # while the other process runs everything below.
-    t_spark = time.perf_counter()
-    spark_result = tasks.spark_delay_by_carrier.delay()
-    job.tasks += 1
 
     def add_one() -> tuple[str, bool]:
         value = job.get(tasks.add.delay(2, 3))
@@ -319,26 +315,34 @@ def run(job: Job) -> None:
     def spark() -> tuple[str, bool]:
         expected = pandas_delay_by_carrier()  # the same numbers, computed here without Spark
         out = shown["spark"] = job.get(spark_result)
-        got = {r["carrier"]: (r["flights"], r["mean_dep_delay_min"]) for r in out["carriers"]}
+        table = out["report"]["table"]
+        got = {r["carrier"]: (r["flights"], r["mean_dep_delay_min"]) for r in table}
         # Rounded to 0.1 on both sides: allow one step for a float tie rounding differently.
         agree = got.keys() == expected.keys() and all(
             got[c][0] == expected[c][0] and abs(got[c][1] - expected[c][1]) < 0.11 for c in got
         )
         same = "same as pandas" if agree else "DIFFERENT from pandas"
+        months = sum(r["tasks"] for r in out["latency"] if r["task"] == "month_delays")
         return (
             f"= {len(got)} carriers, {same}",
-            agree and out["flights"] == TOTAL_FLIGHTS,
+            agree and out["report"]["flights"] == TOTAL_FLIGHTS and months == 12,
         )
 
-    job.step("spark_delay_by_carrier()", spark, since=t_spark)
+    # The pipeline: prepare_flights | group(12 x month_delays) | build_report | task_latency
+    # (a chord), every task a SparkTask on the local Spark Connect server.
+    t_spark = time.perf_counter()
+    spark_result = flights_pipeline().apply_async()
+    job.tasks += 15
+    job.step("flights pipeline (15 Spark tasks)", spark, since=t_spark)
     if "spark" in shown:
         out = shown["spark"]
-        start = "JVM start" if out["session_was_cold"] else "session reused"
+        report = out["report"]
         print(
-            f"  sent first, ran in one worker process beside the tasks above: "
-            f"{start} {fmt_s(out['session_start_s'])}, job {fmt_s(out['job_s'])}\n"
-            f"  mean departure delay by carrier, NYC 2013, {out['flights']:,} flights:\n"
-            + format_table(out["carriers"])
+            f"  mean departure delay by carrier, NYC 2013, {report['flights']:,} flights "
+            f"(table flights_delay_report):\n{format_report(report['table'])}\n"
+            f"  chart: {report['chart']}\n"
+            f"  this run's tasks, from the PGMQ archive (Spark, spark.read.format('pgmq')):\n"
+            f"{format_latency(out['latency'])}"
         )
 
 

@@ -1,13 +1,10 @@
-"""Example tasks: arithmetic, pandas on real data, a retrying task, and a Spark job."""
+"""Example tasks: arithmetic, pandas on real data, a retrying task. The Spark tasks are in
+:mod:`examples.pipeline`."""
 
 from __future__ import annotations
 
 import functools
-import os
-import time
 from typing import Any
-
-from celery.signals import worker_process_shutdown
 
 from . import spark_flights
 from .celeryapp import app
@@ -88,30 +85,3 @@ def busiest_routes(n: int = 3) -> list[dict[str, Any]]:
         }
         for (origin, dest), row in routes.iterrows()
     ]
-
-
-@app.task(time_limit=600)
-def spark_delay_by_carrier() -> dict[str, Any]:
-    """Mean departure delay by carrier, computed by Spark (local[2]) in this worker process.
-
-    The first call in a process starts the Spark session (JVM); later calls reuse it.
-    """
-    t0 = time.perf_counter()
-    cold = not spark_flights.has_spark()
-    spark = spark_flights.get_spark()
-    t1 = time.perf_counter()
-    rows = spark_flights.delay_by_carrier(spark)
-    t2 = time.perf_counter()
-    return {
-        "carriers": rows,
-        "flights": sum(r["flights"] for r in rows),
-        "session_start_s": round(t1 - t0, 2),
-        "session_was_cold": cold,
-        "job_s": round(t2 - t1, 2),
-        "pid": os.getpid(),
-    }
-
-
-@worker_process_shutdown.connect
-def _stop_spark(**_: Any) -> None:
-    spark_flights.stop_spark()

@@ -1,8 +1,9 @@
-"""The README's main job, run as a user runs it: worker, tasks and the Spark job."""
+"""The README's main job, run as a user runs it: worker, tasks and the Spark pipeline."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.spark
-def test_main_job_runs_every_task_and_the_spark_job(db_dsn):
+def test_main_job_runs_every_task_and_the_spark_pipeline(db_dsn, spark_server):
+    # spark_server: the Spark tasks use the test session's Connect server (its port is in
+    # os.environ), not one on the default port that would outlive the tests.
     # The test servers use trust auth: a password is sent but not checked, which lets
     # us check that it is never printed.
     url = db_dsn.replace("://postgres@", "://postgres:Sekr%40t-pw@", 1)
@@ -34,6 +37,10 @@ def test_main_job_runs_every_task_and_the_spark_job(db_dsn):
     assert "xsum = 336,776" in out
     assert "same as pandas" in out
     assert "Frontier Airlines Inc." in out
+    assert "flights pipeline (15 Spark tasks) = 16 carriers" in out
+    assert re.search(r"^  month_delays +12 ", out, re.M), out  # latency, from the archive
+    chart = re.search(r"chart: (\S+\.png)", out)
+    assert chart and Path(chart.group(1)).stat().st_size > 10_000
     assert "worker: stopped (exit code 0)" in out
     if url != db_dsn:
         assert "Sekr" not in out and "Sekr" not in proc.stderr
