@@ -1,4 +1,4 @@
-"""``kombu-pgmq``: operator commands (dead letters, archive retention).
+"""``kombu-pgmq``: operator commands (dead letters, archive retention, Spark server).
 
 Every command takes ``--url`` (default: ``$KOMBU_PGMQ_URL``, then ``$DATABASE_URL``,
 then the embedded PostgreSQL of :mod:`kombu_pgmq.embedded`)::
@@ -7,6 +7,7 @@ then the embedded PostgreSQL of :mod:`kombu_pgmq.embedded`)::
     kombu-pgmq dlq replay (--all | --id N ... | --queue Q | --reason R | --task T)
     kombu-pgmq dlq purge  (--all | --id N ... | --queue Q | --reason R | --task T) [--yes]
     kombu-pgmq archive prune --older-than 7d [--queue Q ...] [--batch-size 5000]
+    kombu-pgmq spark server start|stop|status [--port 15002]
 
 Exit status: 0 on success, 1 on an error (printed, naming the fix), 2 on bad usage.
 """
@@ -257,6 +258,60 @@ def archive_prune(
     for name, n in sorted(deleted.items()):
         table.add_row(name, str(n))
     console.print(table)
+
+
+@main.group()
+def spark() -> None:
+    """The local Spark Connect server of Spark tasks (kombu_pgmq.spark)."""
+
+
+@spark.group("server")
+def spark_server() -> None:
+    """Start, stop or inspect the local Spark Connect server (one per host and port)."""
+
+
+def _port_option(func: F) -> F:
+    return click.option(
+        "--port",
+        type=int,
+        default=None,
+        help="Server port (default: $KOMBU_PGMQ_SPARK_CONNECT_PORT, else 15002).",
+    )(func)
+
+
+@spark_server.command("start")
+@_port_option
+def spark_server_start(port: int | None) -> None:
+    """Start the server unless it is running (it keeps running after this command)."""
+    from .spark import server
+
+    conf = {"spark_connect_port": port} if port else None
+    try:
+        url = server.ensure_running(conf)
+    except errors.KombuPgmqError as exc:
+        _fail(exc)
+    click.echo(f"running: {url} (log: {server.status(server.local_port(conf))['log']})")
+
+
+@spark_server.command("stop")
+@_port_option
+def spark_server_stop(port: int | None) -> None:
+    """Stop the server started by kombu_pgmq (running Spark jobs are cancelled)."""
+    from .spark import server
+
+    port = port or server.local_port()
+    click.echo("stopped" if server.stop(port) else f"no kombu_pgmq Spark server on port {port}")
+
+
+@spark_server.command("status")
+@_port_option
+def spark_server_status(port: int | None) -> None:
+    """Whether the server answers, its pid and log file."""
+    from .spark import server
+
+    info = server.status(port or server.local_port())
+    state = "running" if info["accepting"] else "not running"
+    click.echo(f"{state}: port {info['port']}, pid {info['pid']}, log {info['log']}")
 
 
 if __name__ == "__main__":  # pragma: no cover
