@@ -8,9 +8,9 @@ It starts ``celery -A examples.celeryapp worker`` (prefork pool, 2 processes) as
 subprocess, sends it work through PostgreSQL (PGMQ queues), prints what the worker returned,
 then stops the worker. The Spark tasks (:mod:`examples.pipeline`) run on a local Spark
 Connect server that the first of them starts (it keeps running for the next run: stop it
-with ``kombu-pgmq spark server stop``). Exit status 0 only if every result was right and the worker stopped
-cleanly. The broker is ``$KOMBU_PGMQ_URL``, else ``$DATABASE_URL``, else an embedded
-PostgreSQL (see :func:`kombu_pgmq.default_broker_url`).
+with ``kombu-pgmq spark server stop``). Exit status 0 only if every result was right and
+the worker stopped cleanly. The broker is ``$KOMBU_PGMQ_URL``, else ``$DATABASE_URL``,
+else an embedded PostgreSQL (see :func:`kombu_pgmq.default_broker_url`).
 """
 
 from __future__ import annotations
