@@ -50,7 +50,7 @@ Options (all strings, names case-insensitive):
 ``task``               write: Celery task name; rows become task messages
 ``task_per``           write: ``row`` (default, ``task(**row)``) or
                        ``partition`` (``task(rows)``)
-``batch_size``         write: messages per INSERT (default 1000)
+``batch_size``         write: messages per INSERT (default 5000)
 ``source``             read: ``queue`` (default) or ``archive``
 ``partitions``         read: msg_id ranges read in parallel (default 1)
 ``max_messages``       stream: messages per micro-batch (default 10000)
@@ -90,7 +90,7 @@ SCHEMA = (
     "vt timestamp, archived_at timestamp, task string, task_id string, "
     "message string, headers string"
 )
-DEFAULT_BATCH_SIZE = 1000
+DEFAULT_BATCH_SIZE = 5000
 DEFAULT_MAX_MESSAGES = 10_000
 DEFAULT_WAIT_SECONDS = 5.0
 
