@@ -22,6 +22,8 @@ __all__ = [
     "KombuPgmqError",
     "OperationalError",
     "QueueNotFound",
+    "SparkError",
+    "SparkServerError",
     "UnsupportedPgmqVersion",
     "translate",
 ]

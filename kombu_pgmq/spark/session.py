@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from ..errors import SparkError
 from . import server
 
 if TYPE_CHECKING:
@@ -70,6 +71,7 @@ def open_session(url: str, task_id: str, retries: int = 0) -> tuple[SparkSession
 
     Raises:
         pyspark.errors.PySparkException: the server refused the session.
+        SparkError: every attempt id of the task was already released.
     """
     from pyspark.sql import SparkSession
 
@@ -87,8 +89,9 @@ def open_session(url: str, task_id: str, retries: int = 0) -> tuple[SparkSession
                 raise
             last = exc
             _close_quietly(spark)
-    raise RuntimeError(
-        f"Spark Connect refused {MAX_ATTEMPTS} session ids of task {task_id}: {last}"
+    raise SparkError(
+        f"Spark Connect refused {MAX_ATTEMPTS} session ids of task {task_id} as closed: "
+        f"{last}; retry the task (its retry count is part of the id)"
     ) from last
 
 

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from celery import Task
 from celery.worker.request import Request
 
+from ..errors import SparkError
 from . import session as sessions
 
 if TYPE_CHECKING:
@@ -78,7 +79,7 @@ class _Run:
     def spark(self) -> SparkSession:
         with self._lock:
             if self._cancelled:
-                raise RuntimeError(f"task {self.task_id} was cancelled: no new Spark work")
+                raise SparkError(f"task {self.task_id} was cancelled: no new Spark work")
             if self._spark is None:
                 self._spark = self._open()
             return self._spark
@@ -170,7 +171,8 @@ class SparkTask(Task):
         """This execution's Spark session (opened on first use, released at the end).
 
         Raises:
-            RuntimeError: used outside a running task, or after the task was cancelled.
+            RuntimeError: used outside a running task.
+            SparkError: used after the task was cancelled (revoke, time limit).
             SparkServerError: the local Connect server could not be started.
         """
         run = getattr(self._local, "run", None)
