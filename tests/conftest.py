@@ -103,7 +103,7 @@ def extension_db_dsn(extension_server: str, request: pytest.FixtureRequest) -> I
 
 @pytest.fixture(scope="session")
 def spark_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """A local Spark Connect server of the test session (``local[2]``, a free port, its
+    """A local Spark Connect server of the test session (``local[2,2]``, a free port, its
     files in a temporary directory), started through :mod:`kombu_pgmq.spark.server` like
     a worker starts it. The settings go to ``os.environ``, so worker subprocesses started
     afterwards use the same server. Shape: ``{"url", "port", "log": Path}``."""
@@ -114,7 +114,8 @@ def spark_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
     env = {
         server.ENV_PORT: str(port),
         server.ENV_DIR: str(tmp_path_factory.mktemp("spark-connect")),
-        server.ENV_MASTER: "local[2]",
+        # 2 cores; a failed Spark task is tried twice (tests of retried write attempts).
+        server.ENV_MASTER: "local[2,2]",
     }
     saved = {k: os.environ.get(k) for k in (*env, server.ENV_REMOTE)}
     os.environ.update(env)

@@ -140,6 +140,29 @@ def test_soft_time_limit_cancels_the_spark_job(
         result.get(timeout=30, propagate=True)
 
 
+def test_hard_time_limit_cancels_the_spark_job(
+    spark_server: dict[str, Any],
+    start_worker: Callable[..., Worker],
+    app: Celery,
+    db: psycopg.Connection,
+) -> None:
+    """The pool kills the process at the hard limit (SIGTERM, SIGKILL 0.1 s later): the
+    process interrupts its session on SIGTERM, the main process once more afterwards."""
+    start_worker()
+    log = spark_server["log"]
+    offset = _log_size(log)
+    result = app.tasks["e2e.spark_sleep"].apply_async((2, 120_000), time_limit=4)
+    _wait_progress(result)
+    started = runs(db, result.id)[0]["started_at"]
+    _wait_cancelled(log, offset, session_id(result.id), timeout=30)
+    now = db.execute("SELECT clock_timestamp()").fetchone()[0]
+    cancelled_after = (now - started).total_seconds()
+    print(f"task start -> Spark cancel: {cancelled_after:.3f} s (hard limit 4 s)")
+    assert 3.5 <= cancelled_after < 5.0
+    wait_for(lambda: result.state == "FAILURE", 30, "state FAILURE")
+    assert "TimeLimitExceeded" in repr(result.info)
+
+
 def test_kill9_of_the_pool_process_interrupts_the_orphaned_spark_job(
     spark_server: dict[str, Any],
     start_worker: Callable[..., Worker],

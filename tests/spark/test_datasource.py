@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -65,6 +66,27 @@ def test_a_failed_job_leaves_no_message(spark, db_dsn) -> None:
         assert [m.decode() for m in drain(conn, "rows", expect=1)] == ["published before"]
 
 
+def test_a_retried_spark_task_sends_its_rows_once(spark, db_dsn) -> None:
+    """The first attempt of one Spark task stages 100 rows, then fails; the retry
+    succeeds. The commit publishes the retry's rows and deletes the failed attempt's."""
+    from pyspark.sql.functions import udf
+
+    @udf("long")
+    def fail_first_attempt(value: int) -> int:
+        from pyspark import TaskContext
+
+        if value == 950 and TaskContext.get().attemptNumber() == 0:
+            raise RuntimeError("injected failure of attempt 0")
+        return value
+
+    df = spark.range(0, 1000, 1, 2).select(fail_first_attempt("id").alias("id"))
+    df.write.format("pgmq").options(url=db_dsn, queue="rows", batch_size="50").mode("append").save()
+    with psycopg.connect(db_dsn) as conn:
+        ids = [r[0] for r in conn.execute("SELECT (message->>'id')::int FROM pgmq.q_rows")]
+    assert sorted(ids) == list(range(1000))  # each row once: attempt 0's 450 rows deleted
+    assert _count(db_dsn, "q_rows", f"headers ? '{WRITE_HEADER}' OR vt > now()") == 0
+
+
 def test_rows_become_celery_task_messages_per_row_and_per_partition(spark, db_dsn) -> None:
     df = spark.range(0, 10, 1, 2).selectExpr("id AS x", "id * 10 AS y")
     opts = {"url": db_dsn, "queue": "celery", "task": "e2e.add"}
@@ -103,6 +125,40 @@ def test_snapshot_reads_queue_and_archive_without_consuming(spark, db_dsn) -> No
     assert all(r.archived_at is None for r in queue)
     assert sorted(json.loads(r.message)["n"] for r in queue + archive) == list(range(20))
     assert state() == before  # nothing consumed, read_ct and vt untouched
+
+
+def test_opening_a_task_session_interrupts_what_an_earlier_delivery_left_running(
+    spark_server, spark
+) -> None:
+    """A pool process died (kill -9) while its Spark job ran; the next delivery of the same
+    task opens the same deterministic session and interrupts the orphan first."""
+    import threading
+
+    from kombu_pgmq.spark import open_session, session_id
+
+    task_id = str(uuid.uuid4())
+    orphan, leftovers = open_session(spark_server["url"], task_id)
+    assert leftovers == []
+    assert orphan.session_id == session_id(task_id)
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            orphan.range(0, 2, 1, 2).selectExpr(
+                "reflect('java.lang.Thread', 'sleep', cast(120000 as bigint))"
+            ).collect()
+        except BaseException as exc:
+            failed.append(exc)
+
+    job = threading.Thread(target=run, daemon=True)
+    job.start()
+    time.sleep(3)  # the job is running on the server
+    again, interrupted = open_session(spark_server["url"], task_id)
+    assert len(interrupted) == 1
+    job.join(10)
+    assert not job.is_alive()
+    assert failed and "OPERATION_CANCELED" in str(failed[0]), failed
+    again.stop()
 
 
 def _sink(db_dsn: str, crash_flag: Path):
