@@ -49,6 +49,8 @@ E2E_TASKS = [
     "e2e.ping",
     "e2e.record_and_sleep",
     "e2e.retry_once",
+    "e2e.spark_sleep",
+    "e2e.spark_sum",
     "e2e.xsum",
 ]
 
