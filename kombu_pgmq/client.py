@@ -576,37 +576,37 @@ class PgmqClient:
 
     # -- Spark writes and reads (kombu_pgmq.spark, migration 0005) ---------------------
 
-    def stage_messages(self, queue: str, messages: Sequence[str], headers: Sequence[str]) -> int:
-        """Send a batch hidden for 10 years (a Spark write's staged messages: ``headers``
-        carry its write attempt); return how many. Made visible by :meth:`commit_write`."""
-        rows = self._run(
-            self._q["stage_messages"],
-            {"queue": queue, "messages": list(messages), "headers": list(headers)},
-        )
-        return int(rows[0][0])
+    def open_write(self, write_id: str, queue: str) -> int:
+        """Register a Spark write (``kombu_pgmq.spark_writes``) on the queue; return the
+        queue's highest msg_id now (every message the write stages will be above it)."""
+        return int(self._run(self._q["open_write"], {"write_id": write_id, "queue": queue})[0][0])
 
-    def commit_write(
-        self, queue: str, write_id: str, after_id: int, attempts: Sequence[str]
-    ) -> int:
-        """Make the messages of the committed task ``attempts`` (``"<write id>/<partition>/
-        <attempt>"``) visible and delete what other attempts staged, in one transaction;
-        return how many became visible."""
-        params = {
-            "queue": queue,
-            "write_id": write_id,
-            "after_id": after_id,
-            "attempts": list(attempts),
-        }
+    def stage_messages(self, write_id: str, messages: Sequence[str], headers: Sequence[str]) -> int:
+        """Send a batch of a Spark write hidden for 10 years (``headers`` carry the task
+        attempt's marker); return how many. Made visible by :meth:`commit_write`.
+
+        Raises:
+            OperationalError: the write is no longer open (committed or aborted).
+        """
+        params = {"write_id": write_id, "messages": list(messages), "headers": list(headers)}
+        return int(self._run(self._q["stage_messages"], params)[0][0])
+
+    def commit_write(self, write_id: str, attempts: Sequence[str]) -> int:
+        """End the write: make the messages of the committed task ``attempts``
+        (``"<write id>/<partition>/<attempt>"``) visible and delete what other attempts
+        staged, in one transaction, after staging in flight finished; return how many
+        became visible.
+
+        Raises:
+            OperationalError: the write is not open (aborted, committed, unknown).
+        """
+        params = {"write_id": write_id, "attempts": list(attempts)}
         return int(self._run(self._q["commit_write"], params)[0][0])
 
-    def abort_write(self, queue: str, write_id: str, after_id: int) -> int:
-        """Delete every message a write staged; return how many."""
-        params = {"queue": queue, "write_id": write_id, "after_id": after_id}
-        return int(self._run(self._q["abort_write"], params)[0][0])
-
-    def last_msg_id(self, queue: str) -> int:
-        """Highest msg_id in the queue table (0 if empty)."""
-        return int(self._run(_with_table("last_msg_id", queue))[0][0])
+    def abort_write(self, write_id: str) -> int:
+        """End the write: delete every message it staged (after staging in flight
+        finished); return how many. 0 if the write was not open."""
+        return int(self._run(self._q["abort_write"], {"write_id": write_id})[0][0])
 
     def _table(self, queue: str, archive: bool) -> sql.Identifier:
         return sql.Identifier("pgmq", f"{'a' if archive else 'q'}_{queue}")

@@ -391,22 +391,20 @@ WITH doomed AS (
 )
 SELECT count(*) AS deleted FROM gone
 
+-- name: open_write
+-- Spark writer (migration 0005): register a write on the queue; returns after_id.
+SELECT kombu_pgmq.open_write(%(write_id)s, %(queue)s) AS after_id
+
 -- name: stage_messages
--- Spark writer (migration 0005): send a batch hidden for 10 years; headers carry the
--- write attempt ("x-kombu-pgmq-write"). kombu_pgmq.commit_write makes them visible.
-SELECT count(*) AS sent
-FROM pgmq.send_batch(%(queue)s, %(messages)s::jsonb[], %(headers)s::jsonb[], 315360000)
+-- Stage a batch of a task attempt hidden for 10 years (refused unless the write is open).
+SELECT kombu_pgmq.stage_write(%(write_id)s, %(messages)s::jsonb[], %(headers)s::jsonb[])
+    AS staged
 
 -- name: commit_write
-SELECT kombu_pgmq.commit_write(%(queue)s, %(write_id)s, %(after_id)s, %(attempts)s::text[])
-    AS committed
+SELECT kombu_pgmq.commit_write(%(write_id)s, %(attempts)s::text[]) AS committed
 
 -- name: abort_write
-SELECT kombu_pgmq.abort_write(%(queue)s, %(write_id)s, %(after_id)s) AS deleted
-
--- name: last_msg_id
--- Highest msg_id in the queue table (primary key: one index probe); 0 when empty.
-SELECT coalesce(max(msg_id), 0) AS msg_id FROM {queue_table}
+SELECT kombu_pgmq.abort_write(%(write_id)s) AS deleted
 
 -- name: msg_id_range
 -- Lowest and highest msg_id (primary key) of a queue or archive table, NULLs when empty.

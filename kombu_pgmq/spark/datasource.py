@@ -19,6 +19,11 @@ Job-level atomicity: each Spark task stages its rows hidden (visibility 10 years
 header ``x-kombu-pgmq-write``); when every Spark task succeeded the driver makes them
 visible in one transaction; a failed job deletes them. Failed attempts of a retried Spark
 task are deleted too, so each row is sent once. Consumers never see a partial write.
+Writes are rows of ``kombu_pgmq.spark_writes`` (state ``open``/``committed``/``aborted``);
+once a write ended no task can stage into it (stragglers of a failed job are refused). A
+write left ``open`` by a driver that died keeps its staged rows hidden: find them with
+``SELECT * FROM kombu_pgmq.spark_writes WHERE state = 'open'`` and remove them with
+``SELECT kombu_pgmq.abort_write('<write_id>')``.
 
 **Queue or archive → DataFrame** (batch read, nothing consumed)::
 
@@ -191,11 +196,11 @@ class QueueWriter(DataSourceWriter):
         self.options = options
         self.write_id = uuid.uuid4().hex
         # Runs on the driver, once per write: the queue exists (declared as a plain
-        # Kombu queue if missing) and every staged msg_id will be above after_id.
+        # Kombu queue if missing); the write is a row of kombu_pgmq.spark_writes.
         client = options.client()
         try:
             client.create_queue(options.pgmq_queue, options.queue)
-            self.after_id = client.last_msg_id(options.pgmq_queue)
+            client.open_write(self.write_id, options.pgmq_queue)
         finally:
             client.close()
 
@@ -210,7 +215,7 @@ class QueueWriter(DataSourceWriter):
         count = 0
         try:
             for batch in _batches(self._messages(iterator, marker), opts.batch_size):
-                client.stage_messages(opts.pgmq_queue, [m for m, _ in batch], [h for _, h in batch])
+                client.stage_messages(self.write_id, [m for m, _ in batch], [h for _, h in batch])
                 count += len(batch)
         finally:
             client.close()
@@ -233,14 +238,14 @@ class QueueWriter(DataSourceWriter):
         attempts = [m.marker for m in messages if isinstance(m, StagedAttempt)]
         client = self.options.client()
         try:
-            client.commit_write(self.options.pgmq_queue, self.write_id, self.after_id, attempts)
+            client.commit_write(self.write_id, attempts)
         finally:
             client.close()
 
     def abort(self, messages: Sequence[WriterCommitMessage | None]) -> None:
         client = self.options.client()
         try:
-            client.abort_write(self.options.pgmq_queue, self.write_id, self.after_id)
+            client.abort_write(self.write_id)
         finally:
             client.close()
 

@@ -265,7 +265,10 @@ def _start(directory: Path, port: int, master: str, extra: Mapping[str, Any]) ->
             cwd=directory,
             start_new_session=True,  # outlives the worker child that started it
         )
-    _children[port] = proc  # we reap it if we stop it; never "deleted while running"
+    previous = _children.get(port)
+    if previous is not None:
+        previous.poll()  # a server of ours that died: reap it
+    _children[port] = proc  # reaped by stop(); never "deleted while running"
     (directory / "server.pid").write_text(str(proc.pid))
     deadline = t0 + START_TIMEOUT_SECONDS
     while not accepting(port, timeout=0.2):
@@ -328,12 +331,12 @@ def stop(port: int = DEFAULT_PORT) -> bool:
     directory = state_dir(port)
     with _locked(directory):
         pid = _read_pid(directory / "server.pid")
-        if pid is None:
-            return False
-        _terminate(pid)
-        proc = _children.pop(port, None)
-        if proc is not None and proc.pid == pid:
-            proc.wait(timeout=10)
-        with contextlib.suppress(FileNotFoundError):
-            (directory / "server.pid").unlink()
-        return True
+        if pid is not None:
+            _terminate(pid)
+            with contextlib.suppress(FileNotFoundError):
+                (directory / "server.pid").unlink()
+        proc = _children.pop(port, None)  # ours: reap it (stopped now or by someone else)
+        if proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+        return pid is not None

@@ -11,6 +11,7 @@ import pytest
 
 from kombu_pgmq.client import PgmqClient
 from kombu_pgmq.encoding import dumps
+from kombu_pgmq.errors import OperationalError
 from kombu_pgmq.spark.messages import WRITE_HEADER, row_message
 from tests.integration.helpers import connect, drain, publish
 
@@ -25,7 +26,8 @@ def client(db_dsn: str):
 
 def _stage(client: PgmqClient, marker: str, values: range) -> int:
     pairs = [row_message({"v": v}, "rows", marker) for v in values]
-    return client.stage_messages("rows", [m for m, _ in pairs], [h for _, h in pairs])
+    write_id = marker.split("/")[0]
+    return client.stage_messages(write_id, [m for m, _ in pairs], [h for _, h in pairs])
 
 
 def _rows(db_dsn: str) -> list[tuple]:
@@ -38,15 +40,15 @@ def _rows(db_dsn: str) -> list[tuple]:
 
 
 def test_staged_messages_are_invisible_until_their_attempt_commits(client, db_dsn) -> None:
-    after = client.last_msg_id("rows")
+    client.open_write("w1", "rows")
+    client.open_write("w2", "rows")
     assert _stage(client, "w1/0/0", range(0, 3)) == 3
     _stage(client, "w1/1/0", range(3, 5))  # attempt 0 of partition 1 failed...
     _stage(client, "w1/1/1", range(5, 7))  # ...attempt 1 succeeded
     _stage(client, "w2/0/0", range(100, 101))  # another write in flight
     with connect(db_dsn) as conn:
         assert drain(conn, "rows", expect=1, timeout=0.5) == []  # nothing visible yet
-    committed = client.commit_write("rows", "w1", after, ["w1/0/0", "w1/1/1"])
-    assert committed == 5
+    assert client.commit_write("w1", ["w1/0/0", "w1/1/1"]) == 5
     assert _rows(db_dsn) == [
         (0, True, False),
         (1, True, False),
@@ -58,22 +60,58 @@ def test_staged_messages_are_invisible_until_their_attempt_commits(client, db_ds
     with connect(db_dsn) as conn:
         bodies = sorted(m.decode()["v"] for m in drain(conn, "rows", expect=5))
     assert bodies == [0, 1, 2, 5, 6]
-    assert client.abort_write("rows", "w2", after) == 1
+    assert client.abort_write("w2") == 1
     assert _rows(db_dsn) == []
+    with psycopg.connect(db_dsn) as conn:
+        states = conn.execute(
+            "SELECT write_id, state, published FROM kombu_pgmq.spark_writes ORDER BY 1"
+        ).fetchall()
+    assert states == [("w1", "committed", 5), ("w2", "aborted", None)]
+
+
+def test_an_ended_write_refuses_stragglers_and_waits_for_staging_in_flight(
+    client, db_dsn
+) -> None:
+    """Spark aborts a failed job while killed tasks may still be inserting: abort waits
+    for the staging transaction in flight, and later staging is refused."""
+    client.open_write("w", "rows")
+    with psycopg.connect(db_dsn) as straggler:  # a task attempt mid-insert (not committed)
+        message, headers = row_message({"v": 1}, "rows", "w/0/0")
+        straggler.execute(
+            "SELECT kombu_pgmq.stage_write('w', ARRAY[%s::jsonb], ARRAY[%s::jsonb])",
+            (message, headers),
+        )
+        ended = threading.Event()
+        aborted: list[int] = []
+
+        def abort() -> None:
+            aborted.append(client.abort_write("w"))
+            ended.set()
+
+        threading.Thread(target=abort, daemon=True).start()
+        assert not ended.wait(0.5)  # abort waits for the staging transaction
+        straggler.commit()
+    assert ended.wait(10) and aborted == [1]  # ...then deletes what it staged
+    with pytest.raises(OperationalError, match="Spark write w is aborted"):
+        _stage(client, "w/1/0", range(3))
+    assert _rows(db_dsn) == []
+    assert client.abort_write("w") == 0  # idempotent
+    with pytest.raises(OperationalError, match="not open"):
+        client.commit_write("w", ["w/0/0"])
 
 
 def test_stream_horizon_stops_before_hidden_messages(client, db_dsn) -> None:
     with connect(db_dsn) as conn:
         publish(conn, "rows", [1, 2, 3])
-    first = client.last_msg_id("rows") - 2
+    first = client.msg_id_range("rows")[1] - 2
     assert client.stream_horizon("rows", 0, 100, 1.0) == first + 2
     assert client.stream_horizon("rows", 0, 2, 1.0) == first + 1  # max_rows
-    after = client.last_msg_id("rows")
+    client.open_write("w", "rows")
     _stage(client, "w/0/0", range(1))  # hidden: the horizon must not pass it
     with connect(db_dsn) as conn:
         publish(conn, "rows", [4])
     assert client.stream_horizon("rows", first + 2, 100, 1.0) == first + 2
-    client.commit_write("rows", "w", after, ["w/0/0"])
+    client.commit_write("w", ["w/0/0"])
     assert client.stream_horizon("rows", first + 2, 100, 1.0) == first + 4
 
 
@@ -82,7 +120,7 @@ def test_stream_horizon_waits_for_writers_in_flight(client, db_dsn) -> None:
     skipped: the horizon waits for it (or gives no progress after wait_seconds)."""
     with connect(db_dsn) as conn:
         publish(conn, "rows", [1])
-    base = client.last_msg_id("rows")
+    base = client.msg_id_range("rows")[1]
     with psycopg.connect(db_dsn) as slow:  # takes msg_id base+1, commits later
         slow.execute(
             "SELECT pgmq.send('rows', %s::jsonb, %s::jsonb)",

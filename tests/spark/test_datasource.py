@@ -72,7 +72,7 @@ def test_a_retried_spark_task_sends_its_rows_once(spark, db_dsn) -> None:
     from pyspark.sql.functions import udf
 
     @udf("long")
-    def fail_first_attempt(value: int) -> int:
+    def fail_first_attempt(value):  # no type hints: they would make it a pandas UDF
         from pyspark import TaskContext
 
         if value == 950 and TaskContext.get().attemptNumber() == 0:
