@@ -65,9 +65,7 @@ def main() -> None:
                 (queue,),
             )
         t0 = time.perf_counter()
-        df.write.format("pgmq").options(url=args.url, queue=queue, **options).mode(
-            "append"
-        ).save()
+        df.write.format("pgmq").options(url=args.url, queue=queue, **options).mode("append").save()
         write_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         n = spark.read.format("pgmq").options(url=args.url, queue=queue).load().count()

@@ -69,9 +69,7 @@ def test_staged_messages_are_invisible_until_their_attempt_commits(client, db_ds
     assert states == [("w1", "committed", 5), ("w2", "aborted", None)]
 
 
-def test_an_ended_write_refuses_stragglers_and_waits_for_staging_in_flight(
-    client, db_dsn
-) -> None:
+def test_an_ended_write_refuses_stragglers_and_waits_for_staging_in_flight(client, db_dsn) -> None:
     """Spark aborts a failed job while killed tasks may still be inserting: abort waits
     for the staging transaction in flight, and later staging is refused."""
     client.open_write("w", "rows")
