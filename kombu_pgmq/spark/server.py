@@ -7,11 +7,13 @@ session (it outlives the worker that started it, like the embedded PostgreSQL), 
 until it accepts connections. A file lock serializes concurrent callers (every prefork child
 may ask at once); a server that died is started again by the next caller (supervision on
 demand). Its Python workers (Python Data Sources, UDFs) run ``sys.executable`` of the
-process that started it, so they import the same ``kombu_pgmq``.
+process that started it, so they import the same ``kombu_pgmq``; a server whose
+interpreter was deleted since (a recreated virtualenv) is restarted.
 
 Files (:func:`state_dir`, ``$KOMBU_PGMQ_SPARK_DIR`` or
 ``~/.local/share/kombu_pgmq/spark-connect-<port>``): ``server.pid``, ``server.log`` (the
-JVM's log4j output, INFO: cancelled jobs are logged there), ``server.lock``.
+JVM's log4j output, INFO: cancelled jobs are logged there), ``server.python`` (the
+interpreter of its Python workers), ``server.lock``.
 
 Shell::
 
@@ -223,12 +225,24 @@ def ensure_running(conf: Mapping[str, Any] | None = None) -> str:
     """
     port = local_port(conf)
     url = f"sc://127.0.0.1:{port}"
-    if accepting(port):
-        return url
     directory = state_dir(port)
+    if accepting(port) and _python_ok(directory):
+        return url
     with _locked(directory):
-        if accepting(port):  # another process started it while we waited for the lock
-            return url
+        if accepting(port):
+            if _python_ok(directory):  # another process started it while we waited
+                return url
+            # Its Python workers would run an interpreter that is gone (the virtualenv
+            # that started it was deleted or recreated): the pgmq data source would fail.
+            _logger.warning(
+                "the Spark Connect server on port %s runs Python workers of a deleted "
+                "interpreter; restarting it with %s",
+                port,
+                sys.executable,
+            )
+            stale = _read_pid(directory / "server.pid")
+            if stale is not None:
+                _terminate(stale)
         master = str(_setting(conf, "spark_local_master", ENV_MASTER) or "local[*]")
         extra = (conf.get("spark_local_conf") if conf is not None else None) or {}
         if not isinstance(extra, Mapping):
@@ -270,6 +284,7 @@ def _start(directory: Path, port: int, master: str, extra: Mapping[str, Any]) ->
         previous.poll()  # a server of ours that died: reap it
     _children[port] = proc  # reaped by stop(); never "deleted while running"
     (directory / "server.pid").write_text(str(proc.pid))
+    (directory / "server.python").write_text(env["PYSPARK_PYTHON"])
     deadline = t0 + START_TIMEOUT_SECONDS
     while not accepting(port, timeout=0.2):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -286,6 +301,15 @@ def _start(directory: Path, port: int, master: str, extra: Mapping[str, Any]) ->
         time.monotonic() - t0,
         proc.pid,
     )
+
+
+def _python_ok(directory: Path) -> bool:
+    """False if the server we started runs Python workers of an interpreter that is gone."""
+    try:
+        python = (directory / "server.python").read_text().strip()
+    except OSError:
+        return True  # not started by us (or by an older version): nothing to check
+    return not python or os.path.exists(python)
 
 
 def _tail(path: Path, lines: int = 20) -> str:

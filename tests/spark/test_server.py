@@ -1,5 +1,5 @@
 """The local Spark Connect server: one per port under concurrent callers, started again
-after it died, stopped by the CLI; settings validation."""
+after it died or when its Python is gone, stopped by the CLI; settings validation."""
 
 from __future__ import annotations
 
@@ -60,6 +60,15 @@ def test_one_server_for_concurrent_callers_and_restarted_after_it_died(
         second = server.status(port)
         assert second["accepting"] and second["pid"] != first["pid"]
         assert _servers_on(port) == [second["pid"]]
+
+        # The virtualenv that started it was deleted: its Python workers would fail.
+        (tmp_path / "server.python").write_text(str(tmp_path / "deleted-venv/bin/python"))
+        assert server.ensure_running() == f"sc://127.0.0.1:{port}"
+        third = server.status(port)
+        assert third["accepting"] and third["pid"] != second["pid"]
+        assert _servers_on(port) == [third["pid"]]
+        assert (tmp_path / "server.python").read_text() == sys.executable
+        second = third
 
         cli = [sys.executable, "-m", "kombu_pgmq.cli", "spark", "server"]
         status = subprocess.run([*cli, "status"], capture_output=True, text=True, check=True)
