@@ -87,11 +87,18 @@ FROM kombu_pgmq.renew(%(queues)s::text[], %(msg_ids)s::bigint[], %(read_cts)s::i
                       %(vt_seconds)s::integer)
 
 -- name: create_queue
+-- Only if missing (pgmq.meta, unique on queue_name): on an existing queue pgmq.create
+-- still runs CREATE INDEX IF NOT EXISTS, whose SHARE lock waits for every open
+-- transaction that wrote to the queue (an application enqueueing inside its own
+-- transaction), so every redeclare (a worker or producer connecting) would wait for it.
 SELECT pgmq.create(%(queue)s)
+WHERE NOT EXISTS (SELECT 1 FROM pgmq.meta WHERE queue_name = %(queue)s)
 
 -- name: create_queue_unlogged
 -- Non-durable Kombu queues (pidbox replies, event queues): no WAL, emptied by a crash.
+-- Only if missing, as create_queue.
 SELECT pgmq.create_unlogged(%(queue)s)
+WHERE NOT EXISTS (SELECT 1 FROM pgmq.meta WHERE queue_name = %(queue)s)
 
 -- name: register_queue
 -- Remember the Kombu name and the declared arguments of a PGMQ queue (kombu_pgmq.naming

@@ -37,7 +37,6 @@ Behaviour:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import subprocess
 import sys
@@ -46,7 +45,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from celery import Task
+from billiard.exceptions import TimeLimitExceeded
+from celery import Task, states
 from celery.worker.request import Request
 
 from ..errors import SparkError
@@ -105,6 +105,8 @@ class _Run:
     def _on_progress(
         self, stages: Any, inflight_tasks: int, operation_id: str, done: bool, **_: Any
     ) -> None:
+        if self._cancelled:  # the task's final state is being decided: never overwrite it
+            return
         now = time.monotonic()
         if not done and now - self._last_progress < self.task.progress_interval_seconds:
             return
@@ -253,7 +255,15 @@ class SparkRequest(Request):
     def on_timeout(self, soft: bool, timeout: float) -> None:
         super().on_timeout(soft, timeout)
         if not soft:
-            self._interrupt_spark("hard time limit")
+            # The pool process may store one last PROGRESS between Celery's FAILURE and
+            # its death: store FAILURE again once the process is gone.
+            exc = TimeLimitExceeded(timeout)
+            self._interrupt_spark(
+                "hard time limit",
+                then=lambda: self.task.backend.store_result(
+                    self.id, exc, states.FAILURE, request=self._context
+                ),
+            )
 
     def on_failure(
         self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
@@ -268,7 +278,7 @@ class SparkRequest(Request):
             if isinstance(exc, (WorkerLostError, SystemExit)):
                 self._interrupt_spark("pool process lost")
 
-    def _interrupt_spark(self, reason: str) -> None:
+    def _interrupt_spark(self, reason: str, then: Callable[[], Any] | None = None) -> None:
         try:
             url = sessions.connect_url(self.task.app.conf, start=False)
         except Exception:
@@ -279,8 +289,20 @@ class SparkRequest(Request):
         retries = int(self.request_dict.get("retries") or 0)
         cmd = [sys.executable, "-m", "kombu_pgmq.spark.interrupt", url, self.id, str(retries)]
         _logger.info("task %s: %s; interrupting its Spark session", self.id, reason)
-        with contextlib.suppress(OSError):
+        try:
             proc = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True
             )
-            threading.Thread(target=proc.wait, name="spark-interrupt", daemon=True).start()
+        except OSError:
+            _logger.warning("cannot start the Spark interrupt of task %s", self.id, exc_info=True)
+            return
+
+        def wait() -> None:
+            proc.wait()
+            if then is not None:
+                try:
+                    then()
+                except Exception:
+                    _logger.warning("task %s: after the interrupt", self.id, exc_info=True)
+
+        threading.Thread(target=wait, name="spark-interrupt", daemon=True).start()

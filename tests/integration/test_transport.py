@@ -358,3 +358,28 @@ def test_ack_wakes_a_consumer_whose_prefetch_was_full(db_dsn):
                     conn.drain_events(timeout=8)
         assert [m.body for _, m in got] == [b"first", b"second"]
         assert got[1][0] - got[0][0] < 3.0
+
+
+def test_declare_and_publish_do_not_wait_for_an_open_transaction_that_enqueued(db_dsn):
+    """An application enqueues inside its own transaction and keeps it open: other
+    connections must still declare the queue and publish to it (pgmq.create on an
+    existing queue would wait for that transaction's lock)."""
+    import psycopg
+
+    with connect(db_dsn) as conn:
+        publish(conn, "orders", ["before"])
+    with psycopg.connect(db_dsn) as app_tx:
+        app_tx.execute("SELECT pgmq.send('orders', '\"in the app transaction\"'::jsonb)")
+        done = threading.Event()
+
+        def declare_and_publish():
+            with connect(db_dsn) as conn:  # a new connection declares the queue again
+                publish(conn, "orders", ["while it is open"])
+            done.set()
+
+        threading.Thread(target=declare_and_publish, daemon=True).start()
+        assert done.wait(5), "declare/publish waited for the open transaction"
+        app_tx.rollback()
+    with connect(db_dsn) as conn:
+        bodies = [m.decode() for m in drain(conn, "orders", expect=2)]
+    assert bodies == ["before", "while it is open"]
