@@ -77,12 +77,16 @@ class _Run:
 
     @property
     def spark(self) -> SparkSession:
-        with self._lock:
-            if self._cancelled:
-                raise SparkError(f"task {self.task_id} was cancelled: no new Spark work")
-            if self._spark is None:
-                self._spark = self._open()
-            return self._spark
+        with self._lock:  # one session per run, opened by the first caller
+            if self._spark is None and not self._cancelled:
+                spark = self._open()
+                if self._cancelled:  # cancelled while it opened (e.g. a server start)
+                    sessions._close_quietly(spark)
+                else:
+                    self._spark = spark
+        if self._cancelled or self._spark is None:
+            raise SparkError(f"task {self.task_id} was cancelled: no new Spark work")
+        return self._spark
 
     def _open(self) -> SparkSession:
         url = sessions.connect_url(self.task.app.conf)
@@ -126,10 +130,10 @@ class _Run:
             _logger.warning("task %s: storing PROGRESS failed", self.task_id, exc_info=True)
 
     def cancel(self) -> list[str]:
-        """Interrupt every operation of the session (from any thread); no new work after."""
-        with self._lock:
-            self._cancelled = True
-            spark = self._spark
+        """Interrupt every operation of the session (from any thread, without waiting for a
+        session being opened); no new Spark work after."""
+        self._cancelled = True
+        spark = self._spark
         if spark is None:
             return []
         t0 = time.monotonic()
@@ -147,8 +151,14 @@ class _Run:
         return ops
 
     def close(self) -> None:
-        with self._lock:
+        # Not waiting long for a session being opened: spark() closes it itself when it
+        # sees the run was cancelled.
+        if not self._lock.acquire(timeout=1.0):
+            return
+        try:
             spark, self._spark = self._spark, None
+        finally:
+            self._lock.release()
         if spark is not None:
             sessions._close_quietly(spark)
 
