@@ -316,6 +316,7 @@ class QueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def __init__(self, options: _Options) -> None:
         self.options = options
         self._target: int | None = None  # trigger(availableNow=True): the last offset
+        self._archived = 0  # archived through this msg_id (by this reader instance)
 
     def prepareForTriggerAvailableNow(self) -> None:
         opts = self.options
@@ -341,8 +342,8 @@ class QueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             # Spark plans the next micro-batch only after the previous one (ending at
             # start) was committed to the sink, so its messages can be archived now; Spark
             # itself calls commit() only when there is a next batch with data.
-            if int(start["msg_id"]) > 0:
-                client.archive_range(opts.pgmq_queue, 0, int(start["msg_id"]))
+            if int(start["msg_id"]) > self._archived:
+                self._archive_through(client, int(start["msg_id"]))
             horizon = client.stream_horizon(
                 opts.pgmq_queue, int(start["msg_id"]), int(max_rows or 2**31 - 1), opts.wait_seconds
             )
@@ -363,9 +364,12 @@ class QueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def commit(self, end: dict[str, int]) -> None:
         # Everything up to end: also a range whose commit was lost in a crash after the
         # sink had committed (Spark does not replay it).
-        opts = self.options
-        client = opts.client()
+        client = self.options.client()
         try:
-            client.archive_range(opts.pgmq_queue, 0, int(end["msg_id"]))
+            self._archive_through(client, int(end["msg_id"]))
         finally:
             client.close()
+
+    def _archive_through(self, client: PgmqClient, msg_id: int) -> None:
+        client.archive_range(self.options.pgmq_queue, 0, msg_id)
+        self._archived = max(self._archived, msg_id)

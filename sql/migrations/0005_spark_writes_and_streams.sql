@@ -18,7 +18,6 @@ CREATE TABLE kombu_pgmq.spark_writes (
     queue text NOT NULL,             -- PGMQ queue name
     after_id bigint NOT NULL,
     state text NOT NULL DEFAULT 'open' CHECK (state IN ('open', 'committed', 'aborted')),
-    staged bigint NOT NULL DEFAULT 0,
     published bigint,
     opened_at timestamptz NOT NULL DEFAULT clock_timestamp(),
     ended_at timestamptz
@@ -58,12 +57,26 @@ BEGIN
 END
 $$;
 
+-- Delete the messages a write staged that are still staged (marker present).
+CREATE FUNCTION kombu_pgmq.delete_staged(w kombu_pgmq.spark_writes) RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+    deleted bigint;
+BEGIN
+    EXECUTE format(
+        'DELETE FROM pgmq.%I WHERE msg_id > $1
+         AND starts_with(headers ->> ''x-kombu-pgmq-write'', $2 || ''/'')', 'q_' || w.queue)
+    USING w.after_id, w.write_id;
+    GET DIAGNOSTICS deleted = ROW_COUNT;
+    RETURN deleted;
+END
+$$;
+
 -- Abort: delete everything the write staged (after waiting for staging in flight).
 CREATE FUNCTION kombu_pgmq.abort_write(write_id text) RETURNS bigint
 LANGUAGE plpgsql AS $$
 DECLARE
     w kombu_pgmq.spark_writes;
-    deleted bigint;
 BEGIN
     UPDATE kombu_pgmq.spark_writes s SET state = 'aborted', ended_at = clock_timestamp()
     WHERE s.write_id = abort_write.write_id AND s.state = 'open'
@@ -71,12 +84,7 @@ BEGIN
     IF NOT FOUND THEN
         RETURN 0;
     END IF;
-    EXECUTE format(
-        'DELETE FROM pgmq.%I WHERE msg_id > $1
-         AND starts_with(headers ->> ''x-kombu-pgmq-write'', $2 || ''/'')', 'q_' || w.queue)
-    USING w.after_id, w.write_id;
-    GET DIAGNOSTICS deleted = ROW_COUNT;
-    RETURN deleted;
+    RETURN kombu_pgmq.delete_staged(w);
 END
 $$;
 
@@ -101,10 +109,7 @@ BEGIN
          WHERE msg_id > $1 AND headers ->> ''x-kombu-pgmq-write'' = ANY ($2)', 'q_' || w.queue)
     USING w.after_id, attempts;
     GET DIAGNOSTICS committed = ROW_COUNT;
-    EXECUTE format(
-        'DELETE FROM pgmq.%I WHERE msg_id > $1
-         AND starts_with(headers ->> ''x-kombu-pgmq-write'', $2 || ''/'')', 'q_' || w.queue)
-    USING w.after_id, w.write_id;
+    PERFORM kombu_pgmq.delete_staged(w);  -- what other (failed) attempts staged
     UPDATE kombu_pgmq.spark_writes s SET published = committed
     WHERE s.write_id = commit_write.write_id;
     IF committed > 0

@@ -118,6 +118,20 @@ def test_revoke_terminate_cancels_the_spark_job_within_a_second(
     wait_for(lambda: result.state == "REVOKED", 30, "state REVOKED")
 
 
+def _seconds_to_cancel_with(
+    limit: dict[str, float], log: Path, app: Celery, db: psycopg.Connection
+) -> tuple[AsyncResult, float]:
+    """Run a long Spark task with the time limit *limit*; seconds from the task's start
+    (server clock) until Spark logged the cancellation of its session."""
+    offset = _log_size(log)
+    result = app.tasks["e2e.spark_sleep"].apply_async((2, 120_000), **limit)
+    _wait_progress(result)
+    started = runs(db, result.id)[0]["started_at"]
+    _wait_cancelled(log, offset, session_id(result.id), timeout=30)
+    now = db.execute("SELECT clock_timestamp()").fetchone()[0]
+    return result, (now - started).total_seconds()
+
+
 def test_soft_time_limit_cancels_the_spark_job(
     spark_server: dict[str, Any],
     start_worker: Callable[..., Worker],
@@ -125,15 +139,9 @@ def test_soft_time_limit_cancels_the_spark_job(
     db: psycopg.Connection,
 ) -> None:
     start_worker()
-    log = spark_server["log"]
-    offset = _log_size(log)
-    result = app.tasks["e2e.spark_sleep"].apply_async((2, 120_000), soft_time_limit=4)
-    _wait_progress(result)
-    started = runs(db, result.id)[0]["started_at"]
-    _wait_cancelled(log, offset, session_id(result.id), timeout=30)
-    cancelled_after = (
-        db.execute("SELECT clock_timestamp()").fetchone()[0] - started
-    ).total_seconds()
+    result, cancelled_after = _seconds_to_cancel_with(
+        {"soft_time_limit": 4}, spark_server["log"], app, db
+    )
     print(f"task start -> Spark cancel: {cancelled_after:.3f} s (soft limit 4 s)")
     assert 3.5 <= cancelled_after < 5.0
     with pytest.raises(Exception, match="SoftTimeLimitExceeded"):
@@ -149,14 +157,9 @@ def test_hard_time_limit_cancels_the_spark_job(
     """The pool kills the process at the hard limit (SIGTERM, SIGKILL 0.1 s later): the
     process interrupts its session on SIGTERM, the main process once more afterwards."""
     start_worker()
-    log = spark_server["log"]
-    offset = _log_size(log)
-    result = app.tasks["e2e.spark_sleep"].apply_async((2, 120_000), time_limit=4)
-    _wait_progress(result)
-    started = runs(db, result.id)[0]["started_at"]
-    _wait_cancelled(log, offset, session_id(result.id), timeout=30)
-    now = db.execute("SELECT clock_timestamp()").fetchone()[0]
-    cancelled_after = (now - started).total_seconds()
+    result, cancelled_after = _seconds_to_cancel_with(
+        {"time_limit": 4}, spark_server["log"], app, db
+    )
     print(f"task start -> Spark cancel: {cancelled_after:.3f} s (hard limit 4 s)")
     assert 3.5 <= cancelled_after < 5.0
     wait_for(lambda: result.state == "FAILURE", 30, "state FAILURE")
