@@ -76,6 +76,9 @@ def test_spark_tasks_share_one_local_server_and_report_progress(
     app: Celery,
     db: psycopg.Connection,
 ) -> None:
+    from kombu_pgmq.spark import server
+
+    server_pid = server.status(spark_server["port"])["pid"]
     start_worker()
     # Both pool processes run Spark tasks at once, on the one server the fixture started.
     sums = [app.tasks["e2e.spark_sum"].delay(n) for n in (10, 1000)]
@@ -96,8 +99,9 @@ def test_spark_tasks_share_one_local_server_and_report_progress(
     completed = [s["completed_tasks"] for s in seen]
     assert completed == sorted(completed), seen
     assert any(0 < c < 8 for c in completed), f"no intermediate progress: {seen}"
-    # One JVM on the host: nothing else answers than the fixture's server.
     assert len(runs(db, slow.id)) == 1
+    # The pool processes used the running server: none started or replaced it.
+    assert server.status(spark_server["port"])["pid"] == server_pid
 
 
 def test_revoke_terminate_cancels_the_spark_job_within_a_second(

@@ -19,8 +19,6 @@ from kombu_pgmq.spark import register
 from kombu_pgmq.spark.messages import WRITE_HEADER
 from tests.integration.helpers import connect, drain, publish
 
-pyspark = pytest.importorskip("pyspark")
-
 
 @pytest.fixture(scope="module")
 def spark(spark_server: dict[str, Any]) -> Iterator[Any]:
