@@ -29,8 +29,8 @@ import psycopg
 from kombu import Connection, Consumer, Producer, Queue
 
 import kombu_pgmq
-from kombu_pgmq.conninfo import redact
-from kombu_pgmq.naming import pgmq_queue_name
+from kombu_pgmq._conninfo import redact
+from kombu_pgmq._naming import pgmq_queue_name
 
 
 def producer(url: str, queue: str, stop: Any, count: Any) -> None:

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from brokers import DEFAULT_BROKERS, DEFAULT_OPTIONS, pg_dsn, prepare
 
 import kombu_pgmq  # noqa: F401  (registers postgresql://)
-from kombu_pgmq.conninfo import redact
+from kombu_pgmq._conninfo import redact
 
 MODES: dict[str, tuple[dict[str, Any], bool]] = {
     # name: (transport options, durable queue)

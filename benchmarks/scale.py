@@ -39,7 +39,7 @@ import contextlib
 from brokers import DEFAULT_BROKERS, DEFAULT_OPTIONS, pg_dsn, prepare
 
 import kombu_pgmq  # noqa: F401  (registers postgresql://)
-from kombu_pgmq.conninfo import redact
+from kombu_pgmq._conninfo import redact
 
 BODY = {"task": "noop", "args": [1, 2], "kwargs": {}}
 

@@ -36,7 +36,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 import kombu_pgmq  # noqa: E402,F401  (registers postgresql://)
-from kombu_pgmq.conninfo import redact  # noqa: E402
+from kombu_pgmq._conninfo import redact  # noqa: E402
 from tests.e2e import celery_app  # noqa: E402
 from tests.e2e.helpers import Worker  # noqa: E402
 

@@ -235,7 +235,7 @@ def run(job: Job) -> None:
     configured = bool(os.environ.get("KOMBU_PGMQ_URL") or os.environ.get("DATABASE_URL"))
     from celery import group
 
-    from kombu_pgmq.conninfo import redact
+    from kombu_pgmq._conninfo import redact
 
     from . import tasks
     from .celeryapp import app, broker_url

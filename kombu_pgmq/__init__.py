@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from kombu.transport import TRANSPORT_ALIASES
 
-from .conninfo import SCHEMES
+from ._conninfo import SCHEMES
 from .errors import (
     BootstrapError,
     BrokerConnectionError,

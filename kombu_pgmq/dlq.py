@@ -26,10 +26,12 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, NamedTuple
 
-from . import conninfo, errors, priorities
-from .client import DeadLetter, PgmqClient
-from .encoding import ENVELOPE_KEY, dumps
-from .naming import pgmq_queue_name
+from . import _conninfo as conninfo
+from . import _priorities as priorities
+from . import errors
+from ._db.client import DeadLetter, PgmqClient
+from ._encoding import ENVELOPE_KEY, dumps
+from ._naming import pgmq_queue_name
 
 #: The transport's default dead-letter queue (Kombu name).
 DEFAULT_DEAD_LETTER_QUEUE = "kombu_pgmq_dlq"

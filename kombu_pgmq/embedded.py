@@ -202,7 +202,7 @@ def start() -> str:
 
 def _ensure_database(maintenance_url: str) -> None:
     """Create :data:`DATABASE` if missing (serialized by an advisory lock)."""
-    from .client import PgmqClient
+    from ._db.client import PgmqClient
 
     client = PgmqClient(maintenance_url)
     try:

@@ -18,9 +18,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from . import conninfo, errors
-from .client import PgmqClient
-from .naming import pgmq_queue_name
+from . import _conninfo as conninfo
+from . import errors
+from ._db.client import PgmqClient
+from ._naming import pgmq_queue_name
 
 #: Name of the Celery task registered by :func:`add_beat_task`.
 BEAT_TASK_NAME = "kombu_pgmq.prune_archives"

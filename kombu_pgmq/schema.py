@@ -28,8 +28,8 @@ import threading
 from dataclasses import dataclass
 
 from . import errors
-from .client import PgmqClient
-from .queries import migrations
+from ._db.client import PgmqClient
+from ._db.queries import migrations
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ def _bootstrap(client: PgmqClient) -> SchemaInfo:
 
 
 def _migrations_table() -> str:
-    from .queries import queries
+    from ._db.queries import queries
 
     return queries()["migrations_table"]
 
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import os
 
-    from .conninfo import redact, to_dsn
+    from ._conninfo import redact, to_dsn
 
     parser = argparse.ArgumentParser(prog="python -m kombu_pgmq.schema", description=main.__doc__)
     parser.add_argument("url", nargs="?", default=os.environ.get("KOMBU_PGMQ_URL"))

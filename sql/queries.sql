@@ -1,5 +1,5 @@
 -- kombu_pgmq's statements, one named block each ("-- name: <name>").
--- Loaded by kombu_pgmq/queries.py and sent only by kombu_pgmq/client.py.
+-- Loaded by kombu_pgmq/_db/queries.py and sent only by kombu_pgmq/_db/client.py.
 -- Placeholders: %(name)s are bound parameters; {queue_table} is a PGMQ queue table
 -- (pgmq.q_<name>) composed with psycopg.sql.Identifier, never string formatting.
 -- Result rows are decoded by column name, never by position (PGMQ 1.11 inserted

@@ -31,7 +31,7 @@ write left ``open`` by a driver that died keeps its staged rows hidden: find the
 
 Columns: ``msg_id long, read_ct int, enqueued_at timestamp, last_read_at timestamp,
 vt timestamp, archived_at timestamp, task string, task_id string, message string,
-headers string`` (``message``/``headers``: the stored JSON, see :mod:`kombu_pgmq.encoding`;
+headers string`` (``message``/``headers``: the stored JSON, see :mod:`kombu_pgmq._encoding`;
 ``task``/``task_id``: Celery's headers; ``last_read_at`` needs PGMQ 1.11+). A snapshot up
 to the highest msg_id at planning time, in ``partitions`` msg_id ranges.
 
@@ -81,10 +81,10 @@ from pyspark.sql.datasource import (
 from pyspark.sql.streaming.datasource import SupportsTriggerAvailableNow
 from pyspark.sql.types import StructType
 
-from .. import conninfo
-from ..client import PgmqClient
+from .. import _conninfo as conninfo
+from .._db.client import PgmqClient
+from .._naming import pgmq_queue_name
 from ..errors import ConfigurationError
-from ..naming import pgmq_queue_name
 from ..schema import ensure_schema
 from .messages import row_message, task_message
 

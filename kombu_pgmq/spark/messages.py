@@ -1,7 +1,7 @@
 """Rows as Kombu messages and as Celery task messages (what the ``pgmq`` writer sends).
 
 Both give ``(message_json, headers_json)`` in the transport's storage layout
-(:mod:`kombu_pgmq.encoding`), so Kombu consumers and Celery workers receive them exactly
+(:mod:`kombu_pgmq._encoding`), so Kombu consumers and Celery workers receive them exactly
 as if a Kombu producer had published them to the queue (exchange ``""``, routing key =
 queue name).
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 from kombu.serialization import dumps as serialize
 
-from .. import encoding
+from .. import _encoding as encoding
 
 __all__ = ["WRITE_HEADER", "row_message", "task_message"]
 

@@ -10,7 +10,7 @@ import psycopg
 from kombu import Connection, Consumer, Producer, Queue
 
 import kombu_pgmq  # noqa: F401  (registers postgresql://)
-from kombu_pgmq.naming import pgmq_queue_name
+from kombu_pgmq._naming import pgmq_queue_name
 
 
 def connect(url: str, **options: Any) -> Connection:

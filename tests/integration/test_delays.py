@@ -1,4 +1,4 @@
-"""Native delayed delivery (kombu_pgmq.delays): ETA headers and x-delay become PGMQ
+"""Native delayed delivery (kombu_pgmq.transport._delays): ETA headers and x-delay become PGMQ
 visibility in the future, not messages held in a consumer's memory."""
 
 from __future__ import annotations

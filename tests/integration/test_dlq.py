@@ -10,9 +10,9 @@ import sys
 import pytest
 from kombu import Producer, Queue
 
+from kombu_pgmq._priorities import band_queue_name
 from kombu_pgmq.dlq import DeadLetterQueue
 from kombu_pgmq.errors import ConfigurationError, QueueNotFound
-from kombu_pgmq.priorities import band_queue_name
 from kombu_pgmq.retention import prune_archives
 
 from .helpers import connect, drain, publish, sql, table

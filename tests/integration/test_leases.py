@@ -1,4 +1,4 @@
-"""Lease renewal (kombu_pgmq.leases) against a real PostgreSQL: held messages keep their
+"""Lease renewal (kombu_pgmq.transport._leases) against a real PostgreSQL: held messages keep their
 visibility timeout, one statement per round, lost leases are reported, a killed
 connection is survived."""
 
@@ -84,7 +84,7 @@ def test_lost_lease_is_logged(db_dsn, caplog):
         with connect(db_dsn) as other:
             again = other.channel().basic_get("lapsed")
             assert again is not None and again.delivery_info["pgmq_read_ct"] == 2
-            with caplog.at_level(logging.WARNING, logger="kombu_pgmq.leases"):
+            with caplog.at_level(logging.WARNING, logger="kombu_pgmq.transport._leases"):
                 result = holder.transport.leases.renew()
             name = message.delivery_info["pgmq_queue"]
             assert result.lost == [(name, message.delivery_info["pgmq_msg_id"])]
@@ -116,7 +116,7 @@ def test_renewals_survive_a_killed_connection(db_dsn, caplog):
         publish(holder, "killed", ["x"])
         message = holder.channel().basic_get("killed")
         assert message is not None
-        with caplog.at_level(logging.WARNING, logger="kombu_pgmq.leases"):
+        with caplog.at_level(logging.WARNING, logger="kombu_pgmq.transport._leases"):
             for _ in range(2):
                 pid = holder.transport.pgmq_client().backend_pid
                 sql(db_dsn, "SELECT pg_terminate_backend(%s)", (pid,))

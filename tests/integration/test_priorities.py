@@ -6,7 +6,7 @@ import pytest
 from kombu import Consumer, Exchange, Producer, Queue
 from kombu.exceptions import ChannelError
 
-from kombu_pgmq.priorities import band_queue_name
+from kombu_pgmq._priorities import band_queue_name
 
 from .helpers import connect, drain, sql
 

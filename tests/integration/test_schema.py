@@ -9,8 +9,8 @@ import psycopg
 import pytest
 
 from kombu_pgmq import schema
+from kombu_pgmq._db.queries import migrations
 from kombu_pgmq.errors import UnsupportedPgmqVersion
-from kombu_pgmq.queries import migrations
 
 from .helpers import sql
 

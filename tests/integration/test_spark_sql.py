@@ -9,8 +9,8 @@ import time
 import psycopg
 import pytest
 
-from kombu_pgmq.client import PgmqClient
-from kombu_pgmq.encoding import dumps
+from kombu_pgmq._db.client import PgmqClient
+from kombu_pgmq._encoding import dumps
 from kombu_pgmq.errors import OperationalError
 from kombu_pgmq.spark.messages import WRITE_HEADER, row_message
 from tests.integration.helpers import connect, drain, publish

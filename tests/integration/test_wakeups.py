@@ -11,9 +11,9 @@ import psycopg
 import pytest
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
-from kombu_pgmq.client import PgmqClient
+from kombu_pgmq._db.client import PgmqClient
+from kombu_pgmq._naming import pgmq_queue_name
 from kombu_pgmq.errors import ConfigurationError
-from kombu_pgmq.naming import pgmq_queue_name
 
 from .helpers import connect, publish, sql, table
 

@@ -1,7 +1,7 @@
 import pytest
 from psycopg.conninfo import conninfo_to_dict
 
-from kombu_pgmq.conninfo import make_dsn, redact, url_to_params
+from kombu_pgmq._conninfo import make_dsn, redact, url_to_params
 from kombu_pgmq.errors import ConfigurationError
 
 

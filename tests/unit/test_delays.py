@@ -1,6 +1,6 @@
 from datetime import datetime, timedelta, timezone
 
-from kombu_pgmq.delays import delay_seconds
+from kombu_pgmq.transport._delays import delay_seconds
 
 
 def _eta(seconds: float) -> dict:

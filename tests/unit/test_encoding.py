@@ -3,7 +3,7 @@ import pickle
 
 import pytest
 
-from kombu_pgmq.encoding import ENVELOPE_KEY, decode, encode, is_json_content, reencode_opaque
+from kombu_pgmq._encoding import ENVELOPE_KEY, decode, encode, is_json_content, reencode_opaque
 from kombu_pgmq.errors import ConfigurationError
 
 

@@ -4,8 +4,8 @@ import sys
 
 import pytest
 
+from kombu_pgmq._naming import MAX_PGMQ_NAME_LENGTH, pgmq_queue_name
 from kombu_pgmq.errors import InvalidQueueName
-from kombu_pgmq.naming import MAX_PGMQ_NAME_LENGTH, pgmq_queue_name
 
 CELERY_NAMES = [
     "celery",
@@ -55,7 +55,7 @@ def test_encoded_names_are_readable():
 
 def test_mapping_is_stable_across_processes():
     name = "celery@worker-1.example.com.celery.pidbox"
-    code = f"from kombu_pgmq.naming import pgmq_queue_name; print(pgmq_queue_name({name!r}))"
+    code = f"from kombu_pgmq._naming import pgmq_queue_name; print(pgmq_queue_name({name!r}))"
     other = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,

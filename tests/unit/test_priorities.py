@@ -1,16 +1,16 @@
 import click
 import pytest
 
-from kombu_pgmq.cli import parse_duration
-from kombu_pgmq.errors import ConfigurationError
-from kombu_pgmq.naming import MAX_PGMQ_NAME_LENGTH, pgmq_queue_name
-from kombu_pgmq.priorities import (
+from kombu_pgmq._naming import MAX_PGMQ_NAME_LENGTH, pgmq_queue_name
+from kombu_pgmq._priorities import (
     band_queue_name,
     make_bands,
     max_priority_argument,
     single,
     validate_steps,
 )
+from kombu_pgmq.cli import parse_duration
+from kombu_pgmq.errors import ConfigurationError
 
 
 def test_band_zero_is_the_queue_itself_and_other_bands_are_distinct_valid_names():

@@ -1,7 +1,7 @@
 import pytest
 
-from kombu_pgmq.client import RoutingTable
-from kombu_pgmq.routing import Routes, topic_matches
+from kombu_pgmq._db.client import RoutingTable
+from kombu_pgmq.transport._routing import Routes, topic_matches
 
 # (binding key, routing key, matches) — AMQP 0-9-1 topic semantics, as RabbitMQ.
 TOPIC_CASES = [

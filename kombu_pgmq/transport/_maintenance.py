@@ -16,7 +16,7 @@ Every ``consumer_heartbeat_interval`` seconds while the connection has consumers
   hold up the consumer's statements); ``SKIP_LOCKED``, so workers never queue behind each
   other. A refusal (the role does not own the table) is logged once per table.
 
-Lease renewal has a thread of its own (:mod:`kombu_pgmq.leases`): a long VACUUM must
+Lease renewal has a thread of its own (:mod:`kombu_pgmq.transport._leases`): a long VACUUM must
 never delay a renewal.
 """
 
@@ -27,8 +27,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from . import errors
-from .client import PgmqClient
+from .. import errors
+from .._db.client import PgmqClient
 
 logger = logging.getLogger(__name__)
 

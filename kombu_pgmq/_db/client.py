@@ -3,7 +3,7 @@
 One :class:`PgmqClient` wraps one psycopg 3 connection in autocommit mode (every call is
 its own transaction unless inside :meth:`PgmqClient.transaction`). Statements come from
 ``sql/queries.sql`` by name; psycopg prepares the frequent ones on the server after a
-few uses. Queue names given to it are PGMQ names (see :mod:`kombu_pgmq.naming`).
+few uses. Queue names given to it are PGMQ names (see :mod:`kombu_pgmq._naming`).
 
 Every psycopg error is translated by :func:`kombu_pgmq.errors.translate`; after a
 connection error the client is closed and later calls raise
@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import psycopg
 from psycopg import sql
 
-from .errors import BrokerConnectionError, KombuPgmqError, translate
+from ..errors import BrokerConnectionError, KombuPgmqError, translate
 from .queries import queries
 
 
@@ -37,7 +37,7 @@ class Row(NamedTuple):
 
 
 class RoutingTable(NamedTuple):
-    """Exchanges and bindings as of ``version`` (see ``kombu_pgmq.routing``).
+    """Exchanges and bindings as of ``version`` (see ``kombu_pgmq.transport._routing``).
 
     ``exchanges``: ``{exchange: type}``; ``bindings``: ``[(exchange, routing_key, queue,
     pgmq_queue)]`` where ``queue`` is the Kombu name.

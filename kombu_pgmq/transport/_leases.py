@@ -28,8 +28,8 @@ from collections.abc import Callable, Iterable
 from time import monotonic
 from typing import Any, NamedTuple
 
-from . import errors
-from .client import PgmqClient
+from .. import errors
+from .._db.client import PgmqClient
 
 logger = logging.getLogger(__name__)
 

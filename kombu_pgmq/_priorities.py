@@ -31,8 +31,8 @@ from bisect import bisect_right
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
+from ._naming import pgmq_queue_name
 from .errors import ConfigurationError
-from .naming import pgmq_queue_name
 
 #: Highest priority level with a band of its own (Celery's range is 0-9).
 MAX_LEVEL = 9
@@ -67,7 +67,7 @@ def single(pgmq_queue: str) -> Bands:
 def band_queue_name(queue: str, floor: int) -> str:
     """PGMQ name of the band of Kombu queue ``queue`` starting at priority ``floor``.
 
-    Band 0 is :func:`~kombu_pgmq.naming.pgmq_queue_name` of ``queue``; others are the
+    Band 0 is :func:`~kombu_pgmq._naming.pgmq_queue_name` of ``queue``; others are the
     encoded name of ``queue`` + NUL + ``priority_<floor>`` (e.g. ``tasks_priority_9__<12
     hex>``): no Kombu queue can be named so (PostgreSQL text cannot hold NUL), so band
     names never collide with queue names.

@@ -19,8 +19,8 @@ import os
 import select
 from collections.abc import Iterable
 
-from .client import PgmqClient
-from .errors import KombuPgmqError
+from .._db.client import PgmqClient
+from ..errors import KombuPgmqError
 
 __all__ = ["CHANNEL_PREFIX", "Wakeups"]
 

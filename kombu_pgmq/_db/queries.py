@@ -17,13 +17,13 @@ _MIGRATION = re.compile(r"^(\d{4})_(\w+)\.sql$")
 
 def sql_dir() -> Path:
     """Return the directory holding ``queries.sql`` and ``migrations/``."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "sql", here.parent / "sql"):
+    package = Path(__file__).resolve().parent.parent  # kombu_pgmq/
+    for candidate in (package / "sql", package.parent / "sql"):
         if (candidate / "queries.sql").is_file():
             return candidate
     raise FileNotFoundError(
-        f"kombu_pgmq's SQL files are missing (looked in {here / 'sql'} and "
-        f"{here.parent / 'sql'}): reinstall the package"
+        f"kombu_pgmq's SQL files are missing (looked in {package / 'sql'} and "
+        f"{package.parent / 'sql'}): reinstall the package"
     )
 
 

@@ -1,0 +1,1 @@
+"""The database layer: the only code that sends SQL (statements from ``sql/``)."""

@@ -1,0 +1,185 @@
+"""PostgreSQL transport for Kombu and Celery, on PGMQ queues.
+
+Each Kombu queue is a PGMQ queue (tables ``pgmq.q_<name>`` and the archive
+``pgmq.a_<name>``). Delivery is ``pgmq.read`` with a visibility timeout, ack is
+``pgmq.archive`` (the archive is the audit trail), reject with requeue is ``pgmq.set_vt``
+to now, and reject without requeue, or too many deliveries, moves the message to a
+dead-letter queue (a PGMQ queue too) with the reason recorded.
+
+Connection string
+=================
+
+.. code-block:: text
+
+    postgresql://[USER[:PASSWORD]@][HOST][:PORT][/DBNAME][?libpq_param=value&...]
+    postgres://...                      (as in a DATABASE_URL)
+
+``import kombu_pgmq`` registers both schemes. Query parameters go to libpq
+(``sslmode``, ``application_name``, ``connect_timeout``, ``host=/socket/dir``, ...).
+Percent-encode special characters of the password (``p@ss`` -> ``p%40ss``). Celery:
+``broker_url = "postgresql://..."`` or ``broker_transport = "kombu_pgmq:Transport"``.
+
+Delivery semantics
+==================
+
+* At least once. A delivered message stays in its queue table, invisible, until it is
+  acked (archived), rejected, or its visibility timeout passes; then it is delivered
+  again (``delivery_info['redelivered']`` is true when ``read_ct > 1``).
+* Leases are renewed (:mod:`kombu_pgmq.transport._leases`): while a connection holds a message
+  (running, prefetched, or waiting for its ETA) a thread pushes its visibility timeout
+  to now + ``visibility_timeout`` every ``lease_renewal_interval`` seconds, one statement
+  for all held messages. A healthy task that runs for hours is never delivered twice; a
+  killed worker's messages are delivered again at most one visibility timeout (30 s by
+  default) after its last renewal. A lease found lost (the message was read again
+  elsewhere, e.g. after a database outage longer than the visibility timeout) is logged.
+* A lost database connection is not reported to Celery while the server answers again:
+  the next statement reconnects (in Celery's event loop, retried every second), so the
+  worker keeps its held messages and their leases instead of restarting its consumer
+  and requeueing running tasks. ``drain_events`` retries once and then raises.
+* Countdown/ETA tasks and ``x-delay`` messages wait in their queue table with a future
+  visibility (PGMQ's native delay), not in a worker's memory: see
+  :mod:`kombu_pgmq.transport._delays` for the path Celery takes.
+* Priorities: a queue declared with ``x-max-priority`` (``Queue(max_priority=9)``) has a
+  PGMQ queue per priority band, read highest first in the same round trip; higher
+  numbers first, as AMQP (see :mod:`kombu_pgmq._priorities`).
+* A consumer reads up to its free prefetch in one round trip, from all of a channel's
+  queues at once (``kombu_pgmq.read``; the first queue read rotates, so none starves);
+  ``read_batch_size`` caps it when prefetch is unlimited. Consumers with ``no_ack=True``
+  use ``pgmq.pop`` (delete on delivery, as AMQP auto-ack).
+* Acks are batched. Inside ``drain_events``, the acks its callbacks make are archived in
+  one statement per queue before it returns; in Celery's event loop they are archived at
+  the loop's next turn, in the same transaction as the next read. ``message.ack()`` thus
+  returns before the archive commits: if the process dies in between, the message is
+  delivered again after its visibility timeout (at least once). An ack made outside both
+  (e.g. after ``SimpleQueue.get``) is archived at once.
+* Closing a channel archives its batched acks and makes its unacked messages visible at
+  once (``set_vt`` to now); it never publishes copies, unlike kombu's default
+  ``_restore``.
+* Dead letters mirror SQS's redrive policy: after ``max_deliveries`` deliveries the next
+  read moves the message to ``dead_letter_queue`` instead of delivering it; a reject
+  without requeue does the same at once. The copy keeps body and headers and gains an
+  ``x-dead-letter`` header ``{queue, pgmq_queue, msg_id, read_ct, reason, enqueued_at,
+  dead_lettered_at}``; reasons are ``"max_deliveries"`` and ``"rejected"``. A Celery task
+  that kills its pool process (segfault, OOM) is requeued by Celery when it has
+  ``acks_late=True, reject_on_worker_lost=True``, and so reaches the dead-letter queue
+  after ``max_deliveries``. List, replay and purge dead letters with
+  :class:`kombu_pgmq.dlq.DeadLetterQueue` or ``kombu-pgmq dlq list|replay|purge``.
+* Acked messages stay in the archive ``pgmq.a_<queue>``; remove old ones with
+  :func:`kombu_pgmq.retention.prune_archives` (Celery beat: ``add_beat_task``) or
+  ``kombu-pgmq archive prune --older-than 7d``.
+* ``queue_purge`` deletes ready messages only (unacked ones stay, as in AMQP) and
+  returns the count; ``celery purge`` uses it.
+
+Durability
+==========
+
+* Publishes commit synchronously: once ``publish`` returns, the message survives a
+  server crash.
+* Deliveries and acks commit asynchronously (``synchronous_commit = off`` for those
+  transactions): a server crash (PostgreSQL or the machine) may forget the last ones,
+  roughly 3 x ``wal_writer_delay`` (600 ms by default); those messages are then delivered
+  again. Nothing is lost, and the contract stays at least once. ``durable_acks=True``
+  makes acks commit synchronously (an ack is never forgotten; it costs one WAL flush per
+  batch of acks).
+* Opt-in trade-offs, with the failure each one risks:
+
+  - ``connection_options={"options": "-c synchronous_commit=off"}`` on a *producer's*
+    connection: publishes stop waiting for the WAL flush; a server crash loses the
+    publishes of the last ~600 ms (the messages are gone, not duplicated). The database
+    stays consistent.
+  - Non-durable queues (``Queue(..., durable=False)``): UNLOGGED tables, no WAL at all.
+    Any unclean server stop empties them, and they are not replicated to standbys.
+    Celery's reply and event queues are declared this way.
+
+  ``benchmarks/README.md`` measures each.
+
+Wake-ups
+========
+
+Consumers do not poll. A consuming connection LISTENs on ``kombu_pgmq.<pgmq queue>`` for
+each queue it consumes (a second PostgreSQL connection, :mod:`kombu_pgmq.transport._wakeups`); when
+a read finds a queue empty it records itself in ``kombu_pgmq.waiting`` and sleeps, and a
+publish NOTIFYs that queue only while someone waits on it, so a busy system sends no
+notifications (a NOTIFY takes a database-wide lock at commit, which would serialize all
+publishers). A shared/exclusive advisory lock per queue makes sure no wake-up is lost
+(see ``sql/migrations/0003_wakeups_and_batched_reads.sql``). A fallback poll every
+``polling_interval`` seconds finds messages that become visible without a publish
+(visibility timeout expiry, delayed sends). An ack that frees a prefetch slot wakes the
+consumer at once.
+
+With Celery, the transport runs in the worker's event loop (``asynloop``):
+``implements.asynchronous`` is true, and :meth:`Transport.register_with_event_loop`
+registers the LISTEN socket and a wake pipe with the loop.
+
+Connections: each Kombu connection uses one PostgreSQL connection for its statements
+(shared by its channels and its heartbeat thread), one more to LISTEN once it consumes,
+and a short-lived one when it VACUUMs a queue table. A Celery worker with the prefork
+pool therefore holds 2 for consuming, plus its producer pool's (events, replies) and the
+result backend's.
+
+Exchanges and queue lifetime
+============================
+
+Exchanges and bindings are rows in ``kombu_pgmq.exchanges`` / ``kombu_pgmq.bindings``,
+shared by every process; routing follows AMQP (``direct``, ``fanout``, ``topic`` with
+``*`` one word and ``#`` zero or more), see :mod:`kombu_pgmq.transport._routing`. A publish to an
+exchange reaches all bound queues in one statement, or none. Queue arguments:
+``durable=False`` makes UNLOGGED tables; ``auto_delete``/``exclusive`` queues are
+dropped with their last consumer (or when its process stops heartbeating);
+``x-expires`` drops a queue unused that long; ``x-message-ttl`` and a message's own
+``expiration`` delete older messages instead of delivering them.
+
+Queue names
+===========
+
+Kombu names are mapped to PGMQ names by :func:`kombu_pgmq._naming.pgmq_queue_name`:
+plain lower-case names are kept (``celery``), others get a readable slug and a hash
+(``celery@host.celery.pidbox`` -> ``celery_host_celery_pidbox__<hash>``), always
+within PGMQ's 47 characters. ``kombu_pgmq.queues`` records the Kombu name of each.
+
+Transport Options
+=================
+
+* ``visibility_timeout`` (seconds, default 30): how long a delivered, unacked message
+  stays invisible after its last lease renewal before it is delivered again; so how
+  long a crashed worker's messages wait. Tasks may run far longer (leases are renewed).
+* ``lease_renewal_interval`` (seconds, default ``visibility_timeout / 3``; 0 = off):
+  how often held messages' visibility timeouts are pushed forward. Must be below
+  ``visibility_timeout``; the margin is how long a stalled process or a database
+  outage may last before a held message is delivered again.
+* ``max_deliveries`` (int, default ``None`` = unlimited): deliveries after which a
+  message is dead-lettered instead of delivered again.
+* ``dead_letter_queue`` (str, default ``"kombu_pgmq_dlq"``): Kombu name of the
+  dead-letter queue (not kombu's ``deadletter_queue`` option, which is for unroutable
+  messages).
+* ``read_batch_size`` (int, default 100): most messages read in one round trip.
+* ``priority_steps`` (list of ints 0-9, default None = one band per priority level):
+  floors of the priority bands of queues *first declared* by this process with
+  ``x-max-priority`` (as kombu's Redis transport; e.g. ``[0, 3, 6, 9]``: 4 tables).
+* ``eta_lead_seconds`` (seconds, default 2): a Celery ETA/countdown task becomes visible
+  this long before its ETA (Celery then waits for the ETA itself); keep it above the
+  consumers' ``polling_interval``.
+* ``polling_interval`` (seconds, default 1): fallback poll of every consumed queue, for
+  messages that become visible without a publish (visibility timeout expiry, delayed
+  sends). New messages wake consumers at once through LISTEN/NOTIFY.
+* ``durable_acks`` (bool, default False): commit acks synchronously (see Durability).
+* ``vacuum_threshold`` (dead tuples, default 20000; 0 = never): a consuming process
+  VACUUMs a consumed queue's table when it has more dead row versions than this
+  (checked every ``consumer_heartbeat_interval``). Every delivery and ack leaves one; a
+  busy queue collects them faster than autovacuum (once a minute at best, and sometimes
+  off) removes them. Needs ownership of the queue tables; if refused, logged once.
+* ``install_schema`` (bool, default True): on connect, install PGMQ (extension, or the
+  bundled SQL-only form) and kombu_pgmq's migrations if missing. When False, PGMQ and
+  the migrations must already be there.
+* ``consumer_heartbeat_interval`` (seconds, default 10): how often a consuming process
+  marks its consumers live and runs the reaper of abandoned queues.
+* ``consumer_stale_after`` (seconds, default 30): a consumer without a heartbeat for this
+  long counts as gone (its process died); its ``auto_delete`` queues are dropped.
+* ``connection_options`` (dict): extra libpq parameters, merged over the URL's.
+"""
+
+from __future__ import annotations
+
+from .transport import Channel, QoS, Transport
+
+__all__ = ["Channel", "QoS", "Transport"]
