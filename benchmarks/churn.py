@@ -98,7 +98,7 @@ def main() -> None:
         mp.Process(target=consumer, args=(args.url, queue, options, stop, consumed))
         for _ in range(args.consumers)
     ]
-    dsn = kombu_pgmq.Transport(Connection(args.url)).conninfo()
+    dsn = kombu_pgmq.Transport(Connection(args.url)).dsn
     samples: list[dict[str, Any]] = []
     with psycopg.connect(dsn, autocommit=True) as db:
         settings = dict(

@@ -87,7 +87,7 @@ def measure(url: str, n_queues: int, held: int, rounds: int) -> dict[str, Any]:
         result = keeper.renew()
         assert result.renewed == held and result.statements == 1, result
         ours = timed(keeper.renew, rounds)
-        client = conn.transport.pgmq_client()
+        client = conn.transport.broker()
         by_queue: dict[str, list[int]] = {}
         for m in messages:
             by_queue.setdefault(m.delivery_info["pgmq_queue"], []).append(

@@ -11,14 +11,15 @@ from __future__ import annotations
 from kombu.transport import TRANSPORT_ALIASES
 
 from ._conninfo import SCHEMES
+from ._naming import pgmq_queue_name
 from .errors import (
     BootstrapError,
     BrokerConnectionError,
     ConfigurationError,
     InvalidQueueName,
     KombuPgmqError,
-    OperationalError,
     QueueNotFound,
+    StatementError,
     UnsupportedPgmqVersion,
 )
 
@@ -43,6 +44,10 @@ def __getattr__(name: str) -> object:
         from .transport import Transport
 
         return Transport
+    if name == "OperationalError":
+        from . import errors
+
+        return errors.OperationalError  # deprecated alias of StatementError (warns)
     if name == "default_broker_url":
         from .embedded import default_broker_url
 
@@ -56,10 +61,11 @@ __all__ = [
     "ConfigurationError",
     "InvalidQueueName",
     "KombuPgmqError",
-    "OperationalError",
     "QueueNotFound",
+    "StatementError",
     "Transport",
     "UnsupportedPgmqVersion",
     "default_broker_url",
+    "pgmq_queue_name",
     "register",
 ]

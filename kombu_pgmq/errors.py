@@ -20,10 +20,10 @@ __all__ = [
     "InvalidJsonBody",
     "InvalidQueueName",
     "KombuPgmqError",
-    "OperationalError",
     "QueueNotFound",
     "SparkError",
     "SparkServerError",
+    "StatementError",
     "UnsupportedPgmqVersion",
     "translate",
 ]
@@ -57,15 +57,21 @@ class BrokerConnectionError(KombuPgmqError, ConnectionError):
     """
 
 
-class OperationalError(KombuPgmqError):
-    """A statement failed on the server for a reason other than a lost connection."""
+class StatementError(KombuPgmqError):
+    """A statement failed on the server (a constraint, a lock timeout, a missing
+    privilege...) while the connection stays usable.
+
+    Not a lost connection: that is :class:`BrokerConnectionError` (psycopg's
+    ``OperationalError``). Before 0.2 this class was called ``OperationalError``, the
+    opposite of psycopg's meaning; that name remains as a deprecated alias.
+    """
 
 
-class QueueNotFound(OperationalError):
+class QueueNotFound(StatementError):
     """The PGMQ queue table does not exist (deleted by another process?)."""
 
 
-class InvalidJsonBody(OperationalError):
+class InvalidJsonBody(StatementError):
     """PostgreSQL rejected a body declared as JSON (e.g. invalid JSON, ``\\u0000``)."""
 
 
@@ -86,7 +92,7 @@ def translate(exc: psycopg.Error) -> KombuPgmqError:
     Shapes: ``psycopg.Error -> KombuPgmqError``. Connection loss, admin shutdown and
     ``pg_terminate_backend`` become :class:`BrokerConnectionError`; a missing queue table
     :class:`QueueNotFound`; a JSON body PostgreSQL cannot store :class:`InvalidJsonBody`;
-    anything else :class:`OperationalError`. The message keeps the server's text.
+    anything else :class:`StatementError`. The message keeps the server's text.
     """
     sqlstate = getattr(exc, "sqlstate", None) or ""
     text = str(exc).strip() or type(exc).__name__
@@ -100,4 +106,18 @@ def translate(exc: psycopg.Error) -> KombuPgmqError:
         return QueueNotFound(f"queue table does not exist: {text}")
     if isinstance(exc, (pg_errors.InvalidTextRepresentation, pg_errors.UntranslatableCharacter)):
         return InvalidJsonBody(f"PostgreSQL rejected the JSON body: {text}")
-    return OperationalError(f"{sqlstate or 'error'}: {text}")
+    return StatementError(f"{sqlstate or 'error'}: {text}")
+
+
+def __getattr__(name: str) -> object:
+    if name == "OperationalError":
+        import warnings
+
+        warnings.warn(
+            "kombu_pgmq.errors.OperationalError is deprecated: use StatementError (a failed "
+            "statement; a lost connection is BrokerConnectionError)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return StatementError
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,7 +20,9 @@ from typing import Any
 
 from . import _conninfo as conninfo
 from . import errors
-from ._db.client import PgmqClient
+from ._db.admin import Admin
+from ._db.broker import Broker
+from ._db.connector import Connector
 from ._naming import pgmq_queue_name
 
 #: Name of the Celery task registered by :func:`add_beat_task`.
@@ -33,7 +35,6 @@ def prune_archives(
     older_than_seconds: float,
     queues: Sequence[str] | None = None,
     batch_size: int = 5000,
-    client: PgmqClient | None = None,
 ) -> dict[str, int]:
     """Delete archived messages older than ``older_than_seconds`` from the archives of
     ``queues`` (Kombu names; None: every PGMQ queue's archive, priority bands included).
@@ -51,18 +52,18 @@ def prune_archives(
         )
     if batch_size < 1:
         raise errors.ConfigurationError(f"batch_size={batch_size!r} is invalid: expected >= 1")
-    if client is None and url is None:
-        raise errors.ConfigurationError("prune_archives needs a broker url or a client")
-    own = client is None
-    pgmq = client if client is not None else PgmqClient(conninfo.to_dsn(url or ""))
+    if not url:
+        raise errors.ConfigurationError("prune_archives needs a broker url (postgresql://...)")
+    db = Connector(conninfo.to_dsn(url))
+    admin, broker = Admin(db), Broker(db)
     try:
-        tables = dict(pgmq.queue_tables())
+        tables = dict(admin.queue_tables())
         if queues is None:
             names = [name for name, archived in tables.items() if archived]
         else:
             names = []
             for queue in queues:
-                info = pgmq.queue_info(queue)
+                info = broker.queue_info(queue)
                 bands = info.band_queues if info and info.band_queues else None
                 for name in bands or [pgmq_queue_name(queue)]:
                     if name not in tables:
@@ -76,7 +77,7 @@ def prune_archives(
             total = 0
             while True:
                 try:
-                    n = pgmq.prune_archive(name, older_than_seconds, batch_size)
+                    n = admin.prune_archive(name, older_than_seconds, batch_size)
                 except errors.QueueNotFound:
                     break  # dropped meanwhile
                 total += n
@@ -86,8 +87,7 @@ def prune_archives(
                 deleted[name] = total
         return deleted
     finally:
-        if own:
-            pgmq.close()
+        db.close()
 
 
 def add_beat_task(

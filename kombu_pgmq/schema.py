@@ -28,7 +28,7 @@ import threading
 from dataclasses import dataclass
 
 from . import errors
-from ._db.client import PgmqClient
+from ._db.connector import Connector
 from ._db.queries import migrations
 
 logger = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ def _bundled_pgmq_sql() -> tuple[str, str]:
     return get_embedded_sql_version(), get_embedded_install_sql()
 
 
-def _install_pgmq(client: PgmqClient) -> tuple[str, str]:
+def _install_pgmq(client: Connector) -> tuple[str, str]:
     version = client.scalar("pgmq_extension_version")
     if version:
         return str(version), "extension"
@@ -96,18 +96,18 @@ def _install_pgmq(client: PgmqClient) -> tuple[str, str]:
             with client.transaction():  # savepoint: a refused CREATE EXTENSION is undone
                 client.scalar("create_extension")
             return str(client.scalar("pgmq_extension_version")), "create_extension"
-        except errors.OperationalError as exc:
+        except errors.StatementError as exc:
             logger.warning(
                 "CREATE EXTENSION pgmq failed (%s); installing PGMQ's SQL-only form instead",
                 exc,
             )
     version, script = _bundled_pgmq_sql()
     logger.info("installing PGMQ %s from the bundled SQL (no pgmq extension here)", version)
-    client.execute_script(script)
+    client.script(script)
     return version, "install_sql"
 
 
-def _check_pgmq(client: PgmqClient, version: str) -> None:
+def _check_pgmq(client: Connector, version: str) -> None:
     missing = client.column("pgmq_missing_functions")
     if version != "unknown" and _parse_version(version) < MIN_PGMQ_VERSION:
         missing = missing or ["(version)"]
@@ -120,11 +120,11 @@ def _check_pgmq(client: PgmqClient, version: str) -> None:
         )
 
 
-def bootstrap(conninfo: str | PgmqClient) -> SchemaInfo:
+def bootstrap(conninfo: str | Connector) -> SchemaInfo:
     """Install PGMQ (if needed) and apply kombu_pgmq's migrations; return what was found.
 
     Arguments:
-        conninfo: libpq URL/DSN, or an open :class:`PgmqClient` (not inside a transaction).
+        conninfo: libpq URL/DSN, or an open connector (not inside a transaction).
 
     Raises:
         UnsupportedPgmqVersion: PGMQ is older than :data:`MIN_PGMQ_VERSION`.
@@ -132,8 +132,8 @@ def bootstrap(conninfo: str | PgmqClient) -> SchemaInfo:
             it all runs in one transaction).
         BrokerConnectionError: the server cannot be reached.
     """
-    own = not isinstance(conninfo, PgmqClient)
-    client = PgmqClient(conninfo) if isinstance(conninfo, str) else conninfo
+    own = not isinstance(conninfo, Connector)
+    client = Connector(conninfo) if isinstance(conninfo, str) else conninfo
     try:
         return _bootstrap(client)
     finally:
@@ -141,21 +141,21 @@ def bootstrap(conninfo: str | PgmqClient) -> SchemaInfo:
             client.close()
 
 
-def _bootstrap(client: PgmqClient) -> SchemaInfo:
+def _bootstrap(client: Connector) -> SchemaInfo:
     latest = len(migrations())
     try:
         with client.transaction():
             client.scalar("bootstrap_lock", {"key": BOOTSTRAP_LOCK_KEY})
             version, method = _install_pgmq(client)
             _check_pgmq(client, version)
-            client.execute_script(_migrations_table())
+            client.script(_migrations_table())
             applied_before = set(client.column("applied_migrations"))
             applied = []
             for migration in migrations():
                 if migration.version in applied_before:
                     continue
                 logger.info("applying kombu_pgmq migration %04d_%s", *migration[:2])
-                client.execute_script(migration.sql)
+                client.script(migration.sql)
                 client.scalar(
                     "record_migration", {"version": migration.version, "name": migration.name}
                 )
@@ -175,7 +175,7 @@ def _migrations_table() -> str:
     return queries()["migrations_table"]
 
 
-def verify(client: PgmqClient) -> None:
+def verify(client: Connector) -> None:
     """Check that PGMQ and every kombu_pgmq migration are installed (installs nothing).
 
     Used when the ``install_schema`` transport option is off.
@@ -200,7 +200,7 @@ def verify(client: PgmqClient) -> None:
         )
 
 
-def ensure_schema(client: PgmqClient, key: str) -> None:
+def ensure_schema(client: Connector, key: str) -> None:
     """Bootstrap once per process for ``key`` (e.g. the DSN); cheap when already done.
 
     Used by the transport on connect: a single query when the schema is current.
@@ -222,27 +222,85 @@ def ensure_schema(client: PgmqClient, key: str) -> None:
         _done.add(key)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m kombu_pgmq.schema [URL]``: bootstrap the database at URL.
+@dataclass(frozen=True)
+class SchemaStatus:
+    """What :func:`status` found (read-only: nothing is installed or changed).
 
-    URL defaults to ``KOMBU_PGMQ_URL``. Prints what was found and applied.
+    Attributes:
+        pgmq_version: PGMQ version (``"unknown"`` for a SQL-only PGMQ installed by
+            something else), None when PGMQ is not installed.
+        method: ``"extension"``, ``"sql"`` (SQL-only) or None (not installed).
+        pgmq_available: version of the ``pgmq`` extension the server offers, else None.
+        pgmq_problem: why the installed PGMQ cannot serve kombu_pgmq (the message names
+            the fix), else None.
+        schema_version: kombu_pgmq migrations applied (0: none).
+        required_version: migrations this release needs (``len(migrations())``).
     """
-    import argparse
-    import os
 
-    from ._conninfo import redact, to_dsn
+    pgmq_version: str | None
+    method: str | None
+    pgmq_available: str | None
+    pgmq_problem: str | None
+    schema_version: int
+    required_version: int
 
-    parser = argparse.ArgumentParser(prog="python -m kombu_pgmq.schema", description=main.__doc__)
-    parser.add_argument("url", nargs="?", default=os.environ.get("KOMBU_PGMQ_URL"))
-    args = parser.parse_args(argv)
-    if not args.url:
-        parser.error("give a postgresql:// URL or set KOMBU_PGMQ_URL")
-    info = bootstrap(to_dsn(args.url))
-    print(
-        f"{redact(args.url)}: PGMQ {info.pgmq_version} ({info.method}), kombu_pgmq schema "
-        f"version {info.schema_version}, applied now: {list(info.applied) or 'nothing'}"
-    )
-    return 0
+    @property
+    def ready(self) -> bool:
+        """True when this release can run on the database without installing anything."""
+        return (
+            self.method is not None
+            and self.pgmq_problem is None
+            and self.schema_version >= self.required_version
+        )
+
+
+def status(dsn: str) -> SchemaStatus:
+    """Report PGMQ and the kombu_pgmq schema version of the database at ``dsn`` (a libpq
+    URL/DSN); runs only read-only statements (the checks of :func:`verify`).
+
+    Raises:
+        BrokerConnectionError: the server cannot be reached.
+    """
+    client = Connector(dsn)
+    try:
+        applied = client.column("applied_migrations") if client.scalar("schema_version") else []
+        version: str | None = None
+        method: str | None = None
+        problem: str | None = None
+        extension = client.scalar("pgmq_extension_version")
+        if extension:
+            version, method = str(extension), "extension"
+        elif client.scalar("pgmq_schema_present"):
+            recorded = client.scalar("pgmq_sql_version") if 1 in applied else None
+            version, method = str(recorded or "unknown"), "sql"
+        if version is not None:
+            try:
+                _check_pgmq(client, version)
+            except errors.UnsupportedPgmqVersion as exc:
+                problem = str(exc)
+        available = client.scalar("pgmq_extension_available")
+        return SchemaStatus(
+            pgmq_version=version,
+            method=method,
+            pgmq_available=str(available) if available else None,
+            pgmq_problem=problem,
+            schema_version=len(applied),
+            required_version=len(migrations()),
+        )
+    finally:
+        client.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kombu_pgmq.schema [URL]``: an alias of ``kombu-pgmq schema install
+    --url URL`` (also ``python -m kombu_pgmq.schema install|status [--url URL]``).
+
+    Without URL: ``$KOMBU_PGMQ_URL``, then ``$DATABASE_URL``, then the embedded server.
+    Returns the exit status (0 ok, 1 error, 2 usage).
+    """
+    from .cli import schema_alias
+
+    return schema_alias(argv)
 
 
 if __name__ == "__main__":

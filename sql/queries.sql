@@ -1,9 +1,11 @@
 -- kombu_pgmq's statements, one named block each ("-- name: <name>").
--- Loaded by kombu_pgmq/_db/queries.py and sent only by kombu_pgmq/_db/client.py.
+-- Loaded by kombu_pgmq/_db/queries.py and sent only by kombu_pgmq/_db/connector.py (the
+-- operation groups _db/broker.py, _db/admin.py and _db/spark_store.py name them).
 -- Placeholders: %(name)s are bound parameters; {queue_table} is a PGMQ queue table
 -- (pgmq.q_<name>) composed with psycopg.sql.Identifier, never string formatting.
--- Result rows are decoded by column name, never by position (PGMQ 1.11 inserted
--- last_read_at before vt in pgmq.message_record).
+-- Result rows are decoded by column name (psycopg row factories), never by position
+-- (PGMQ 1.11 inserted last_read_at before vt in pgmq.message_record): every column a
+-- caller reads has a name here.
 
 -- name: send
 -- Publish one message (pgmq.send, vt = now) and NOTIFY the queue's channel if a consumer
@@ -20,7 +22,8 @@ SELECT kombu_pgmq.publish(%(queue)s, %(message)s::jsonb, %(headers)s::jsonb, %(d
 -- Uses the queue table's primary key order (msg_id) and its vt index.
 -- message and headers come back as text: the JSON body goes to Kombu unparsed.
 -- age_seconds (server clock) serves x-message-ttl and per-message expiration.
-SELECT msg_id, read_ct, message::text AS message, headers::text AS headers,
+SELECT %(queue)s::text AS queue, msg_id, read_ct, message::text AS message,
+       headers::text AS headers,
        extract(epoch FROM clock_timestamp() - enqueued_at)::float8 AS age_seconds
 FROM pgmq.read(%(queue)s, %(vt_seconds)s::integer, %(qty)s::integer)
 
@@ -34,7 +37,9 @@ FROM kombu_pgmq.read(%(queues)s::text[], %(vt_seconds)s::integer, %(qty)s::integ
 -- name: wait_for
 -- This connection found the queues empty and sleeps on their NOTIFY channels (see
 -- migration 0003 for why no wake-up is lost). Read the queues once more afterwards.
-SELECT kombu_pgmq.wait_for(%(owner)s, %(queues)s::text[])
+-- Returns the queues with a publisher still in its transaction after a short wait
+-- (migration 0006): their messages are found by the fallback poll.
+SELECT queue FROM kombu_pgmq.wait_for(%(owner)s, %(queues)s::text[]) AS queue
 
 -- name: stop_waiting
 -- The queues have a backlog: publishers need not notify this connection any more.
@@ -59,7 +64,8 @@ UNLISTEN {channel}
 
 -- name: pop
 -- Deliver and delete up to qty visible messages (consumers with no_ack=True).
-SELECT msg_id, read_ct, message::text AS message, headers::text AS headers,
+SELECT %(queue)s::text AS queue, msg_id, read_ct, message::text AS message,
+       headers::text AS headers,
        extract(epoch FROM clock_timestamp() - enqueued_at)::float8 AS age_seconds
 FROM pgmq.pop(%(queue)s, %(qty)s::integer)
 
@@ -278,9 +284,10 @@ WHERE exchange = %(exchange)s AND routing_key = %(routing_key)s AND queue = %(ko
 SELECT v.version,
        coalesce((SELECT jsonb_object_agg(e.exchange, e.type) FROM kombu_pgmq.exchanges e),
                 '{}'::jsonb) AS exchanges,
-       coalesce((SELECT jsonb_agg(jsonb_build_array(b.exchange, b.routing_key, b.queue,
-                                                    q.pgmq_queue, q.priority_bands,
-                                                    q.band_queues))
+       coalesce((SELECT jsonb_agg(jsonb_build_object(
+                            'exchange', b.exchange, 'routing_key', b.routing_key,
+                            'queue', b.queue, 'pgmq_queue', q.pgmq_queue,
+                            'priority_bands', q.priority_bands, 'band_queues', q.band_queues))
                  FROM kombu_pgmq.bindings b JOIN kombu_pgmq.queues q USING (queue)),
                 '[]'::jsonb) AS bindings
 FROM kombu_pgmq.routing_version v

@@ -82,7 +82,9 @@ from pyspark.sql.streaming.datasource import SupportsTriggerAvailableNow
 from pyspark.sql.types import StructType
 
 from .. import _conninfo as conninfo
-from .._db.client import PgmqClient
+from .._db.broker import Broker
+from .._db.connector import Connector
+from .._db.spark_store import SnapshotRow, SparkStore
 from .._naming import pgmq_queue_name
 from ..errors import ConfigurationError
 from ..schema import ensure_schema
@@ -135,10 +137,26 @@ class _Options:
         self.max_messages = _positive(options, "max_messages", DEFAULT_MAX_MESSAGES)
         self.wait_seconds = float(options.get("wait_seconds") or DEFAULT_WAIT_SECONDS)
 
-    def client(self) -> PgmqClient:
-        client = PgmqClient(self.dsn)
-        ensure_schema(client, self.dsn)
-        return client
+    def client(self) -> _Db:
+        return _Db(self.dsn, bootstrap=True)
+
+
+class _Db:
+    """One connection of a data source step: broker operations and the Spark store."""
+
+    def __init__(self, dsn: str, *, bootstrap: bool = False) -> None:
+        self.connector = Connector(dsn)
+        try:
+            if bootstrap:
+                ensure_schema(self.connector, dsn)
+        except BaseException:
+            self.connector.close()
+            raise
+        self.broker = Broker(self.connector)
+        self.store = SparkStore(self.connector)
+
+    def close(self) -> None:
+        self.connector.close()
 
 
 def _positive(options: Any, name: str, default: int) -> int:
@@ -199,8 +217,8 @@ class QueueWriter(DataSourceWriter):
         # Kombu queue if missing); the write is a row of kombu_pgmq.spark_writes.
         client = options.client()
         try:
-            client.create_queue(options.pgmq_queue, options.queue)
-            client.open_write(self.write_id, options.pgmq_queue)
+            client.broker.create_queue(options.pgmq_queue, options.queue)
+            client.store.open_write(self.write_id, options.pgmq_queue)
         finally:
             client.close()
 
@@ -211,11 +229,13 @@ class QueueWriter(DataSourceWriter):
         partition, attempt = (ctx.partitionId(), ctx.attemptNumber()) if ctx is not None else (0, 0)
         marker = f"{self.write_id}/{partition}/{attempt}"
         opts = self.options
-        client = PgmqClient(opts.dsn)
+        client = _Db(opts.dsn)
         count = 0
         try:
             for batch in _batches(self._messages(iterator, marker), opts.batch_size):
-                client.stage_messages(self.write_id, [m for m, _ in batch], [h for _, h in batch])
+                client.store.stage_messages(
+                    self.write_id, [m for m, _ in batch], [h for _, h in batch]
+                )
                 count += len(batch)
         finally:
             client.close()
@@ -238,14 +258,14 @@ class QueueWriter(DataSourceWriter):
         attempts = [m.marker for m in messages if isinstance(m, StagedAttempt)]
         client = self.options.client()
         try:
-            client.commit_write(self.write_id, attempts)
+            client.store.commit_write(self.write_id, attempts)
         finally:
             client.close()
 
     def abort(self, messages: Sequence[WriterCommitMessage | None]) -> None:
         client = self.options.client()
         try:
-            client.abort_write(self.write_id)
+            client.store.abort_write(self.write_id)
         finally:
             client.close()
 
@@ -270,10 +290,10 @@ class _Range(InputPartition):
         self.lo, self.hi = lo, hi
 
 
-def _read_range(opts: _Options, lo: int, hi: int, *, archive: bool) -> Iterator[tuple[Any, ...]]:
-    client = PgmqClient(opts.dsn)
+def _read_range(opts: _Options, lo: int, hi: int, *, archive: bool) -> Iterator[SnapshotRow]:
+    client = _Db(opts.dsn)
     try:
-        yield from client.snapshot(opts.pgmq_queue, lo, hi, archive=archive)
+        yield from client.store.snapshot(opts.pgmq_queue, lo, hi, archive=archive)
     finally:
         client.close()
 
@@ -289,7 +309,7 @@ class SnapshotReader(DataSourceReader):
         opts = self.options
         client = opts.client()
         try:
-            bounds = client.msg_id_range(opts.pgmq_queue, archive=opts.source == "archive")
+            bounds = client.store.msg_id_range(opts.pgmq_queue, archive=opts.source == "archive")
         finally:
             client.close()
         if bounds is None:
@@ -298,7 +318,7 @@ class SnapshotReader(DataSourceReader):
         step = max(1, -(-(hi - lo) // opts.partitions))
         return [_Range(a, min(a + step, hi)) for a in range(lo, hi, step)]
 
-    def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
+    def read(self, partition: InputPartition) -> Iterator[SnapshotRow]:
         assert isinstance(partition, _Range)
         if partition.hi <= partition.lo:
             return iter(())
@@ -322,7 +342,9 @@ class QueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         opts = self.options
         client = opts.client()
         try:
-            self._target = client.stream_horizon(opts.pgmq_queue, 0, 2**31 - 1, opts.wait_seconds)
+            self._target = client.store.stream_horizon(
+                opts.pgmq_queue, 0, 2**31 - 1, opts.wait_seconds
+            )
         finally:
             client.close()
 
@@ -344,7 +366,7 @@ class QueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             # itself calls commit() only when there is a next batch with data.
             if int(start["msg_id"]) > self._archived:
                 self._archive_through(client, int(start["msg_id"]))
-            horizon = client.stream_horizon(
+            horizon = client.store.stream_horizon(
                 opts.pgmq_queue, int(start["msg_id"]), int(max_rows or 2**31 - 1), opts.wait_seconds
             )
         finally:
@@ -357,7 +379,7 @@ class QueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         lo, hi = int(start["msg_id"]), int(end["msg_id"])
         return [_Range(lo, hi)] if hi > lo else []
 
-    def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
+    def read(self, partition: InputPartition) -> Iterator[SnapshotRow]:
         assert isinstance(partition, _Range)
         return _read_range(self.options, partition.lo, partition.hi, archive=False)
 
@@ -370,6 +392,6 @@ class QueueStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         finally:
             client.close()
 
-    def _archive_through(self, client: PgmqClient, msg_id: int) -> None:
-        client.archive_range(self.options.pgmq_queue, 0, msg_id)
+    def _archive_through(self, client: _Db, msg_id: int) -> None:
+        client.store.archive_range(self.options.pgmq_queue, 0, msg_id)
         self._archived = max(self._archived, msg_id)

@@ -97,7 +97,7 @@ Wake-ups
 ========
 
 Consumers do not poll. A consuming connection LISTENs on ``kombu_pgmq.<pgmq queue>`` for
-each queue it consumes (a second PostgreSQL connection, :mod:`kombu_pgmq.transport._wakeups`); when
+each queue it consumes (a second PostgreSQL connection, :mod:`kombu_pgmq.transport._listener`); when
 a read finds a queue empty it records itself in ``kombu_pgmq.waiting`` and sleeps, and a
 publish NOTIFYs that queue only while someone waits on it, so a busy system sends no
 notifications (a NOTIFY takes a database-wide lock at commit, which would serialize all
@@ -111,11 +111,22 @@ With Celery, the transport runs in the worker's event loop (``asynloop``):
 ``implements.asynchronous`` is true, and :meth:`Transport.register_with_event_loop`
 registers the LISTEN socket and a wake pipe with the loop.
 
-Connections: each Kombu connection uses one PostgreSQL connection for its statements
-(shared by its channels and its heartbeat thread), one more to LISTEN once it consumes,
-and a short-lived one when it VACUUMs a queue table. A Celery worker with the prefork
-pool therefore holds 2 for consuming, plus its producer pool's (events, replies) and the
-result backend's.
+Connections: one per concern, so a statement that blocks on one never holds up another.
+Each Kombu connection uses one PostgreSQL connection for its channels' statements
+(declare, publish, read, ack), one to LISTEN once it consumes, one for lease renewal once
+it holds messages, and one for heartbeats and the reaper once it consumes (plus a
+short-lived one when it VACUUMs a queue table). The lease and heartbeat connections set
+``lock_timeout`` (1 s): a heartbeat blocked by a lock skips a round, and the reaper skips
+a queue whose tables an open transaction holds; an application's open transaction that
+enqueued never blocks a consumer's start, read or lease renewal. A Celery worker with
+the prefork pool therefore holds 4 for consuming, plus its producer pool's (events,
+replies) and the result backend's.
+
+Fork safety: a process that forks (Celery's prefork pool, any application) never has its
+connections used, closed or cleaned up by the child: the child's transport forgets the
+parent's consumers, held messages and batched acks, abandons the inherited connections
+without sending anything, and opens its own on first use (kombu's
+``ConnectionPool(close_after_fork=True)`` and a plain ``os.fork()`` alike).
 
 Exchanges and queue lifetime
 ============================
@@ -180,6 +191,8 @@ Transport Options
 
 from __future__ import annotations
 
-from .transport import Channel, QoS, Transport
+from .channel import Channel, QoS
+from .options import TransportOptions
+from .transport import Transport
 
-__all__ = ["Channel", "QoS", "Transport"]
+__all__ = ["Channel", "QoS", "Transport", "TransportOptions"]

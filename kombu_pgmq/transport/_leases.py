@@ -11,9 +11,12 @@ or waiting for its ETA, i.e. every unacked delivery of its channels - to now + V
 message is delivered again at most one VT after the last renewal.
 
 The thread runs beside the consumer, so it renews while Celery's event loop waits,
-while a plain Kombu callback runs for an hour, and while the pool runs the task. It uses
-the connection's PostgreSQL connection; if that is lost it reconnects and renews at
-once (retrying every second). A lease is *lost* when a renewal finds that the message
+while a plain Kombu callback runs for an hour, and while the pool runs the task. It has a
+PostgreSQL connection of its own (:class:`~kombu_pgmq.transport._service.Service`): a
+statement of the channels that blocks (a ``CREATE INDEX`` waiting for an application's
+open transaction, a lock held by an operator) never delays a renewal, and a renewal never
+joins a transaction of the channels. If its connection is lost it reconnects and renews
+at once (retrying every second). A lease is *lost* when a renewal finds that the message
 was read again by someone else (its ``read_ct`` moved on: the VT passed during an
 outage longer than the VT) or is gone; that is logged as a warning, since the message
 may then run twice.
@@ -22,19 +25,16 @@ may then run twice.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from time import monotonic
 from typing import Any, NamedTuple
 
-from .. import errors
-from .._db.client import PgmqClient
+from .._db.broker import Broker
+from ._service import Service
 
 logger = logging.getLogger(__name__)
-
-#: Seconds between attempts while the database cannot be reached.
-RETRY_SECONDS = 1.0
 
 
 class Held(NamedTuple):
@@ -84,73 +84,45 @@ def held_by(channels: Iterable[Any]) -> list[Held]:
     return held
 
 
-class LeaseKeeper:
-    """Renews the leases of the messages one Kombu connection holds, in a thread.
+class LeaseKeeper(Service):
+    """Renews the leases of the messages one Kombu connection holds, in a thread, on a
+    connection of its own.
 
     Arguments:
-        client: returns the connection's :class:`PgmqClient`, or None when it is closed.
+        dsn: libpq connection string of the broker database.
         holdings: returns the messages held now (see :func:`held_by`).
         still_held: True if ``(queue, msg_id)`` is still held (not acked or rejected
             since the snapshot), so a missing renewal is a lost lease, not an ack.
-        interval_seconds: seconds between renewal rounds.
+        interval_seconds: seconds between renewal rounds (0: renewal off).
     """
+
+    name = "lease renewal"
 
     def __init__(
         self,
-        client: Callable[[], PgmqClient | None],
+        dsn: str,
         holdings: Callable[[], list[Held]],
         still_held: Callable[[str, int], bool],
         interval_seconds: float,
     ) -> None:
-        self._client = client
+        super().__init__(dsn, interval_seconds)
         self._holdings = holdings
         self._still_held = still_held
-        self.interval_seconds = interval_seconds
         self._lost: set[tuple[str, int]] = set()  # reported once, not renewed again
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._failing_since: float | None = None
         #: Held during a round. Code that makes a held message visible again (requeue,
         #: restore) holds it too, so a round cannot push that message's visibility
         #: timeout back into the future right after.
         self.lock = threading.Lock()
-        self.rounds = 0
         self.statements = 0
 
-    def start(self) -> None:
-        """Start the renewal thread (idempotent)."""
-        if self._thread is None and self.interval_seconds > 0:
-            self._thread = threading.Thread(target=self._run, name="kombu_pgmq-leases", daemon=True)
-            self._thread.start()
+    def _after_fork(self) -> None:
+        forked = self._pid != os.getpid()
+        super()._after_fork()
+        if forked:
+            self.lock = threading.Lock()  # may have been held by the parent's thread
 
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _run(self) -> None:
-        wait = self.interval_seconds
-        while not self._stop.wait(wait):
-            wait = self.interval_seconds
-            try:
-                self.renew()
-            except errors.BrokerConnectionError as exc:
-                if self._stop.is_set():
-                    return
-                if self._failing_since is None:
-                    self._failing_since = monotonic()
-                    logger.warning(
-                        "lease renewal failed: %s; reconnecting every %.0f s (held messages "
-                        "stay invisible until their visibility timeout passes)",
-                        exc,
-                        RETRY_SECONDS,
-                    )
-                wait = RETRY_SECONDS
-            except errors.KombuPgmqError as exc:
-                if not self._stop.is_set():
-                    logger.warning("lease renewal failed (%s); retrying", exc)
-                wait = RETRY_SECONDS
-            except Exception:  # never let the thread die: leases would silently stop
-                logger.exception("lease renewal failed; retrying")
-                wait = RETRY_SECONDS
+    def round(self) -> None:
+        self.renew()
 
     def renew(self) -> Renewal:
         """One round: renew every held lease (one statement per visibility timeout in
@@ -161,25 +133,18 @@ class LeaseKeeper:
                 reconnects).
         """
         with self.lock:
-            client = self._client()
             held = [h for h in self._holdings() if (h.queue, h.msg_id) not in self._lost]
-            if client is None or not held:
+            if not held:
                 self._forget_settled()
                 return Renewal(0, [], 0)
             by_vt: dict[int, list[Held]] = defaultdict(list)
             for h in held:
                 by_vt[h.vt_seconds].append(h)
+            broker = Broker(self.connector)
             renewed: set[tuple[str, int]] = set()
             for vt, group in by_vt.items():
-                renewed |= client.renew([(h.queue, h.msg_id, h.read_ct) for h in group], vt)
-        self.rounds += 1
+                renewed |= broker.renew([(h.queue, h.msg_id, h.read_ct) for h in group], vt)
         self.statements += len(by_vt)
-        if self._failing_since is not None:
-            logger.warning(
-                "lease renewal works again after %.1f s without the database",
-                monotonic() - self._failing_since,
-            )
-            self._failing_since = None
         lost = [
             (h.queue, h.msg_id)
             for h in held

@@ -16,110 +16,89 @@ Every ``consumer_heartbeat_interval`` seconds while the connection has consumers
   hold up the consumer's statements); ``SKIP_LOCKED``, so workers never queue behind each
   other. A refusal (the role does not own the table) is logged once per table.
 
-Lease renewal has a thread of its own (:mod:`kombu_pgmq.transport._leases`): a long VACUUM must
-never delay a renewal.
+The thread has a PostgreSQL connection of its own with ``lock_timeout`` set
+(:class:`~kombu_pgmq.transport._service.Service`): a heartbeat or reaper blocked by a lock
+gives up after :data:`~kombu_pgmq.transport._service.LOCK_TIMEOUT` and tries again next
+round, and the reaper skips a queue whose table is locked (migration 0006). Lease renewal
+has a thread and connection of its own (:mod:`kombu_pgmq.transport._leases`): a long
+VACUUM or a blocked reaper never delays a renewal. The set of consumers is read as a
+snapshot taken under the transport's lock, never iterated while the main thread changes it.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
-from typing import Any
 
 from .. import errors
-from .._db.client import PgmqClient
+from .._db.broker import Broker
+from .._db.connector import Connector
+from ._service import Service
 
 logger = logging.getLogger(__name__)
 
 
-class Maintainer:
-    """Runs heartbeat, reaper and VACUUM for one Kombu connection, in a thread.
+class Maintainer(Service):
+    """Runs heartbeat, reaper and VACUUM for one Kombu connection, in a thread, on a
+    connection of its own.
 
     Arguments:
-        client: returns the connection's :class:`PgmqClient`, or None once closed (the
-            thread never opens a client: that would reopen a closed connection).
+        dsn: libpq connection string of the broker database.
         owner: the connection's id in ``kombu_pgmq.consumers``.
         interval_seconds: seconds between rounds (``consumer_heartbeat_interval``).
-        consuming: True while the connection has consumers (rounds are skipped otherwise).
-        consumed_tables: PGMQ queue names of the consumed queues (every priority band).
-        reap: runs the reaper on the given client.
-        conninfo: libpq connection string, for the VACUUM connection.
+        consumed_tables: PGMQ queue names of the consumed queues (every priority band),
+            empty while the connection has no consumers (rounds are skipped then).
         vacuum_threshold: dead tuples above which a table is VACUUMed (0: never).
     """
 
+    name = "consumer heartbeat"
+
     def __init__(
         self,
+        dsn: str,
         *,
-        client: Callable[[], PgmqClient | None],
-        owner: str,
+        owner: Callable[[], str],
         interval_seconds: float,
-        consuming: Callable[[], bool],
         consumed_tables: Callable[[], list[str]],
-        reap: Callable[[PgmqClient], Any],
-        conninfo: Callable[[], str],
         vacuum_threshold: int,
     ) -> None:
-        self._client = client
+        super().__init__(dsn, interval_seconds)
         self._owner = owner
-        self.interval_seconds = interval_seconds
-        self._consuming = consuming
         self._consumed_tables = consumed_tables
-        self._reap = reap
-        self._conninfo = conninfo
         self.vacuum_threshold = vacuum_threshold
         self._refused: set[str] = set()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
-    def start(self) -> None:
-        """Start the thread (idempotent)."""
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._run, name="kombu_pgmq-heartbeat", daemon=True
-            )
-            self._thread.start()
-
-    def stop(self) -> None:
-        """Stop after the current round (as a process that died would: no more beats)."""
-        self._stop.set()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_seconds):
-            client = self._client()
-            if client is None or not self._consuming():
-                continue
-            try:
-                self.round(client)
-            except errors.KombuPgmqError as exc:
-                if not self._stop.is_set():  # else: closing, not a failure
-                    logger.warning("consumer heartbeat failed (%s); retrying", exc)
-
-    def round(self, client: PgmqClient) -> None:
-        """One round: heartbeat, reap, VACUUM what is due.
+    def round(self) -> None:
+        """One round: heartbeat, reap, VACUUM what is due (skipped without consumers).
 
         Raises:
             KombuPgmqError: a statement failed (the next round tries again).
         """
-        client.heartbeat(self._owner)
-        self._reap(client)
+        tables = self._consumed_tables()
+        if not tables:
+            return
+        broker = Broker(self.connector)
+        broker.heartbeat(self._owner())
+        dropped = broker.reap()
+        if dropped:
+            logger.info("dropped %d abandoned queue(s): %s", len(dropped), ", ".join(dropped))
         if self.vacuum_threshold:
-            self.vacuum(client)
+            self.vacuum(broker, tables)
 
-    def vacuum(self, client: PgmqClient) -> None:
+    def vacuum(self, broker: Broker, tables: list[str]) -> None:
         """VACUUM consumed queue tables with more than ``vacuum_threshold`` dead tuples."""
         due = [
             name
-            for name, dead in client.dead_tuples(self._consumed_tables()).items()
+            for name, dead in broker.dead_tuples(tables).items()
             if dead > self.vacuum_threshold and name not in self._refused
         ]
         if not due:
             return
-        vacuumer = PgmqClient(self._conninfo())
+        vacuumer = Connector(self._dsn)
         try:
             for name in due:
                 try:
-                    vacuumer.vacuum(name)
+                    Broker(vacuumer).vacuum(name)
                 except errors.QueueNotFound:
                     continue
                 except errors.BrokerConnectionError:

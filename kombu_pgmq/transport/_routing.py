@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import defaultdict
 from functools import lru_cache
 
-from .._db.client import RoutingTable
+from .._db.broker import RoutingTable
 
 #: Exchange types this transport routes.
 EXCHANGE_TYPES = frozenset({"direct", "topic", "fanout"})

@@ -118,7 +118,7 @@ def test_renewals_survive_a_killed_connection(db_dsn, caplog):
         assert message is not None
         with caplog.at_level(logging.WARNING, logger="kombu_pgmq.transport._leases"):
             for _ in range(2):
-                pid = holder.transport.pgmq_client().backend_pid
+                pid = holder.transport.leases.connector.backend_pid
                 sql(db_dsn, "SELECT pg_terminate_backend(%s)", (pid,))
                 time.sleep(2.5)  # longer than the visibility timeout
                 with connect(db_dsn) as other:

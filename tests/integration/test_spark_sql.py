@@ -9,22 +9,24 @@ import time
 import psycopg
 import pytest
 
-from kombu_pgmq._db.client import PgmqClient
+from kombu_pgmq._db.broker import Broker
+from kombu_pgmq._db.connector import Connector
+from kombu_pgmq._db.spark_store import SparkStore
 from kombu_pgmq._encoding import dumps
-from kombu_pgmq.errors import OperationalError
+from kombu_pgmq.errors import StatementError
 from kombu_pgmq.spark.messages import WRITE_HEADER, row_message
 from tests.integration.helpers import connect, drain, publish
 
 
 @pytest.fixture
 def client(db_dsn: str):
-    c = PgmqClient(db_dsn)
-    c.create_queue("rows", "rows")
-    yield c
-    c.close()
+    connector = Connector(db_dsn)
+    Broker(connector).create_queue("rows", "rows")
+    yield SparkStore(connector)
+    connector.close()
 
 
-def _stage(client: PgmqClient, marker: str, values: range) -> int:
+def _stage(client: SparkStore, marker: str, values: range) -> int:
     pairs = [row_message({"v": v}, "rows", marker) for v in values]
     write_id = marker.split("/")[0]
     return client.stage_messages(write_id, [m for m, _ in pairs], [h for _, h in pairs])
@@ -90,11 +92,11 @@ def test_an_ended_write_refuses_stragglers_and_waits_for_staging_in_flight(clien
         assert not ended.wait(0.5)  # abort waits for the staging transaction
         straggler.commit()
     assert ended.wait(10) and aborted == [1]  # ...then deletes what it staged
-    with pytest.raises(OperationalError, match="Spark write w is aborted"):
+    with pytest.raises(StatementError, match="Spark write w is aborted"):
         _stage(client, "w/1/0", range(3))
     assert _rows(db_dsn) == []
     assert client.abort_write("w") == 0  # idempotent
-    with pytest.raises(OperationalError, match="not open"):
+    with pytest.raises(StatementError, match="not open"):
         client.commit_write("w", ["w/0/0"])
 
 
@@ -126,7 +128,7 @@ def test_stream_horizon_waits_for_writers_in_flight(client, db_dsn) -> None:
         )
         # msg_id base+2, committed (client.send: a Kombu publish would redeclare the queue,
         # and pgmq.create waits for the open transaction's table lock)
-        client.send("rows", dumps(3), dumps({"x-kombu": {}}))
+        Broker(client.db).send("rows", dumps(3), dumps({"x-kombu": {}}))
         t0 = time.monotonic()
         assert client.stream_horizon("rows", base, 100, 0.3) == base  # gave up: no progress
         assert time.monotonic() - t0 >= 0.3

@@ -246,7 +246,7 @@ def test_url_parameters_reach_the_server(db_dsn):
     url = db_dsn + ("&" if "?" in db_dsn else "?") + "application_name=kpgmq-app-test"
     with Connection(url) as conn:
         channel = conn.channel()
-        pid = channel.pgmq.backend_pid
+        pid = channel.pgmq.db.backend_pid
         rows = sql(db_dsn, "SELECT application_name FROM pg_stat_activity WHERE pid = %s", [pid])
     assert rows == [("kpgmq-app-test",)]
 

@@ -11,7 +11,8 @@ import psycopg
 import pytest
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
-from kombu_pgmq._db.client import PgmqClient
+from kombu_pgmq._db.broker import Broker
+from kombu_pgmq._db.connector import Connector
 from kombu_pgmq._naming import pgmq_queue_name
 from kombu_pgmq.errors import ConfigurationError
 
@@ -69,42 +70,73 @@ def test_publish_from_another_process_wakes_a_sleeping_consumer(db_dsn, via_exch
 
 
 def test_wait_for_waits_for_publishers_that_missed_the_waiting_row(db_dsn):
-    """The protocol of migration 0003: no wake-up is lost to a race."""
+    """The protocol of migration 0003: no wake-up is lost to a race (here with a long
+    wait, max_wait_ms=10 s: the publisher commits after 0.5 s)."""
     with connect(db_dsn) as conn:
         conn.channel().queue_declare("race")
-    consumer = PgmqClient(db_dsn)
-    listener = PgmqClient(db_dsn)
+    consumer = Connector(db_dsn)
+    notified: list[str] = []
+    listener = Connector(db_dsn, on_notify=notified.append)
     try:
-        listener.listen(["kombu_pgmq.race"])
+        Broker(listener).listen(["kombu_pgmq.race"])
         with psycopg.connect(db_dsn) as publisher:  # a transaction left open on purpose
             publisher.execute("SELECT kombu_pgmq.publish('race', '{\"n\": 1}', '{}')")
             # It checked kombu_pgmq.waiting before the consumer's row existed: it will
             # not notify. wait_for must therefore wait for its commit.
-            done = threading.Event()
+            result: list[list[str]] = []
             waiter = threading.Thread(
-                target=lambda: (consumer.wait_for("me", ["race"]), done.set())
+                target=lambda: result.append(consumer.column(sql_wait_for("me", "race", 10_000)))
             )
             waiter.start()
-            assert not done.wait(0.5), "wait_for returned while a publisher was in flight"
+            time.sleep(0.5)
+            assert not result, "wait_for returned while a publisher was in flight"
             publisher.commit()
-        assert done.wait(10)
-        waiter.join()
+        waiter.join(10)
+        assert result == [[]]  # the publisher committed within the wait: settled
         # ... so the consumer's read after wait_for sees the message.
-        assert [row.message for row in consumer.read("race", 30, 10)] == ['{"n": 1}']
-        assert listener.notifications() == []  # it did not notify (the row came later)
+        assert [row.message for row in Broker(consumer).read("race", 30, 10)] == ['{"n": 1}']
+        listener.poll_notifies()
+        assert notified == []  # it did not notify (the row came later)
         # A publish after wait_for notifies.
-        publisher_client = PgmqClient(db_dsn)
-        publisher_client.send("race", '{"n": 2}', "{}")
-        publisher_client.close()
+        publisher_db = Connector(db_dsn)
+        Broker(publisher_db).send("race", '{"n": 2}', "{}")
+        publisher_db.close()
         deadline = time.monotonic() + 10
-        notified: list[str] = []
         while not notified and time.monotonic() < deadline:
             time.sleep(0.05)
-            notified = listener.notifications()
+            listener.poll_notifies()
         assert notified == ["kombu_pgmq.race"]
     finally:
         consumer.close()
         listener.close()
+
+
+def sql_wait_for(owner: str, queue: str, max_wait_ms: int) -> Any:
+    from psycopg import sql as pgsql
+
+    return pgsql.SQL("SELECT queue FROM kombu_pgmq.wait_for({}, ARRAY[{}], {}) AS queue").format(
+        pgsql.Literal(owner), pgsql.Literal(queue), pgsql.Literal(max_wait_ms)
+    )
+
+
+def test_wait_for_does_not_wait_for_a_long_open_enqueue_transaction(db_dsn):
+    """Migration 0006: an application that enqueued inside its own open transaction
+    does not stop a consumer going to sleep; the queue is returned as unsettled (its
+    message is found by the fallback poll once committed)."""
+    with connect(db_dsn) as conn:
+        conn.channel().queue_declare("longtx")
+    consumer = Connector(db_dsn)
+    try:
+        with psycopg.connect(db_dsn) as app:
+            app.execute("SELECT kombu_pgmq.publish('longtx', '{\"n\": 1}', '{}')")
+            start = time.monotonic()
+            assert Broker(consumer).wait_for("me", ["longtx"]) == ["longtx"]
+            assert time.monotonic() - start < 2.0
+            assert Broker(consumer).read("longtx", 30, 10) == []  # not committed yet
+            app.commit()
+        assert [r.message for r in Broker(consumer).read("longtx", 30, 10)] == ['{"n": 1}']
+    finally:
+        consumer.close()
 
 
 def test_publishers_stop_notifying_while_a_consumer_has_a_backlog(db_dsn):
@@ -288,8 +320,8 @@ def test_fallback_poll_finds_messages_that_become_visible_without_a_publish(db_d
             with pytest.raises(TimeoutError):
                 conn.drain_events(timeout=0.3)
             # A delayed send (PGMQ's native delay): visible in 1 s, no notification then.
-            sender = PgmqClient(db_dsn)
-            sender.send("later", '{"late": true}', "{}", delay_seconds=1)
+            sender = Connector(db_dsn)
+            Broker(sender).send("later", '{"late": true}', "{}", delay_seconds=1)
             sender.close()
             took = drain_until(conn, got, 1, timeout=10)
     assert [m.decode() for m in got] == [{"late": True}]

@@ -9,8 +9,8 @@ from kombu_pgmq.errors import (
     BrokerConnectionError,
     InvalidJsonBody,
     KombuPgmqError,
-    OperationalError,
     QueueNotFound,
+    StatementError,
     translate,
 )
 
@@ -53,10 +53,23 @@ def test_value_errors():
             pg_errors.InvalidTextRepresentation("invalid input syntax for type json"),
             InvalidJsonBody,
         ),
-        (pg_errors.UniqueViolation("duplicate key"), OperationalError),
+        (pg_errors.UniqueViolation("duplicate key"), StatementError),
     ],
 )
 def test_translate(exc, expected):
     err = translate(exc)
     assert type(err) is expected
     assert str(exc) in str(err)
+
+
+def test_statement_error_is_not_a_connection_error():
+    """Item 6 of issue 13: the old name meant the opposite of psycopg's OperationalError
+    (a lost connection). The new name says "the statement failed"; the old one warns."""
+    assert not issubclass(StatementError, ConnectionError)
+    with pytest.warns(DeprecationWarning, match="use StatementError"):
+        alias = errors_module.OperationalError
+    assert alias is StatementError
+    import kombu_pgmq
+
+    with pytest.warns(DeprecationWarning):
+        assert kombu_pgmq.OperationalError is StatementError

@@ -1,6 +1,6 @@
 import pytest
 
-from kombu_pgmq._db.client import RoutingTable
+from kombu_pgmq._db.broker import RoutingTable
 from kombu_pgmq.transport._routing import Routes, topic_matches
 
 # (binding key, routing key, matches) — AMQP 0-9-1 topic semantics, as RabbitMQ.

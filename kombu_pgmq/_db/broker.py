@@ -1,0 +1,425 @@
+"""Broker operations: what the transport asks of PostgreSQL, one typed method per named
+statement of ``sql/queries.sql``, sent through a :class:`~kombu_pgmq._db.connector.Connector`.
+
+Queue names given here are PGMQ names (see :mod:`kombu_pgmq._naming`) unless a parameter
+says ``kombu_queue``. Every method may raise
+:class:`~kombu_pgmq.errors.BrokerConnectionError` (the connection was lost; the next call
+reconnects) or :class:`~kombu_pgmq.errors.StatementError` (the statement failed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
+
+from .connector import Connector
+
+__all__ = ["Broker", "QueueInfo", "RoutingTable", "Row"]
+
+
+class Row(NamedTuple):
+    """One delivered message: ``message`` and ``headers`` are JSON text (headers may be
+    None); ``age_seconds`` is the time since it was sent, by the server's clock; ``queue``
+    the PGMQ queue it was read from."""
+
+    msg_id: int
+    read_ct: int
+    message: str
+    headers: str | None
+    age_seconds: float
+    queue: str = ""
+
+
+class RoutingTable(NamedTuple):
+    """Exchanges and bindings as of ``version`` (see :mod:`kombu_pgmq.transport._routing`).
+
+    ``exchanges``: ``{exchange: type}``; ``bindings``: ``[(exchange, routing_key, queue,
+    pgmq_queue)]`` where ``queue`` is the Kombu name.
+    """
+
+    version: int
+    exchanges: dict[str, str]
+    bindings: list[tuple[str, str, str, str]]
+    #: ``{queue: (priority_floors, band_pgmq_queues)}`` of bound queues with priorities.
+    bands: dict[str, tuple[list[int], list[str]]] = {}
+
+
+class QueueInfo(NamedTuple):
+    """A queue's arguments in force (as first declared): ``message_ttl_ms`` (None:
+    unlimited), ``max_priority`` (None: no priorities), the priority band ``floors`` and
+    the PGMQ queue of each band (None, None without priorities)."""
+
+    message_ttl_ms: int | None
+    max_priority: int | None
+    floors: list[int] | None
+    band_queues: list[str] | None
+
+
+class _QueueArgs(NamedTuple):
+    message_ttl_ms: int | None = None
+    max_priority: int | None = None
+    priority_bands: list[int] | None = None
+    band_queues: list[str] | None = None
+
+
+class _Routing(NamedTuple):
+    version: int
+    exchanges: dict[str, str]
+    bindings: list[dict[str, Any]]
+
+
+class _Version(NamedTuple):
+    version: int
+    msg_ids: list[int]
+
+
+class _DeadTuples(NamedTuple):
+    relname: str
+    n_dead_tup: int
+
+
+class _Renewed(NamedTuple):
+    queue: str
+    msg_id: int
+
+
+def _info(args: _QueueArgs) -> QueueInfo:
+    return QueueInfo(
+        None if args.message_ttl_ms is None else int(args.message_ttl_ms),
+        None if args.max_priority is None else int(args.max_priority),
+        None if args.priority_bands is None else [int(f) for f in args.priority_bands],
+        None if args.band_queues is None else [str(q) for q in args.band_queues],
+    )
+
+
+class Broker:
+    """Typed broker operations over one connector (see the module docstring)."""
+
+    def __init__(self, db: Connector) -> None:
+        self.db = db
+
+    # -- messages --------------------------------------------------------------------
+
+    def send(self, queue: str, message: str, headers: str, delay_seconds: int = 0) -> int:
+        """Publish one message (``message``/``headers`` are JSON text); return its msg_id.
+
+        Raises:
+            QueueNotFound: the queue does not exist.
+            InvalidJsonBody: PostgreSQL rejected ``message`` as JSON.
+        """
+        params: dict[str, Any] = {"queue": queue, "message": message, "headers": headers}
+        if delay_seconds > 0:
+            params["delay_seconds"] = delay_seconds
+            return int(self.db.scalar("send_delayed", params))
+        return int(self.db.scalar("send", params))
+
+    def read(self, queue: str, vt_seconds: int, qty: int) -> list[Row]:
+        """Deliver up to ``qty`` visible messages, invisible for ``vt_seconds`` afterwards."""
+        return self.db.fetch("read", {"queue": queue, "vt_seconds": vt_seconds, "qty": qty}, Row)
+
+    def read_many(
+        self,
+        queues: Sequence[str],
+        vt_seconds: int,
+        qty: int,
+        acks: Sequence[tuple[str, int]] = (),
+        *,
+        durable_acks: bool = True,
+    ) -> list[Row]:
+        """Archive ``acks`` (``(queue, msg_id)`` pairs), then deliver up to ``qty`` messages
+        from ``queues`` in the order given, all in one round trip and one transaction
+        (each row names its ``queue``).
+
+        The commit is asynchronous unless there are acks and ``durable_acks``: a server
+        crash may then forget the deliveries and acks, and those messages are delivered
+        again (never lost).
+
+        Raises:
+            QueueNotFound: one of the queues is gone (nothing was archived or read).
+        """
+        params = {
+            "queues": list(queues),
+            "vt_seconds": vt_seconds,
+            "qty": qty,
+            "ack_queues": [q for q, _ in acks],
+            "ack_ids": [i for _, i in acks],
+            "durable_acks": durable_acks,
+        }
+        return self.db.fetch("read_many", params, Row)
+
+    def pop(self, queue: str, qty: int) -> list[Row]:
+        """Deliver and delete up to ``qty`` visible messages (no ack will follow)."""
+        return self.db.fetch("pop", {"queue": queue, "qty": qty}, Row)
+
+    def archive(self, queue: str, msg_ids: Sequence[int], *, durable: bool = True) -> list[int]:
+        """Move messages to the archive ``pgmq.a_<queue>``; return the ids that were there.
+
+        ``durable=False`` commits asynchronously (a server crash may forget the ack).
+        """
+        name = "archive" if durable else "archive_async"
+        return self.db.column(name, {"queue": queue, "msg_ids": list(msg_ids)})
+
+    def set_vt(self, queue: str, msg_ids: Sequence[int], vt_seconds: int) -> list[int]:
+        """Make messages visible again in ``vt_seconds`` (0: now); return the ids updated."""
+        params = {"queue": queue, "msg_ids": list(msg_ids), "vt_seconds": vt_seconds}
+        return self.db.column("set_vt", params)
+
+    def delete(self, queue: str, msg_ids: Sequence[int]) -> list[int]:
+        """Delete messages for good (no archive); return the ids that were there."""
+        return self.db.column("delete_messages", {"queue": queue, "msg_ids": list(msg_ids)})
+
+    def renew(self, held: Sequence[tuple[str, int, int]], vt_seconds: int) -> set[tuple[str, int]]:
+        """Extend the leases of held messages, ``(queue, msg_id, read_ct)`` each, to now +
+        ``vt_seconds``, in one round trip. Returns the ``(queue, msg_id)`` renewed; the
+        others lost their lease (read again elsewhere after their visibility timeout
+        passed, or gone)."""
+        params = {
+            "queues": [h[0] for h in held],
+            "msg_ids": [h[1] for h in held],
+            "read_cts": [h[2] for h in held],
+            "vt_seconds": vt_seconds,
+        }
+        return {(r.queue, int(r.msg_id)) for r in self.db.fetch("renew", params, _Renewed)}
+
+    def dead_letter(
+        self,
+        queue: str,
+        msg_ids: Sequence[int],
+        *,
+        dead_letter_queue: str,
+        reason: str,
+        kombu_queue: str,
+    ) -> list[int]:
+        """Atomically move messages from ``queue`` to ``dead_letter_queue``.
+
+        The moved copy keeps message and headers and gains an ``x-dead-letter`` header:
+        ``{"queue", "pgmq_queue", "msg_id", "read_ct", "reason", "enqueued_at",
+        "dead_lettered_at"}``. Returns the new msg_ids in the dead-letter queue.
+
+        Raises:
+            QueueNotFound: ``dead_letter_queue`` does not exist (nothing was moved).
+        """
+        params = {
+            "queue": queue,
+            "msg_ids": list(msg_ids),
+            "dead_letter_queue": dead_letter_queue,
+            "reason": reason,
+            "kombu_queue": kombu_queue,
+        }
+        return self.db.column(
+            self.db.compose("dead_letter", queue_table=("pgmq", f"q_{queue}")), params
+        )
+
+    # -- wake-ups (migration 0003) ----------------------------------------------------
+
+    def wait_for(self, owner: str, queues: Sequence[str]) -> list[str]:
+        """Record that ``owner`` sleeps until notified on ``queues`` (publishers then
+        NOTIFY); returns once publishers that missed the record have committed, so a
+        read of the queues after this call sees their messages (see migration 0003).
+
+        A publisher still in its transaction after a short wait (an application that
+        enqueued inside a long transaction) is not waited for: the queues it holds are
+        returned, to be polled (migration 0006)."""
+        return [
+            str(q) for q in self.db.column("wait_for", {"owner": owner, "queues": list(queues)})
+        ]
+
+    def stop_waiting(self, owner: str, queues: Sequence[str] | None = None) -> None:
+        """Publishers need not notify ``owner`` for ``queues`` (None: any queue) any more."""
+        if queues is None:
+            self.db.execute("stop_waiting_all", {"owner": owner})
+        else:
+            self.db.execute("stop_waiting", {"owner": owner, "queues": list(queues)})
+
+    def listen(self, channels: Iterable[str]) -> None:
+        """``LISTEN`` on each channel (names are quoted identifiers, case kept)."""
+        for channel in channels:
+            self.db.execute(self.db.compose("listen", channel=channel))
+
+    def unlisten(self, channels: Iterable[str]) -> None:
+        for channel in channels:
+            self.db.execute(self.db.compose("unlisten", channel=channel))
+
+    # -- queues ----------------------------------------------------------------------
+
+    def create_queue(
+        self,
+        queue: str,
+        kombu_queue: str,
+        *,
+        durable: bool = True,
+        auto_delete: bool = False,
+        expires_ms: int | None = None,
+        message_ttl_ms: int | None = None,
+        max_priority: int | None = None,
+        floors: Sequence[int] | None = None,
+        band_queues: Sequence[str] | None = None,
+    ) -> QueueInfo:
+        """Create the PGMQ queue (idempotent; UNLOGGED if not durable) and record its Kombu
+        name and arguments in ``kombu_pgmq.queues`` (the first declaration's arguments
+        stay), then the PGMQ queues of its priority bands as stored. Returns the
+        arguments in force."""
+        create = "create_queue" if durable else "create_queue_unlogged"
+        with self.db.transaction():
+            self.db.execute(create, {"queue": queue})
+            params = {
+                "queue": queue,
+                "kombu_queue": kombu_queue,
+                "durable": durable,
+                "auto_delete": auto_delete,
+                "expires_ms": expires_ms,
+                "message_ttl_ms": message_ttl_ms,
+                "max_priority": max_priority,
+                "priority_bands": list(floors) if max_priority is not None and floors else None,
+                "band_queues": list(band_queues)
+                if max_priority is not None and band_queues
+                else None,
+            }
+            info = _info(self.db.fetch("register_queue", params, _QueueArgs)[0])
+            for band in (info.band_queues or [])[1:]:
+                self.db.execute(create, {"queue": band})
+        return info
+
+    def queue_info(self, kombu_queue: str) -> QueueInfo | None:
+        """Priority arguments of a Kombu queue as stored (None: no such queue recorded)."""
+        rows = self.db.fetch("queue_bands", {"kombu_queue": kombu_queue}, _QueueArgs)
+        return _info(rows[0])._replace(message_ttl_ms=None) if rows else None
+
+    def drop_queue(self, queue: str, kombu_queue: str) -> bool:
+        """Drop the queue, its archive, bindings and consumers; False if it did not exist."""
+        return bool(self.db.scalar("drop_queue", {"queue": queue, "kombu_queue": kombu_queue}))
+
+    def message_ttl_ms(self, kombu_queue: str) -> int | None:
+        """The queue's ``x-message-ttl`` in milliseconds (None: unlimited or unknown queue)."""
+        value = self.db.scalar("message_ttl", {"kombu_queue": kombu_queue})
+        return None if value is None else int(value)
+
+    def queue_exists(self, queue: str) -> bool:
+        return bool(self.db.scalar("queue_exists", {"queue": queue}))
+
+    def size(self, queue: str) -> int:
+        """Number of ready (visible) messages."""
+        return int(self.db.scalar(self.db.compose("size", queue_table=("pgmq", f"q_{queue}"))))
+
+    def purge(self, queue: str) -> int:
+        """Delete the ready messages (not the unacked ones); return how many."""
+        return int(self.db.scalar(self.db.compose("purge", queue_table=("pgmq", f"q_{queue}"))))
+
+    # -- exchanges and bindings --------------------------------------------------------
+
+    def declare_exchange(
+        self, exchange: str, type: str, *, durable: bool = True, auto_delete: bool = False
+    ) -> str:
+        """Declare an exchange (idempotent); return its type as stored (first one wins)."""
+        params = {
+            "exchange": exchange,
+            "type": type,
+            "durable": durable,
+            "auto_delete": auto_delete,
+        }
+        return str(self.db.scalar("declare_exchange", params))
+
+    def exchange_type(self, exchange: str) -> str | None:
+        value = self.db.scalar("exchange_type", {"exchange": exchange})
+        return None if value is None else str(value)
+
+    def delete_exchange(self, exchange: str) -> None:
+        """Delete an exchange and its bindings."""
+        self.db.execute("delete_exchange", {"exchange": exchange})
+
+    def bind(self, exchange: str, routing_key: str, kombu_queue: str) -> None:
+        params = {"exchange": exchange, "routing_key": routing_key, "kombu_queue": kombu_queue}
+        self.db.execute("bind", params)
+
+    def unbind(self, exchange: str, routing_key: str, kombu_queue: str) -> None:
+        params = {"exchange": exchange, "routing_key": routing_key, "kombu_queue": kombu_queue}
+        self.db.execute("unbind", params)
+
+    def routing_table(self) -> RoutingTable:
+        """Every exchange and binding, with the routing version, from one snapshot."""
+        table = self.db.fetch("routing_table", None, _Routing)[0]
+        bindings = table.bindings
+        return RoutingTable(
+            int(table.version),
+            dict(table.exchanges),
+            [(b["exchange"], b["routing_key"], b["queue"], b["pgmq_queue"]) for b in bindings],
+            {
+                b["queue"]: (list(b["priority_bands"]), list(b["band_queues"]))
+                for b in bindings
+                if b["priority_bands"] and b["band_queues"]
+            },
+        )
+
+    def routing_version(self) -> int:
+        """Current routing version (bumped by every exchange or binding change)."""
+        return int(self.db.scalar("routing_version"))
+
+    def send_routed(
+        self,
+        queues: Sequence[str],
+        message: str,
+        headers: str,
+        *,
+        version: int,
+        delay_seconds: int = 0,
+    ) -> tuple[int, list[int]]:
+        """Send one message to several PGMQ queues in one statement, if the routing version
+        is still ``version``. Returns ``(current_version, msg_ids)``; when the versions
+        differ nothing was sent. ``delay_seconds > 0``: visible only after that long.
+
+        Raises:
+            QueueNotFound: one of the queues is gone (nothing was sent).
+        """
+        params = {
+            "queues": list(queues),
+            "message": message,
+            "headers": headers,
+            "version": version,
+            "delay_seconds": delay_seconds,
+        }
+        row = self.db.fetch("send_routed", params, _Version)[0]
+        return int(row.version), list(row.msg_ids)
+
+    # -- consumers and queue lifetime ----------------------------------------------------
+
+    def register_consumer(
+        self, kombu_queue: str, owner: str, consumer_tag: str, *, stale_after_seconds: float
+    ) -> None:
+        """Record a live consumer; it counts as gone ``stale_after_seconds`` after its last
+        heartbeat (the owner's setting, not the reaper's)."""
+        params = {
+            "kombu_queue": kombu_queue,
+            "owner": owner,
+            "consumer_tag": consumer_tag,
+            "stale_after_seconds": stale_after_seconds,
+        }
+        self.db.execute("register_consumer", params)
+
+    def release_consumer(self, kombu_queue: str, owner: str, consumer_tag: str) -> bool:
+        """Forget a consumer; True if its queue was auto-deleted as a result."""
+        params = {"kombu_queue": kombu_queue, "owner": owner, "consumer_tag": consumer_tag}
+        return bool(self.db.scalar("release_consumer", params))
+
+    def heartbeat(self, owner: str) -> None:
+        """Mark ``owner``'s consumers live and their queues used, now."""
+        self.db.execute("heartbeat", {"owner": owner})
+
+    def reap(self) -> list[str]:
+        """Drop queues AMQP would have deleted (see ``kombu_pgmq.reap``); return their
+        Kombu names. A queue whose table is locked (a reader's open transaction) is
+        skipped this round instead of waited for (migration 0006)."""
+        return [str(q) for q in self.db.column("reap")]
+
+    def dead_tuples(self, queues: Sequence[str]) -> dict[str, int]:
+        """Dead row versions of each queue's table ``pgmq.q_<queue>`` (from the server's
+        cumulative statistics; queues without statistics yet are left out)."""
+        rows = self.db.fetch("dead_tuples", {"tables": [f"q_{q}" for q in queues]}, _DeadTuples)
+        return {str(r.relname)[2:]: int(r.n_dead_tup) for r in rows}
+
+    def vacuum(self, queue: str) -> None:
+        """``VACUUM`` the queue's table (skipped if another VACUUM holds it).
+
+        Raises:
+            StatementError: e.g. the role does not own the table.
+        """
+        self.db.execute(self.db.compose("vacuum", queue_table=("pgmq", f"q_{queue}")))

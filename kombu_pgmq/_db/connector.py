@@ -1,0 +1,275 @@
+"""The connector: one PostgreSQL connection, and the only place SQL is executed.
+
+A :class:`Connector` owns one psycopg 3 connection in autocommit mode (every call is its
+own transaction unless inside :meth:`Connector.transaction`) and is used by one concern
+only (a channel's statements, lease renewal, heartbeats, LISTEN): a statement that blocks
+on one of them never holds up another. Statements are named blocks of ``sql/queries.sql``
+(or a :class:`psycopg.sql.Composed` built from one, for table names); result rows are
+decoded **by column name** with psycopg row factories (``class_row``), so a column added
+or moved by a PGMQ release cannot shift a value into the wrong field.
+
+Errors: every :class:`psycopg.Error` is translated here, once, by
+:func:`kombu_pgmq.errors.translate` (``raise ... from exc``); after a lost connection the
+next call reconnects.
+
+Fork safety (as psycopg's own ``PGconn`` and kombu's Redis transport): the connector
+records the pid that opened its connection. In a forked child the inherited connection is
+*abandoned*, never used, closed or finished (closing would send a Terminate message on the
+parent's socket and end the parent's session); the child opens its own connection on its
+first statement. ``os.register_at_fork`` abandons every live connector's connection in the
+child at once.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import psycopg
+from psycopg import sql
+from psycopg.rows import RowFactory, class_row
+
+from ..errors import BrokerConnectionError, KombuPgmqError, translate
+from .queries import queries
+
+__all__ = ["Connector", "Query"]
+
+#: A statement: the name of a block of ``sql/queries.sql``, or SQL composed from one.
+Query = str | sql.Composable
+T = TypeVar("T")
+
+#: Connections inherited from a parent process: kept referenced (never closed, never
+#: collected: psycopg would warn) until the child exits.
+_ABANDONED: list[Any] = []
+_LIVE: weakref.WeakSet[Connector] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for connector in list(_LIVE):
+        connector._abandon()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class Connector:
+    """One fork-safe PostgreSQL connection for one concern.
+
+    Arguments:
+        dsn: libpq connection string (may hold a password: never shown by ``repr``).
+        settings: session settings (``{"lock_timeout": "2s"}``) applied on every
+            (re)connect, e.g. so a background service never waits long for a lock.
+        on_notify: called with the channel name of every NOTIFY psycopg reads.
+    """
+
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        settings: Mapping[str, str] | None = None,
+        on_notify: Callable[[str], None] | None = None,
+    ) -> None:
+        self._dsn = dsn
+        self._settings = dict(settings or {})
+        self._on_notify = on_notify
+        self._conn: psycopg.Connection[Any] | None = None
+        self._pid = os.getpid()
+        self._closed = False
+        self._lock = threading.Lock()
+        self._q = queries()
+        _LIVE.add(self)
+
+    def __repr__(self) -> str:
+        state = "open" if self._conn is not None and not self._conn.closed else "closed"
+        return f"<Connector {state}>"
+
+    # -- connection ------------------------------------------------------------------
+
+    @property
+    def connection(self) -> psycopg.Connection[Any]:
+        """The open psycopg connection (connects on first use, and again after a lost
+        connection was reported, or in a forked child).
+
+        Raises:
+            BrokerConnectionError: the server cannot be reached, or :meth:`close` was called.
+        """
+        if self._pid != os.getpid():
+            self._abandon()
+        conn = self._conn
+        if conn is None or conn.closed:
+            with self._lock:
+                if self._closed:
+                    raise BrokerConnectionError("the PostgreSQL connection was closed")
+                conn = self._conn
+                if conn is None or conn.closed:
+                    conn = self._connect()
+        return conn
+
+    def _connect(self) -> psycopg.Connection[Any]:
+        try:
+            conn = psycopg.connect(self._dsn, autocommit=True)
+            for name, value in self._settings.items():
+                conn.execute("SELECT set_config(%s, %s, false)", (name, value))
+        except psycopg.Error as exc:
+            raise translate(exc) from exc
+        if self._on_notify is not None:
+            on_notify = self._on_notify
+            conn.add_notify_handler(lambda n: on_notify(n.channel))
+        self._conn = conn
+        return conn
+
+    @property
+    def connected(self) -> bool:
+        """True while an open connection of this process exists (sends nothing)."""
+        conn = self._conn
+        return self._pid == os.getpid() and conn is not None and not conn.closed
+
+    def close(self) -> None:
+        """Close the connection for good (idempotent); later calls raise. In a forked
+        child the parent's connection is abandoned instead: nothing is sent."""
+        if self._pid != os.getpid():
+            self._abandon()
+        with self._lock:
+            self._closed = True
+            self._drop()
+        _LIVE.discard(self)
+
+    def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+    def _abandon(self) -> None:
+        """In a forked child: forget the parent's connection without a word to the server."""
+        if self._pid == os.getpid():
+            return
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            _ABANDONED.append(conn)
+        self._pid = os.getpid()
+        self._lock = threading.Lock()  # the parent's may have been held at fork time
+
+    @property
+    def backend_pid(self) -> int:
+        """PID of the server process serving this connection (diagnostics and tests)."""
+        return self.connection.info.backend_pid
+
+    def fileno(self) -> int:
+        """The connection's socket (to wait for notifications with a selector)."""
+        return self.connection.pgconn.socket
+
+    # -- statements ------------------------------------------------------------------
+
+    def _fail(self, exc: psycopg.Error) -> KombuPgmqError:
+        err = translate(exc)
+        if isinstance(err, BrokerConnectionError):
+            with self._lock:
+                self._drop()  # the next call reconnects
+        return err
+
+    def _query(self, query: Query) -> Any:
+        return self._q[query] if isinstance(query, str) else query
+
+    def fetch(
+        self, query: Query, params: Any = None, row: RowFactory[T] | type[T] | None = None
+    ) -> list[T]:
+        """Run a statement; return its rows, each built by column name.
+
+        ``row``: a class (NamedTuple, dataclass) whose fields are the statement's column
+        names, or a psycopg row factory; None: plain tuples.
+        """
+        factory: Any = row
+        if isinstance(row, type):
+            factory = class_row(row)
+        try:
+            cur = (
+                self.connection.cursor(row_factory=factory) if factory else self.connection.cursor()
+            )
+            with cur:
+                cur.execute(self._query(query), params)
+                return cur.fetchall() if cur.description is not None else []
+        except psycopg.Error as exc:
+            raise self._fail(exc) from exc
+
+    def execute(self, query: Query, params: Any = None) -> None:
+        """Run a statement for its effect."""
+        self.fetch(query, params)
+
+    def scalar(self, query: Query, params: Any = None) -> Any:
+        """First column of the first row (None without rows)."""
+        rows: list[Any] = self.fetch(query, params)
+        return rows[0][0] if rows else None
+
+    def column(self, query: Query, params: Any = None) -> list[Any]:
+        """First column of every row."""
+        rows: list[Any] = self.fetch(query, params)
+        return [r[0] for r in rows]
+
+    def script(self, text: str) -> None:
+        """Run a multi-statement SQL script without parameters (a migration file)."""
+        try:
+            self.connection.execute(text.encode())
+        except psycopg.Error as exc:
+            raise self._fail(exc) from exc
+
+    def compose(self, name: str, **identifiers: str | tuple[str, ...]) -> sql.Composed:
+        """Statement ``name`` with ``{placeholders}`` filled by quoted identifiers
+        (``queue_table=("pgmq", "q_celery")``): never string formatting."""
+        return sql.SQL(self._q[name]).format(
+            **{
+                key: sql.Identifier(*value) if isinstance(value, tuple) else sql.Identifier(value)
+                for key, value in identifiers.items()
+            }
+        )
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Run the statements inside the block in one transaction (commit, or rollback on
+        error)."""
+        try:
+            with self.connection.transaction():
+                yield
+        except psycopg.Error as exc:
+            raise self._fail(exc) from exc
+
+    def statement(self, name: str) -> str:
+        """The text of named statement ``name`` (to compose it with :mod:`psycopg.sql`)."""
+        return self._q[name]
+
+    def stream(
+        self, query: Query, params: Any, row: type[T], *, name: str, itersize: int
+    ) -> Iterator[T]:
+        """Rows of a large read through a server-side cursor (``itersize`` per fetch),
+        inside a transaction, each built by column name."""
+        try:
+            with (
+                self.connection.transaction(),
+                self.connection.cursor(name=name, row_factory=class_row(row)) as cur,
+            ):
+                cur.itersize = itersize
+                cur.execute(self._query(query), params)
+                yield from cur
+        except psycopg.Error as exc:
+            raise self._fail(exc) from exc
+
+    def poll_notifies(self) -> None:
+        """Read pending input from the socket without blocking; notifications go to
+        ``on_notify``.
+
+        Raises:
+            BrokerConnectionError: the connection was lost (the next call reconnects).
+        """
+        conn = self.connection
+        try:
+            pgconn = conn.pgconn
+            pgconn.consume_input()
+            while (notify := pgconn.notifies()) is not None:
+                if self._on_notify is not None:
+                    self._on_notify(notify.relname.decode())
+        except psycopg.Error as exc:
+            raise self._fail(exc) from exc

@@ -1,0 +1,195 @@
+"""Wake-ups for consumers: PostgreSQL LISTEN/NOTIFY plus a self-pipe.
+
+A consuming Kombu connection owns one :class:`Listener`: a PostgreSQL connection of its
+own that LISTENs on ``kombu_pgmq.<pgmq queue>`` for each consumed queue, and a pipe that
+other threads write to (an ack freed a prefetch slot). Both file descriptors are waited on
+with a :mod:`selectors` selector (epoll on Linux: no ``select()`` limit of 1024 file
+descriptors) by a blocking ``drain_events``, or registered with Celery's event loop by
+:class:`~kombu_pgmq.transport.poller.Poller`.
+
+Publishers notify only while a consumer waits on the queue (``kombu_pgmq.waiting``,
+migration 0003); notifications are hints, never the message, and the poller keeps a
+fallback poll (``polling_interval``) for messages that become visible without an insert
+(visibility timeout expiry, delayed sends).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import selectors
+from collections.abc import Iterable
+
+from .._db.broker import Broker
+from .._db.connector import Connector
+from ..errors import KombuPgmqError
+
+__all__ = ["CHANNEL_PREFIX", "Listener"]
+
+#: NOTIFY channel of a PGMQ queue: CHANNEL_PREFIX + pgmq name (at most 58 characters).
+CHANNEL_PREFIX = "kombu_pgmq."
+
+
+class Listener:
+    """The LISTEN connection and wake pipe of one consuming Kombu connection.
+
+    Arguments:
+        dsn: libpq connection string of the broker database.
+    """
+
+    def __init__(self, dsn: str) -> None:
+        self._dsn = dsn
+        self._connector: Connector | None = None
+        self._notified: list[str] = []
+        self._queues: set[str] = set()
+        self._pipe_r, self._pipe_w = os.pipe()
+        os.set_blocking(self._pipe_r, False)
+        os.set_blocking(self._pipe_w, False)
+        self._pid = os.getpid()
+        self._closed = False
+        self._selector: selectors.BaseSelector | None = None
+        self._selected: tuple[int, int] = (-1, -1)  # (fd, generation) in the selector
+        #: Bumped on every (re)connect of the LISTEN connection: its socket may get the
+        #: number of the lost one, so an event loop must not go by the number alone.
+        self.generation = 0
+
+    # -- listening -----------------------------------------------------------------------
+
+    def _broker(self) -> Broker:
+        connector = self._connector
+        if connector is None:
+            connector = Connector(self._dsn, on_notify=self._notified.append)
+            try:
+                Broker(connector).listen(CHANNEL_PREFIX + q for q in sorted(self._queues))
+            except BaseException:
+                connector.close()
+                raise
+            self._connector = connector
+            self.generation += 1
+        return Broker(connector)
+
+    def listen(self, queues: Iterable[str]) -> None:
+        """LISTEN for publishes to these PGMQ queues (idempotent)."""
+        new = set(queues) - self._queues
+        if not new:
+            return
+        self._queues |= new
+        if self._connector is not None:
+            Broker(self._connector).listen(CHANNEL_PREFIX + q for q in sorted(new))
+
+    def unlisten(self, queues: Iterable[str]) -> None:
+        gone = set(queues) & self._queues
+        self._queues -= gone
+        if gone and self._connector is not None:
+            try:
+                Broker(self._connector).unlisten(CHANNEL_PREFIX + q for q in sorted(gone))
+            except KombuPgmqError:
+                self._drop()  # reconnects listening to the rest
+
+    def fileno(self) -> int:
+        """Socket of the LISTEN connection (connects, and LISTENs, if needed).
+
+        Raises:
+            BrokerConnectionError: the server cannot be reached.
+        """
+        return self._broker().db.fileno()
+
+    @property
+    def wake_fileno(self) -> int:
+        """Read end of the wake pipe (readable after :meth:`wake`)."""
+        return self._pipe_r
+
+    # -- waking --------------------------------------------------------------------------
+
+    def wake(self) -> None:
+        """Make the wait end now (safe from any thread: one byte into the pipe)."""
+        if self._closed or self._pid != os.getpid():
+            return
+        # pipe full (it is readable then anyway) or closed
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._pipe_w, b"w")
+
+    def collect(self) -> set[str] | None:
+        """Return the notified queues without blocking (and empty the wake pipe).
+
+        None when the LISTEN connection was not there or was lost: it is
+        (re)connected and LISTENing when this returns, but notifications may have been
+        missed before, so poll every queue.
+
+        Raises:
+            BrokerConnectionError: the LISTEN connection cannot be (re)established.
+        """
+        with contextlib.suppress(BlockingIOError, OSError):
+            while os.read(self._pipe_r, 4096):
+                pass
+        connector = self._connector
+        if connector is None:
+            self._broker()
+            return None
+        try:
+            connector.poll_notifies()
+        except KombuPgmqError:
+            self._drop()
+            self._broker()
+            return None
+        channels, self._notified[:] = list(self._notified), []
+        cut = len(CHANNEL_PREFIX)
+        return {c[cut:] for c in channels if c.startswith(CHANNEL_PREFIX)}
+
+    def wait(self, timeout: float | None) -> None:
+        """Block until a notification, a :meth:`wake`, or ``timeout`` seconds."""
+        selector = self._selector
+        if selector is None:
+            selector = self._selector = selectors.DefaultSelector()
+            selector.register(self._pipe_r, selectors.EVENT_READ)
+        try:
+            fd = self.fileno()
+        except KombuPgmqError:
+            fd = -1  # the server is away: sleep, the next poll reports the error
+        if (fd, self.generation) != self._selected:
+            old = self._selected[0]
+            if old >= 0:
+                with contextlib.suppress(KeyError, ValueError, OSError):
+                    selector.unregister(old)
+            self._selected = (-1, -1)
+            if fd >= 0:
+                selector.register(fd, selectors.EVENT_READ)
+                self._selected = (fd, self.generation)
+        try:
+            selector.select(timeout)
+        except (OSError, ValueError):
+            # a descriptor closed under us: forget it, the caller polls (no busy loop:
+            # the next wait registers the new socket)
+            self._reset_selector()
+
+    def _reset_selector(self) -> None:
+        selector, self._selector = self._selector, None
+        self._selected = (-1, -1)
+        if selector is not None:
+            with contextlib.suppress(Exception):
+                selector.close()
+
+    def _drop(self) -> None:
+        connector, self._connector = self._connector, None
+        if connector is not None:
+            connector.close()
+
+    def abandon(self) -> None:
+        """In a forked child: let go of the parent's LISTEN connection without a word to
+        the server (the connector abandons it) and close this process's copies of the
+        pipe."""
+        self._connector, connector = None, self._connector
+        if connector is not None:
+            connector.close()  # in a child, the connector abandons: nothing is sent
+        self.close()
+
+    def close(self) -> None:
+        """Close the LISTEN connection and the pipe (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._drop()
+        self._reset_selector()
+        for fd in (self._pipe_r, self._pipe_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)

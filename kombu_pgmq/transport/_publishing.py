@@ -1,0 +1,264 @@
+"""The publishing half of :class:`~kombu_pgmq.transport.channel.Channel`: exchanges,
+bindings and publish (a mixin, so the channel's file stays readable). Routing follows
+AMQP (:mod:`kombu_pgmq.transport._routing`); a publish to an exchange reaches every bound
+queue in one statement, or none."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from kombu.exceptions import ChannelError
+from kombu.transport import virtual
+
+from .. import _encoding as encoding
+from .. import errors
+from .._naming import pgmq_queue_name
+from ._delays import delay_seconds
+from ._routing import EXCHANGE_TYPES
+
+if TYPE_CHECKING:
+    from .._db.broker import Broker
+    from .options import TransportOptions
+    from .transport import Transport
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Publishing"]
+
+
+class Publishing:
+    """Exchanges, bindings and publish of a channel (see the module docstring)."""
+
+    connection: Transport
+    options: TransportOptions
+    exchange_types: dict[str, Any]
+    _bound: dict[str, set[tuple[str, str]]]
+    _known_queues: set[str]
+
+    if TYPE_CHECKING:
+        deadletter_queue: Any
+
+        @property
+        def pgmq(self) -> Broker: ...
+
+        def _new_queue(self, queue: str, **kwargs: Any) -> None: ...
+        def _inplace_augment_message(
+            self, message: Any, exchange: str, routing_key: str
+        ) -> None: ...
+        def _get_message_priority(self, message: Any, reverse: bool = False) -> int: ...
+
+    # -- exchanges and bindings --------------------------------------------------------
+
+    def exchange_declare(
+        self,
+        exchange: str | None = None,
+        type: str = "direct",
+        durable: bool = False,
+        auto_delete: bool = False,
+        arguments: Any = None,
+        nowait: bool = False,
+        passive: bool = False,
+    ) -> None:
+        """Declare an exchange in the database, visible to every process.
+
+        Raises:
+            ChannelError: ``passive`` and the exchange does not exist (404, as AMQP).
+            NotEquivalentError: it exists with another type.
+            ConfigurationError: ``type`` is not direct, topic or fanout.
+        """
+        if not exchange:
+            return
+        if passive:
+            if self.pgmq.exchange_type(exchange) is None:
+                raise ChannelError(
+                    f"NOT_FOUND - no exchange {exchange!r} in vhost {self._vhost()!r}",
+                    (50, 10),
+                    "Channel.exchange_declare",
+                    "404",
+                )
+            return
+        if type not in EXCHANGE_TYPES:
+            raise errors.ConfigurationError(
+                f"exchange {exchange!r} has type {type!r}: kombu_pgmq routes "
+                f"{', '.join(sorted(EXCHANGE_TYPES))}"
+            )
+        stored = self.pgmq.declare_exchange(
+            exchange, type, durable=bool(durable), auto_delete=bool(auto_delete)
+        )
+        if stored != type:
+            raise virtual.NotEquivalentError(
+                f"Cannot redeclare exchange {exchange!r} in vhost {self._vhost()!r} with "
+                f"different type {type!r}: it is {stored!r}"
+            )
+
+    def _vhost(self) -> str:
+        client: Any = self.connection.client
+        return str(client.virtual_host or "/")
+
+    def exchange_delete(self, exchange: str, if_unused: bool = False, nowait: bool = False) -> None:
+        """Delete the exchange and its bindings (queues stay)."""
+        self.pgmq.delete_exchange(exchange)
+
+    def queue_bind(
+        self,
+        queue: str,
+        exchange: str | None = None,
+        routing_key: str = "",
+        arguments: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        """Bind in the database: every process routes by it from its next publish."""
+        if not exchange:
+            return  # the default exchange routes by queue name, no binding needed
+        self._new_queue(queue)
+        self.pgmq.bind(exchange, routing_key or "", queue)
+        self._bound.setdefault(queue, set()).add((exchange, routing_key or ""))
+
+    def queue_unbind(
+        self,
+        queue: str,
+        exchange: str | None = None,
+        routing_key: str = "",
+        arguments: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        if exchange:
+            self.pgmq.unbind(exchange, routing_key or "", queue)
+            self._bound.get(queue, set()).discard((exchange, routing_key or ""))
+
+    def list_bindings(self) -> Any:
+        return iter(self.connection.routes().bindings())
+
+    def get_table(self, exchange: str) -> list[tuple[str, str, str]]:
+        """Bindings of ``exchange`` as kombu's ``(routing_key, pattern, queue)`` rows."""
+        return [
+            (routing_key, routing_key, queue)
+            for queue, bound, routing_key in self.connection.routes().bindings()
+            if bound == exchange
+        ]
+
+    def typeof(self, exchange: str, default: str = "direct") -> Any:
+        return self.exchange_types[self.connection.routes().exchanges.get(exchange, default)]
+
+    def _lookup(self, exchange: str, routing_key: str, default: Any = None) -> list[str]:
+        if not exchange:
+            return [routing_key]
+        return [queue for queue, _ in self.connection.routes().route(exchange, routing_key)]
+
+    # -- publish ---------------------------------------------------------------------
+
+    def basic_publish(
+        self, message: dict[str, Any], exchange: str, routing_key: str, **kwargs: Any
+    ) -> None:
+        """Publish: to the queue named ``routing_key`` on the default exchange, else to
+        every queue the exchange routes it to, in one statement (all or none).
+
+        A message no binding matches is dropped with a warning, as AMQP drops unroutable
+        messages (or sent to kombu's ``deadletter_queue`` option, if set).
+        """
+        self._inplace_augment_message(message, exchange, routing_key)
+        if not exchange:
+            return self._put(routing_key, message, **kwargs)
+        body, headers = encoding.encode(message)
+        priority = self._get_message_priority(message)
+        delay = delay_seconds(message, self.options.eta_lead_seconds)
+        try:
+            self._publish_routed(exchange, routing_key, body, headers, priority, delay)
+        except errors.InvalidJsonBody:
+            body, headers = encoding.reencode_opaque(body, headers)
+            self._publish_routed(exchange, routing_key, body, headers, priority, delay)
+        return None
+
+    def _publish_routed(
+        self,
+        exchange: str,
+        routing_key: str,
+        body: str,
+        headers: str,
+        priority: int = 0,
+        delay: int = 0,
+    ) -> None:
+        transport = self.connection
+        fresh = transport._routes is None  # routes (re)loaded during this publish
+        for attempt in range(3):
+            routes = transport.routes()
+            targets = routes.route(exchange, routing_key)
+            if not targets:
+                # Maybe bound since we loaded the table: a version check (one tiny query,
+                # not a reload) decides. Celery's events take this path whenever no
+                # monitor listens.
+                if not fresh and self.pgmq.routing_version() != routes.version:
+                    transport.reload_routes()
+                    fresh = True
+                    continue
+                if self.deadletter_queue:
+                    self._send_to(self.deadletter_queue, body, headers, priority, delay)
+                    return
+                # Debug, not warning: Celery's events go unheard whenever no monitor runs.
+                logger.debug(
+                    "message to exchange %r with routing key %r matched no binding: dropped "
+                    "(as AMQP does); declare and bind a queue first",
+                    exchange,
+                    routing_key,
+                )
+                return
+            if priority:
+                names = [transport.bands(queue).queue_for(priority) for queue, _ in targets]
+            else:
+                names = [pgmq for _, pgmq in targets]
+            try:
+                version, _ = self.pgmq.send_routed(
+                    names, body, headers, version=routes.version, delay_seconds=delay
+                )
+            except errors.QueueNotFound as exc:
+                # A bound queue was dropped meanwhile (its bindings normally go with it):
+                # nothing was sent. Reload and retry; if the route still names a missing
+                # queue, its PGMQ table was dropped behind kombu_pgmq's back.
+                if attempt == 2:
+                    raise errors.QueueNotFound(
+                        f"exchange {exchange!r} routes {routing_key!r} to a queue whose PGMQ "
+                        f"table is gone ({exc}); nothing was published: delete that queue "
+                        "(queue_delete) or declare it again"
+                    ) from exc
+                version = -1
+            if version == routes.version:
+                return
+            transport.reload_routes()
+            fresh = True
+        raise errors.StatementError(
+            f"routing for exchange {exchange!r} kept changing while publishing; try again"
+        )
+
+    def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+        body, headers = encoding.encode(message)
+        priority = self._get_message_priority(message)
+        self._send_to(
+            queue, body, headers, priority, delay_seconds(message, self.options.eta_lead_seconds)
+        )
+
+    def _send_to(
+        self, queue: str, body: str, headers: str, priority: int = 0, delay: int = 0
+    ) -> None:
+        try:
+            self._send(queue, body, headers, priority, delay)
+        except errors.InvalidJsonBody:
+            body, headers = encoding.reencode_opaque(body, headers)
+            self._send(queue, body, headers, priority, delay)
+
+    def _send(self, queue: str, body: str, headers: str, priority: int, delay: int) -> None:
+        if priority:
+            name = self.connection.bands(queue).queue_for(priority)
+        else:
+            name = pgmq_queue_name(queue)
+        try:
+            self.pgmq.send(name, body, headers, delay)
+        except errors.QueueNotFound:
+            # Dropped by another process (or never declared): AMQP would drop the
+            # message; we create the queue so nothing is lost.
+            self._known_queues.discard(pgmq_queue_name(queue))
+            self.connection.forget_bands(queue)
+            self._new_queue(queue)
+            if priority:
+                name = self.connection.bands(queue).queue_for(priority)
+            self.pgmq.send(name, body, headers, delay)

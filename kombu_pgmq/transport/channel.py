@@ -1,0 +1,509 @@
+"""Kombu semantics on PGMQ: :class:`Channel` (queues, exchanges, publish, consume) and
+:class:`QoS` (prefetch, ack, reject, restore). No SQL here: statements go through the
+transport's :class:`~kombu_pgmq._db.broker.Broker` (``channel.pgmq``)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import defaultdict
+from itertools import count
+from queue import Empty
+from typing import TYPE_CHECKING, Any
+
+from kombu.exceptions import ChannelError
+from kombu.transport import virtual
+from kombu.transport.base import to_rabbitmq_queue_arguments
+
+from .. import _encoding as encoding
+from .. import _priorities as priorities
+from .. import errors
+from .._db.broker import Broker, Row
+from .._naming import pgmq_queue_name
+from ._publishing import Publishing
+from .options import TransportOptions
+
+if TYPE_CHECKING:
+    from .transport import Transport
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Channel", "QoS"]
+
+
+def _milliseconds(arguments: dict[str, Any], key: str) -> int | None:
+    value = arguments.get(key)
+    if value is None:
+        return None
+    try:
+        ms = int(value)
+    except (TypeError, ValueError):
+        ms = -1
+    if ms <= 0:
+        raise errors.ConfigurationError(
+            f"queue argument {key}={value!r} is invalid: expected milliseconds > 0"
+        )
+    return ms
+
+
+def _expired(payload: dict[str, Any], row: Row, ttl_seconds: float | None) -> bool:
+    """x-message-ttl of the queue, or the message's own ``expiration`` (ms), has passed."""
+    if ttl_seconds is not None and row.age_seconds > ttl_seconds:
+        return True
+    expiration = payload["properties"].get("expiration")
+    if expiration is None:
+        return False
+    try:
+        return row.age_seconds > float(expiration) / 1000.0
+    except (TypeError, ValueError):
+        return False
+
+
+class QoS(virtual.QoS):
+    """Prefetch bookkeeping; acks archive, rejects requeue or dead-letter in PGMQ."""
+
+    channel: Channel
+
+    def _locate(self, delivery_tag: Any) -> tuple[str, int, str]:
+        info = self._delivered[delivery_tag].delivery_info
+        return info["pgmq_queue"], info["pgmq_msg_id"], info["kombu_queue"]
+
+    def ack(self, delivery_tag: Any) -> None:
+        """Archive the message: at once, or batched with others (see
+        :meth:`Transport.defer_ack`: inside ``drain_events`` and in Celery's event
+        loop)."""
+        queue, msg_id, _ = self._locate(delivery_tag)
+        transport = self.channel.connection
+        if transport.poller.defers_acks:
+            super().ack(delivery_tag)
+            transport.poller.defer_ack(queue, msg_id)
+        else:
+            self.channel.pgmq.archive(queue, [msg_id], durable=transport.options.durable_acks)
+            super().ack(delivery_tag)
+            transport.poller.wake()  # a prefetch slot is free: read now
+
+    def reject(self, delivery_tag: Any, requeue: bool = False) -> None:
+        queue, msg_id, kombu_queue = self._locate(delivery_tag)
+        with self.channel.connection.leases.lock:
+            if requeue:
+                self.channel.pgmq.set_vt(queue, [msg_id], 0)
+            else:
+                self.channel._dead_letter(kombu_queue, queue, [msg_id], "rejected")
+            self._quick_ack(delivery_tag)
+        self.channel.connection.poller.wake(requeued=queue if requeue else None)
+
+    def restore_unacked(self) -> list[tuple[BaseException, Any]]:
+        """Make every unacked message visible again (one ``set_vt`` per queue); batched
+        acks are archived first."""
+        self._flush()
+        transport = self.channel.connection
+        if transport is not None:
+            transport.poller.flush_acks()
+            with transport.leases.lock:  # no renewal round may extend them afterwards
+                return self._requeue_unacked()
+        return self._requeue_unacked()
+
+    def _requeue_unacked(self) -> list[tuple[BaseException, Any]]:
+        by_queue: dict[str, list[Any]] = defaultdict(list)
+        for message in self._delivered.values():
+            by_queue[message.delivery_info["pgmq_queue"]].append(message)
+        self._delivered.clear()
+        for queue, messages in by_queue.items():
+            ids = [m.delivery_info["pgmq_msg_id"] for m in messages]
+            try:
+                self.channel.pgmq.set_vt(queue, ids, 0)
+            except errors.KombuPgmqError as exc:
+                # Not lost: they become visible anyway when their visibility timeout ends.
+                logger.warning(
+                    "could not requeue %d unacked messages of %s (%s); they are delivered "
+                    "again after the visibility timeout",
+                    len(ids),
+                    queue,
+                    exc,
+                )
+        return []  # nothing is lost on failure: the visibility timeout restores it
+
+
+class Channel(Publishing, virtual.Channel):
+    """One Kombu channel; all channels of a connection share its PostgreSQL connection."""
+
+    QoS = QoS
+    connection: Transport
+
+    #: Bodies are stored by :mod:`kombu_pgmq._encoding` (JSON as JSON), not base64'd by
+    #: Kombu. The ``body_encoding`` transport option still applies if set.
+    body_encoding = None  # type: ignore[assignment]
+
+    def __init__(self, connection: Transport, **kwargs: Any) -> None:
+        super().__init__(connection, **kwargs)
+        #: The connection's validated transport options.
+        self.options: TransportOptions = connection.options
+        self._tags = count(1)
+        self._turns = count()
+        self._no_ack_queues: set[str] = set()
+        self._vt_seconds = self.options.vt_seconds
+        self._known_queues: set[str] = set()
+        self._message_ttl: dict[str, int | None] = {}
+        # What this channel declared and bound, to recreate a consumed queue that was
+        # dropped under it (by an operator, or reaped after a long database outage).
+        self._declared: dict[str, dict[str, Any]] = {}
+        self._bound: dict[str, set[tuple[str, str]]] = {}
+        # Connects now (and bootstraps the schema once per process), so connection
+        # errors surface at channel creation as kombu expects.
+        self.connection.broker()
+
+    @property
+    def pgmq(self) -> Broker:
+        """Broker operations on the connection's statement connection."""
+        return self.connection.broker()
+
+    # -- queues ----------------------------------------------------------------------
+
+    def _new_queue(
+        self,
+        queue: str,
+        durable: bool = True,
+        auto_delete: bool = False,
+        exclusive: bool = False,
+        arguments: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Create the queue if this channel has not yet; record its AMQP arguments.
+
+        ``durable=False`` makes an UNLOGGED PGMQ queue; ``auto_delete`` (and
+        ``exclusive``, which implies it here) drops it when its last consumer cancels;
+        ``x-expires`` (ms) drops it after that long unused; ``x-message-ttl`` (ms) drops
+        older messages instead of delivering them.
+        """
+        name = pgmq_queue_name(queue)
+        if name in self._known_queues:
+            return
+        self._declared[queue] = {
+            "durable": durable,
+            "auto_delete": auto_delete,
+            "exclusive": exclusive,
+            "arguments": arguments,
+        }
+        args = arguments or {}
+        expires = _milliseconds(args, "x-expires")
+        ttl = _milliseconds(args, "x-message-ttl")
+        max_priority = priorities.max_priority_argument(args, queue)
+        bands = priorities.make_bands(queue, max_priority, self.options.priority_steps)
+        info = self.pgmq.create_queue(
+            name,
+            queue,
+            durable=bool(durable),
+            auto_delete=bool(auto_delete or exclusive),
+            expires_ms=expires,
+            message_ttl_ms=ttl,
+            max_priority=max_priority,
+            floors=bands.floors,
+            band_queues=bands.queues,
+        )
+        self._message_ttl[queue] = info.message_ttl_ms
+        self.connection.set_bands(queue, priorities.stored(name, info.floors, info.band_queues))
+        if max_priority is not None and info.max_priority != max_priority:
+            raise ChannelError(
+                f"PRECONDITION_FAILED - inequivalent arg 'x-max-priority' for queue {queue!r}: "
+                f"received {max_priority} but current is {info.max_priority}; declare it "
+                "with the same x-max-priority, or delete the queue first (queue_delete)",
+                (50, 10),
+                "Channel.queue_declare",
+                "406",
+            )
+        self._known_queues.add(name)
+
+    def prepare_queue_arguments(self, arguments: Any, **kwargs: Any) -> Any:
+        """Kombu ``Queue(expires=, message_ttl=, max_length=...)`` -> ``x-*`` arguments
+        (seconds to milliseconds), as for RabbitMQ."""
+        return to_rabbitmq_queue_arguments(arguments, **kwargs)
+
+    def _has_queue(self, queue: str, **kwargs: Any) -> bool:
+        return self.pgmq.queue_exists(pgmq_queue_name(queue))
+
+    def _size(self, queue: str) -> int:
+        total = 0
+        for name in self.connection.bands(queue).queues:
+            with contextlib.suppress(errors.QueueNotFound):
+                total += self.pgmq.size(name)
+        return total
+
+    def _purge(self, queue: str) -> int:
+        total = 0
+        for name in self.connection.bands(queue).queues:
+            with contextlib.suppress(errors.QueueNotFound):
+                total += self.pgmq.purge(name)
+        return total
+
+    def _delete(self, queue: str, *args: Any, **kwargs: Any) -> None:
+        name = pgmq_queue_name(queue)
+        self._known_queues.discard(name)
+        self.pgmq.drop_queue(name, queue)  # every band with it
+        self.connection.forget_bands(queue)
+
+    def queue_delete(
+        self, queue: str, if_unused: bool = False, if_empty: bool = False, **kwargs: Any
+    ) -> None:
+        """Delete the queue, its archive, bindings and consumers (also if declared by
+        another process)."""
+        if if_empty and self._size(queue):
+            return
+        self._delete(queue)
+
+    # -- consume ---------------------------------------------------------------------
+
+    def basic_consume(
+        self, queue: str, no_ack: bool, callback: Any, consumer_tag: str, **kwargs: Any
+    ) -> Any:
+        if no_ack:
+            self._no_ack_queues.add(queue)
+        else:
+            self._no_ack_queues.discard(queue)
+        result = super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
+        self.connection.register_consumer(queue, consumer_tag)
+        self.connection.poller.on_consume(self.connection.bands(queue).queues)
+        return result
+
+    def basic_cancel(self, consumer_tag: str) -> Any:
+        queue = self._tag_to_queue.get(consumer_tag)
+        result = super().basic_cancel(consumer_tag)
+        if queue is not None:
+            if queue not in self._active_queues:
+                self._no_ack_queues.discard(queue)
+            if self.connection.release_consumer(queue, consumer_tag):
+                self._known_queues.discard(pgmq_queue_name(queue))
+            self.connection.poller.on_cancel(self.connection.bands(queue).queues)
+        return result
+
+    def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
+        """Get one message synchronously (``None`` if the queue has none ready)."""
+        payloads = self._fetch(queue, 1, no_ack=no_ack)
+        if not payloads:
+            return None
+        message = self.Message(payloads[0], channel=self)
+        if not no_ack:
+            self.qos.append(message, message.delivery_tag)
+            self.connection.keep_leases()
+        return message
+
+    def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
+        payloads = self._fetch(queue, 1, no_ack=queue in self._no_ack_queues)
+        if not payloads:
+            raise Empty()
+        return payloads[0]
+
+    def _consume(
+        self, only: set[str] | None, acks: list[tuple[str, int]]
+    ) -> tuple[int, set[str], set[str], bool]:
+        """Read up to the free prefetch from the consumed queues (those in ``only``, PGMQ
+        names; None: all) in one round trip, archiving ``acks`` in the same transaction,
+        and deliver each message to its consumer.
+
+        Returns ``(delivered, drained, full, acks_sent)``: PGMQ names of queues found
+        empty, and of queues that filled the read (may hold more); ``acks_sent`` is
+        False when ``acks`` were not archived (the caller archives them).
+        """
+        queues = self._active_queues
+        if not queues:
+            return 0, set(), set(), False
+        free = self.qos.can_consume_max_estimate()
+        remaining = (
+            self.options.read_batch_size
+            if free is None
+            else min(free, self.options.read_batch_size)
+        )
+        if remaining <= 0:
+            return 0, set(), set(), False
+        drained: set[str] = set()
+        full: set[str] = set()
+        batches: list[tuple[str, str, list[Row], bool]] = []
+
+        def account(queue: str, name: str, rows: list[Row], no_ack: bool) -> None:
+            nonlocal remaining
+            (drained if len(rows) < remaining else full).add(name)
+            remaining -= len(rows)
+            if rows:
+                batches.append((queue, name, rows, no_ack))
+
+        bands = self.connection.bands
+        acked: list[tuple[str, str]] = []  # (kombu queue, PGMQ queue of a band)
+        turn = next(self._turns) % len(queues)  # rotate: fair across queues
+        for queue in queues[turn:] + queues[:turn]:
+            # priority bands highest first (kombu_pgmq._priorities)
+            names = [n for n in bands(queue).read_order if only is None or n in only]
+            if queue not in self._no_ack_queues:
+                acked.extend((queue, name) for name in names)
+                continue
+            for name in names:
+                if remaining > 0:
+                    account(queue, name, self._rows(queue, name, remaining, no_ack=True), True)
+        acks_sent = False
+        if acked and remaining > 0:
+            try:
+                durable = self.connection.options.durable_acks
+                rows = self.pgmq.read_many(
+                    [name for _, name in acked],
+                    self._vt_seconds,
+                    remaining,
+                    acks,
+                    durable_acks=durable,
+                )
+                acks_sent = True
+            except errors.QueueNotFound:
+                rows = None  # one is gone: go queue by queue (recreates it)
+            if rows is None:
+                for queue, name in acked:
+                    if remaining > 0:
+                        account(queue, name, self._rows(queue, name, remaining), False)
+            else:
+                by_name: dict[str, list[Row]] = defaultdict(list)
+                for row in rows:
+                    by_name[row.queue].append(row)
+                for queue, name in acked:
+                    if remaining > 0:
+                        account(queue, name, by_name.get(name, []), False)
+        deliveries = [
+            (payload, queue)
+            for queue, name, rows, no_ack in batches
+            for payload in self._to_payloads(queue, name, rows, no_ack=no_ack)
+        ]
+        deliver = self.connection._deliver
+        for index, (payload, queue) in enumerate(deliveries):
+            try:
+                deliver(payload, queue)
+            except BaseException:
+                self._release([p for p, _ in deliveries[index + 1 :]])
+                raise
+        return len(deliveries), drained, full, acks_sent
+
+    def _release(self, payloads: list[dict[str, Any]]) -> None:
+        """Make read but undelivered messages visible again (a callback failed)."""
+        by_queue: dict[str, list[int]] = defaultdict(list)
+        for payload in payloads:
+            info = payload["properties"]["delivery_info"]
+            by_queue[info["pgmq_queue"]].append(info["pgmq_msg_id"])
+        for name, ids in by_queue.items():
+            self.pgmq.set_vt(name, ids, 0)
+
+    def _fetch(self, queue: str, qty: int, *, no_ack: bool) -> list[dict[str, Any]]:
+        """Read up to ``qty`` messages of one queue, priority bands highest first (all
+        bands in one round trip, unless popping)."""
+        names = self.connection.bands(queue).read_order
+        if len(names) > 1 and not no_ack:
+            try:
+                rows = self.pgmq.read_many(names, self._vt_seconds, qty)
+            except errors.QueueNotFound:
+                pass  # one is gone: band by band below (recreates a consumed queue)
+            else:
+                by_name: dict[str, list[Row]] = defaultdict(list)
+                for row in rows:
+                    by_name[row.queue].append(row)
+                return [
+                    payload
+                    for name in names
+                    for payload in self._to_payloads(queue, name, by_name[name], no_ack)
+                ]
+        payloads: list[dict[str, Any]] = []
+        for name in names:
+            if qty <= 0:
+                break
+            rows = self._rows(queue, name, qty, no_ack)
+            qty -= len(rows)
+            payloads += self._to_payloads(queue, name, rows, no_ack)
+        return payloads
+
+    def _rows(self, queue: str, name: str, qty: int, no_ack: bool = False) -> list[Row]:
+        """Read (or pop, for no_ack) up to ``qty`` rows of one queue; a consumed queue
+        found dropped is declared again (and yields nothing this time)."""
+        try:
+            if no_ack:
+                return self.pgmq.pop(name, qty)
+            return self.pgmq.read(name, self._vt_seconds, qty)
+        except errors.QueueNotFound:
+            if queue in self._active_queues:
+                self._recreate(queue)
+            return []
+
+    def _to_payloads(
+        self, queue: str, name: str, rows: list[Row], no_ack: bool
+    ) -> list[dict[str, Any]]:
+        """Rows -> Kombu payloads: poison messages dead-lettered, expired ones deleted."""
+        if self.options.max_deliveries is not None and not no_ack:
+            rows = self._drop_poison(queue, name, rows)
+        payloads = [self._payload(queue, name, row) for row in rows]
+        ttl = self._queue_ttl_seconds(queue)
+        expired = [p for p, row in zip(payloads, rows, strict=True) if _expired(p, row, ttl)]
+        if expired:
+            if not no_ack:
+                self.pgmq.delete(
+                    name, [p["properties"]["delivery_info"]["pgmq_msg_id"] for p in expired]
+                )
+            gone = {id(p) for p in expired}
+            payloads = [p for p in payloads if id(p) not in gone]
+        return payloads
+
+    def _queue_ttl_seconds(self, queue: str) -> float | None:
+        if queue not in self._message_ttl:
+            self._message_ttl[queue] = self.pgmq.message_ttl_ms(queue)
+        ttl = self._message_ttl[queue]
+        return None if ttl is None else ttl / 1000.0
+
+    def _recreate(self, queue: str) -> None:
+        """Declare, bind and register again a queue this channel consumes but that is gone."""
+        logger.warning(
+            "queue %r was dropped while this process consumed it; declaring it again "
+            "(with the arguments and bindings this channel gave it)",
+            queue,
+        )
+        self._known_queues.discard(pgmq_queue_name(queue))
+        self._new_queue(queue, **self._declared.get(queue, {}))
+        for exchange, routing_key in self._bound.get(queue, ()):
+            self.pgmq.bind(exchange, routing_key, queue)
+        for tag, consumed in self._tag_to_queue.items():
+            if consumed == queue:
+                self.connection.register_consumer(queue, tag)
+
+    def _drop_poison(self, queue: str, name: str, rows: list[Row]) -> list[Row]:
+        limit = self.options.max_deliveries
+        assert limit is not None
+        poison = [row.msg_id for row in rows if row.read_ct > limit]
+        if not poison:
+            return rows
+        self._dead_letter(queue, name, poison, "max_deliveries")
+        return [row for row in rows if row.read_ct <= limit]
+
+    def _payload(self, queue: str, name: str, row: Row) -> dict[str, Any]:
+        payload = encoding.decode(row.message, row.headers)
+        props = payload["properties"]
+        props["delivery_tag"] = next(self._tags)
+        info = props["delivery_info"]
+        info["redelivered"] = row.read_ct > 1
+        info["pgmq_queue"] = name
+        info["pgmq_msg_id"] = row.msg_id
+        info["pgmq_read_ct"] = row.read_ct
+        info["kombu_queue"] = queue
+        info.setdefault("routing_key", queue)
+        info.setdefault("exchange", "")
+        return payload
+
+    def _dead_letter(self, kombu_queue: str, name: str, msg_ids: list[int], reason: str) -> None:
+        dlq_kombu = self.options.dead_letter_queue
+        dlq = pgmq_queue_name(dlq_kombu)
+        kwargs = {"dead_letter_queue": dlq, "reason": reason, "kombu_queue": kombu_queue}
+        try:
+            moved = self.pgmq.dead_letter(name, msg_ids, **kwargs)
+        except errors.QueueNotFound:
+            self._new_queue(dlq_kombu)
+            moved = self.pgmq.dead_letter(name, msg_ids, **kwargs)
+        logger.warning(
+            "dead-lettered %d message(s) of queue %r to %r (reason: %s)",
+            len(moved),
+            kombu_queue,
+            dlq_kombu,
+            reason,
+        )
+
+    def _restore(self, message: Any) -> None:
+        """Make one unacked message visible again (no copy is published)."""
+        info = message.delivery_info
+        self.pgmq.set_vt(info["pgmq_queue"], [info["pgmq_msg_id"]], 0)

@@ -1,0 +1,188 @@
+"""Transport options: one frozen, validated :class:`TransportOptions`, parsed once per
+Kombu connection from ``Connection(transport_options=...)`` / Celery's
+``broker_transport_options``.
+
+Each field carries its unit and its documentation (``metadata``); the README's table of
+transport options is checked against :data:`OPTIONS` by a test, so the two cannot drift.
+Options this transport does not know (kombu's and Celery's own) are ignored here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from .._priorities import validate_steps
+from ..errors import ConfigurationError
+
+__all__ = ["OPTIONS", "TransportOptions"]
+
+
+def _doc(unit: str, text: str) -> dict[str, str]:
+    return {"unit": unit, "doc": text}
+
+
+@dataclass(frozen=True)
+class TransportOptions:
+    """The transport options in force for one Kombu connection (see the module docstring
+    of :mod:`kombu_pgmq.transport` for what each does)."""
+
+    visibility_timeout: float = field(
+        default=30.0,
+        metadata=_doc(
+            "seconds", "invisibility of a delivered, unacked message after its last lease renewal"
+        ),
+    )
+    lease_renewal_interval: float | None = field(
+        default=None,
+        metadata=_doc(
+            "seconds",
+            "how often held messages' leases are renewed (None: visibility_timeout / 3; 0: off)",
+        ),
+    )
+    max_deliveries: int | None = field(
+        default=None, metadata=_doc("deliveries", "dead-letter after this many deliveries")
+    )
+    dead_letter_queue: str = field(
+        default="kombu_pgmq_dlq", metadata=_doc("queue name", "where dead letters go")
+    )
+    read_batch_size: int = field(
+        default=100, metadata=_doc("messages", "most messages read in one round trip")
+    )
+    priority_steps: tuple[int, ...] | None = field(
+        default=None, metadata=_doc("priorities", "floors of the priority bands")
+    )
+    eta_lead_seconds: float = field(
+        default=2.0, metadata=_doc("seconds", "an ETA task becomes visible this early")
+    )
+    polling_interval: float = field(
+        default=1.0, metadata=_doc("seconds", "fallback poll of every consumed queue")
+    )
+    durable_acks: bool = field(default=False, metadata=_doc("bool", "commit acks synchronously"))
+    vacuum_threshold: int = field(
+        default=20_000, metadata=_doc("dead tuples", "VACUUM a consumed queue table above this")
+    )
+    install_schema: bool = field(
+        default=True, metadata=_doc("bool", "install PGMQ and the migrations on connect")
+    )
+    connection_options: Mapping[str, Any] = field(
+        default_factory=dict, metadata=_doc("dict", "extra libpq parameters")
+    )
+    consumer_heartbeat_interval: float = field(
+        default=10.0, metadata=_doc("seconds", "consumer heartbeats and reaper runs")
+    )
+    consumer_stale_after: float = field(
+        default=30.0, metadata=_doc("seconds", "a consumer without heartbeat counts as gone")
+    )
+
+    @property
+    def vt_seconds(self) -> int:
+        """The visibility timeout in whole seconds (PGMQ's unit), at least 1."""
+        return max(1, round(self.visibility_timeout))
+
+    @property
+    def renewal_interval_seconds(self) -> float:
+        """Seconds between lease renewal rounds (0: renewal off)."""
+        if self.lease_renewal_interval is None:
+            return self.visibility_timeout / 3.0
+        return self.lease_renewal_interval
+
+    @classmethod
+    def parse(cls, options: Mapping[str, Any] | None) -> TransportOptions:
+        """Validate ``options`` (a transport options dict) once.
+
+        Raises:
+            ConfigurationError: an option has a bad value (the message names the option,
+                the value and what is expected).
+        """
+        given = {f.name: options[f.name] for f in fields(cls) if options and f.name in options}
+        values = {**{f.name: _default(f) for f in fields(cls)}, **given}
+
+        def bad(name: str, want: str) -> ConfigurationError:
+            return ConfigurationError(
+                f"transport option {name}={values[name]!r} is invalid: expected {want}"
+            )
+
+        vt = _number(values["visibility_timeout"])
+        if vt is None or vt < 1:
+            raise bad("visibility_timeout", "seconds >= 1")
+        renewal = values["lease_renewal_interval"]
+        if renewal is not None:
+            renewal = _number(renewal)
+            if renewal is None or not 0 <= renewal < vt:
+                raise ConfigurationError(
+                    f"transport option lease_renewal_interval="
+                    f"{values['lease_renewal_interval']!r} is invalid: expected seconds below "
+                    f"visibility_timeout ({vt:g}), e.g. {vt / 3:g}; 0 turns lease renewal off"
+                )
+        md = values["max_deliveries"]
+        if md is not None and (not _is_int(md) or md < 1):
+            raise bad("max_deliveries", "an int >= 1, or None for unlimited")
+        if not _is_int(values["read_batch_size"]) or values["read_batch_size"] < 1:
+            raise bad("read_batch_size", "an int >= 1")
+        if not isinstance(values["dead_letter_queue"], str) or not values["dead_letter_queue"]:
+            raise bad("dead_letter_queue", "a queue name")
+        steps = validate_steps(values["priority_steps"])
+        lead = _number(values["eta_lead_seconds"])
+        if lead is None or lead < 0:
+            raise bad("eta_lead_seconds", "seconds >= 0")
+        polling = _number(values["polling_interval"])
+        if polling is None or polling <= 0:
+            raise bad("polling_interval", "seconds > 0")
+        for name in ("durable_acks", "install_schema"):
+            if not isinstance(values[name], bool):
+                raise bad(name, "True or False")
+        threshold = values["vacuum_threshold"]
+        if not _is_int(threshold) or threshold < 0:
+            raise bad(
+                "vacuum_threshold",
+                "a number of dead tuples >= 0 (0: never vacuum, leave it to autovacuum)",
+            )
+        conn_opts = values["connection_options"] or {}
+        if not isinstance(conn_opts, Mapping):
+            raise bad("connection_options", "a dict of libpq parameters")
+        timing = {}
+        for name in ("consumer_heartbeat_interval", "consumer_stale_after"):
+            number = _number(values[name])
+            if number is None or number <= 0:
+                raise bad(name, "seconds > 0")
+            timing[name] = number
+        return cls(
+            visibility_timeout=vt,
+            lease_renewal_interval=renewal,
+            max_deliveries=md,
+            dead_letter_queue=values["dead_letter_queue"],
+            read_batch_size=values["read_batch_size"],
+            priority_steps=steps,
+            eta_lead_seconds=lead,
+            polling_interval=polling,
+            durable_acks=values["durable_acks"],
+            vacuum_threshold=threshold,
+            install_schema=values["install_schema"],
+            connection_options=dict(conn_opts),
+            **timing,
+        )
+
+
+def _default(f: Any) -> Any:
+    return f.default_factory() if callable(f.default_factory) else f.default
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+#: ``{name: (unit, default, doc)}`` of every transport option (README's table).
+OPTIONS: dict[str, tuple[str, Any, str]] = {
+    f.name: (f.metadata["unit"], _default(f), f.metadata["doc"]) for f in fields(TransportOptions)
+}

@@ -1,0 +1,397 @@
+"""The poller: the event-loop I/O of one Kombu connection (after kombu's Redis
+``MultiChannelPoller``).
+
+It owns the wake-up state (which PGMQ queues may hold messages: *ready*; which ones this
+connection sleeps on: *waiting*), the LISTEN connection and wake pipe
+(:class:`~kombu_pgmq.transport._listener.Listener`), the hub callbacks of Celery's event
+loop, the blocking :meth:`Poller.drain_events`, and the :class:`AckBatch`. A round reads
+the ready queues of every channel (pending acks ride along in the same round trip) and
+delivers; queues found empty go to sleep on LISTEN (``kombu_pgmq.wait_for``), queues that
+filled their read stay ready. A fallback poll every ``polling_interval`` seconds marks
+every consumed queue ready (messages that become visible without a publish).
+
+Statements go through the transport's statement connection only (the channels'), never
+the lease or heartbeat connections.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Sequence
+from time import monotonic, sleep
+from typing import TYPE_CHECKING, Any
+
+from .. import errors
+from ._listener import Listener
+from .acks import AckBatch, archive
+
+if TYPE_CHECKING:
+    from .transport import Transport
+
+__all__ = ["RECONNECT_SECONDS", "Poller"]
+
+logger = logging.getLogger(__name__)
+
+#: Seconds between reconnection attempts of a consumer in Celery's event loop.
+RECONNECT_SECONDS = 1.0
+
+
+class Poller:
+    """Wake-ups, polling rounds and event-loop registration of one transport."""
+
+    #: Consecutive full reads of a queue after which this connection stops waiting on
+    #: it (a backlog: publishers stop notifying until it is drained again).
+    busy_after_full_reads = 3
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+        self.acks = AckBatch()
+        self._listener: Listener | None = None
+        self._ready: set[str] = set()  # may hold visible messages: read when prefetch allows
+        self._waiting: set[str] = set()  # our row is in kombu_pgmq.waiting: publishers notify
+        self._full_reads: dict[str, int] = {}  # consecutive reads that filled the request
+        self._next_fallback = 0.0
+        self._draining = 0
+        self._hub: Any = None
+        self._hub_fds: list[int] = []
+        self._hub_listener = (-1, -1)  # (fd, generation) of the LISTEN socket watched
+        self._hub_timer: Any = None
+        self._connection_lost_at: float | None = None
+        self._retry_pending = False  # a reconnection attempt is scheduled in the event loop
+
+    @property
+    def polling_interval(self) -> float:
+        return self.transport.polling_interval
+
+    # -- listening -------------------------------------------------------------------
+
+    def listener(self) -> Listener:
+        listener = self._listener
+        if listener is None:
+            listener = self._listener = Listener(self.transport.dsn)
+        return listener
+
+    @property
+    def listening(self) -> bool:
+        return self._listener is not None
+
+    def on_consume(self, names: Sequence[str]) -> None:
+        """A channel consumes PGMQ queues ``names`` (a queue's priority bands): LISTEN for
+        them and read them now."""
+        listener = self.listener()
+        listener.listen(names)
+        listener.fileno()  # connected and LISTENing from now on
+        self._ready.update(names)
+        listener.wake()
+
+    def on_cancel(self, names: Sequence[str]) -> None:
+        """A consumer of PGMQ queues ``names`` was cancelled: stop listening to those no
+        consumer is left for."""
+        consumed = self.consumed()
+        for name in names:
+            if name in consumed:
+                continue
+            self._ready.discard(name)
+            self._full_reads.pop(name, None)
+            if self._listener is not None:
+                self._listener.unlisten([name])
+            if name in self._waiting:
+                self._waiting.discard(name)
+                broker = self.transport.broker_if_connected()
+                if broker is not None:
+                    # the reaper removes the row with our consumers
+                    with contextlib.suppress(errors.KombuPgmqError):
+                        broker.stop_waiting(self.transport.owner, [name])
+
+    def consumed(self) -> set[str]:
+        """PGMQ queues (every priority band) of the queues consumed now."""
+        bands = self.transport.bands
+        return {
+            name
+            for c in self.transport.channels
+            for q in c._active_queues
+            for name in bands(q).queues
+        }
+
+    def wake(self, requeued: str | None = None) -> None:
+        """End the current wait of :meth:`drain_events` (or run a poll in Celery's event
+        loop) now; safe from any thread.
+
+        Called when an ack or reject frees a prefetch slot (often from another thread,
+        e.g. Celery's pool result handler), so the next read does not wait for a poll.
+        ``requeued``: a PGMQ queue a message was just made visible in (read it too).
+        """
+        if requeued is not None:
+            self._ready.add(requeued)
+        listener = self._listener
+        if listener is not None:
+            listener.wake()
+
+    # -- acks ------------------------------------------------------------------------
+
+    @property
+    def defers_acks(self) -> bool:
+        """True while acks are batched: inside :meth:`drain_events` (archived before it
+        returns) and once registered with Celery's event loop (archived at the loop's
+        next turn, with the next read)."""
+        return self._draining > 0 or self._hub is not None
+
+    def defer_ack(self, queue: str, msg_id: int) -> None:
+        """Queue an ack for the next read or flush (one statement for many)."""
+        self.acks.add(queue, msg_id)
+        self.wake()
+
+    def flush_acks(self) -> None:
+        """Archive the batched acks now (one ``pgmq.archive`` per queue)."""
+        if self.acks:
+            self.acks.flush(self.transport.broker(), durable=self.transport.options.durable_acks)
+
+    # -- connection loss -------------------------------------------------------------
+
+    def _connection_lost(self, exc: BaseException) -> None:
+        """The statement connection was lost in the event loop: keep every held message
+        (leases renew once reconnected) and retry soon, instead of making Celery restart
+        its consumer (which would requeue the running tasks)."""
+        if self._connection_lost_at is None:
+            self._connection_lost_at = monotonic()
+            logger.warning(
+                "database connection lost (%s); reconnecting every %.1f s, held messages are kept",
+                exc,
+                self.polling_interval,
+            )
+        self._waiting.clear()  # recorded again as queues are found empty
+        with contextlib.suppress(errors.KombuPgmqError):
+            self._ready |= self.consumed()
+        if self._hub is not None and not self._retry_pending:
+            # retry soon, not at the next fallback poll only; one timer at a time
+            self._retry_pending = True
+            self._hub.call_later(RECONNECT_SECONDS, self._on_hub_retry)
+
+    def _on_hub_retry(self) -> None:
+        self._retry_pending = False
+        self._on_hub_fallback()
+
+    def _connection_ok(self) -> None:
+        if self._connection_lost_at is not None:
+            logger.warning(
+                "database connection re-established after %.1f s",
+                monotonic() - self._connection_lost_at,
+            )
+            self._connection_lost_at = None
+
+    # -- rounds ----------------------------------------------------------------------
+
+    def _note_wakeups(self, listener: Listener) -> None:
+        """Mark notified queues ready; every consumed queue when the fallback poll is due
+        or notifications may have been missed."""
+        notified = listener.collect()
+        now = monotonic()
+        if notified is None:
+            # A new LISTEN connection: the database may have restarted and forgotten our
+            # waiting rows; record them again as queues are found empty.
+            self._waiting.clear()
+        if notified is None or now >= self._next_fallback:
+            self._next_fallback = now + self.polling_interval
+            self._ready |= self.consumed()
+        else:
+            self._ready |= notified
+
+    def poll(self) -> tuple[int, bool]:
+        """One round: read the ready queues of every channel (batched acks ride along)
+        and deliver. Returns ``(delivered, again)``; ``again`` asks for another round at
+        once (queues that just went to sleep get their final read, see migration 0003).
+        """
+        transport = self.transport
+        acks = self.acks.take()
+        delivered = 0
+        drained: set[str] = set()
+        full: set[str] = set()
+        ready = set(self._ready)
+        try:
+            for channel in list(transport.channels):
+                if not channel._active_queues or not ready:
+                    continue
+                n, empty, filled, sent = channel._consume(ready, acks)
+                if sent:
+                    acks = []
+                delivered += n
+                drained |= empty
+                full |= filled
+        finally:
+            if acks:
+                # archived at the next round if the connection is gone
+                archive(
+                    transport.broker(),
+                    acks,
+                    durable=transport.options.durable_acks,
+                    on_lost=self.acks.put_back,
+                )
+        self._ready -= drained
+        self._ready |= full
+        to_wait = drained - self._waiting
+        to_busy = []
+        for name in drained:
+            self._full_reads.pop(name, None)
+        for name in full:
+            streak = self._full_reads[name] = self._full_reads.get(name, 0) + 1
+            if streak >= self.busy_after_full_reads and name in self._waiting:
+                to_busy.append(name)
+        if to_busy:
+            # A backlog: publishers stop notifying (their commits would serialize).
+            transport.broker().stop_waiting(transport.owner, sorted(to_busy))
+            self._waiting.difference_update(to_busy)
+        if to_wait:
+            self.listener().fileno()  # LISTEN before publishers can see us waiting
+            unsettled = transport.broker().wait_for(transport.owner, sorted(to_wait))
+            if unsettled:
+                logger.debug(
+                    "a publisher to %s is still in its transaction: its message is found by "
+                    "the fallback poll",
+                    ", ".join(unsettled),
+                )
+            self._waiting |= to_wait
+            self._ready |= to_wait  # the final read, after wait_for committed
+        if full and self._hub is not None:
+            self.wake()  # more may wait: read again after the loop's other work
+        return delivered, bool(to_wait)
+
+    def drain_events(self, timeout: float | None = None) -> None:
+        """See :meth:`kombu_pgmq.transport.Transport.drain_events`."""
+        start = monotonic()
+        listener = self._listener
+        if listener is None:  # nothing consumed
+            if timeout is None:
+                raise errors.ConfigurationError(
+                    "drain_events() without a consumer would wait forever: "
+                    "start a Consumer first, or give a timeout"
+                )
+            sleep(timeout)
+            raise TimeoutError()
+        self._draining += 1
+        retried = False
+        try:
+            while True:
+                try:
+                    self._note_wakeups(listener)
+                    if self._ready or self.acks:
+                        delivered, again = self.poll()
+                        self._connection_ok()
+                        if delivered:
+                            return
+                        if again:
+                            continue
+                except errors.BrokerConnectionError as exc:
+                    # A dropped connection (server restart, pg_terminate_backend): the
+                    # next statement reconnects. Retry once; raise if that fails too.
+                    if retried:
+                        raise
+                    retried = True
+                    self._connection_lost(exc)
+                    continue
+                now = monotonic()
+                if timeout is not None and now - start >= timeout:
+                    raise TimeoutError()
+                wait = self._next_fallback - now
+                if timeout is not None:
+                    wait = min(wait, timeout - (now - start))
+                if wait > 0:
+                    listener.wait(wait)
+        finally:
+            self._draining -= 1
+            if not self._draining and self._hub is None:
+                self.flush_acks()
+
+    # -- Celery's event loop (asynloop) ---------------------------------------------------
+
+    def register_with_event_loop(self, loop: Any) -> None:
+        """Readers on the LISTEN socket and the wake pipe, a fallback poll every
+        ``polling_interval`` seconds. Acks are batched from here on."""
+        self.unregister_from_event_loop()  # registered twice: the last loop wins
+        self._hub = loop
+        listener = self.listener()
+        self._hub_fds = [listener.wake_fileno]
+        self._hub_listener = (-1, -1)
+        loop.add_reader(listener.wake_fileno, self._on_hub_event)
+        self._watch_listener(listener)
+        self._hub_timer = loop.call_repeatedly(self.polling_interval, self._on_hub_fallback)
+        loop.call_soon(self._on_hub_event)
+
+    def _watch_listener(self, listener: Listener) -> None:
+        fd = listener.fileno()  # connects (and LISTENs) after a lost connection
+        if (fd, listener.generation) != self._hub_listener:
+            for old in self._hub_fds[1:]:
+                with contextlib.suppress(Exception):  # closed with the lost connection
+                    self._hub.remove_reader(old)
+            self._hub_fds[1:] = [fd]
+            self._hub_listener = (fd, listener.generation)
+            self._hub.add_reader(fd, self._on_hub_event)
+
+    def _on_hub_fallback(self) -> None:
+        self._next_fallback = 0.0
+        self._on_hub_event()
+
+    def _on_hub_event(self) -> None:
+        listener = self._listener
+        if listener is None or self._hub is None:
+            return
+        try:
+            self._note_wakeups(listener)
+            self._watch_listener(listener)
+            for _ in range(2):  # a round, and the final read of queues that went to sleep
+                if not (self._ready or self.acks):
+                    break
+                _, again = self.poll()
+                if not again:
+                    break
+        except errors.BrokerConnectionError as exc:
+            self._connection_lost(exc)  # the fallback poll retries
+        else:
+            self._connection_ok()
+
+    def unregister_from_event_loop(self) -> None:
+        hub, self._hub = self._hub, None
+        if hub is None:
+            return
+        for fd in self._hub_fds:
+            with contextlib.suppress(Exception):  # the loop may be closing too
+                hub.remove_reader(fd)
+        self._hub_fds = []
+        if self._hub_timer is not None:
+            self._hub_timer.cancel()
+            self._hub_timer = None
+
+    # -- closing ---------------------------------------------------------------------
+
+    def close(self, broker: Any) -> None:
+        """Archive the batched acks and forget our waiting rows on ``broker`` (the
+        statement connection, still open), then close the LISTEN connection."""
+        self.unregister_from_event_loop()
+        try:
+            if broker is not None:
+                if self.acks:
+                    self.acks.flush(broker, durable=self.transport.options.durable_acks)
+                if self._waiting:
+                    broker.stop_waiting(self.transport.owner)
+        except errors.KombuPgmqError as exc:
+            logger.warning("closing: %s (unarchived acks are delivered again)", exc)
+        finally:
+            self._waiting.clear()
+            self.acks.clear()
+            listener, self._listener = self._listener, None
+            if listener is not None:
+                listener.close()
+
+    def after_fork(self) -> None:
+        """In a forked child: the parent's state is not ours (no flush, no cleanup)."""
+        self.acks.clear()
+        self._ready.clear()
+        self._waiting.clear()
+        self._full_reads.clear()
+        self._hub = None
+        self._hub_fds = []
+        self._hub_timer = None
+        self._draining = 0
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.abandon()  # a new one is made if this process consumes

