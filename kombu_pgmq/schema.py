@@ -187,7 +187,7 @@ def verify(client: Connector) -> None:
     if not client.scalar("pgmq_schema_present"):
         raise errors.BootstrapError(
             "PGMQ is not installed in this database and install_schema is off: run "
-            "'python -m kombu_pgmq.schema <url>' once, or set install_schema=True"
+            "'kombu-pgmq schema install --url <url>' once, or set install_schema=True"
         )
     version = client.scalar("pgmq_extension_version") or "unknown"
     _check_pgmq(client, str(version))
@@ -196,7 +196,7 @@ def verify(client: Connector) -> None:
         raise errors.BootstrapError(
             f"kombu_pgmq schema is at version {len(applied)}, this release needs "
             f"{len(migrations())}, and install_schema is off: run "
-            "'python -m kombu_pgmq.schema <url>' once, or set install_schema=True"
+            "'kombu-pgmq schema install --url <url>' once, or set install_schema=True"
         )
 
 
