@@ -218,3 +218,31 @@ def test_database_restart_during_a_long_task_causes_no_duplicate(tmp_path: Path)
         if worker is not None:
             worker.stop()
         server.stop()
+
+
+def test_locked_table_and_open_enqueue_transaction_starve_no_lease(
+    app: Celery, db: psycopg.Connection, db_dsn: str, start_worker: Callable[..., Worker]
+) -> None:
+    """Issue 13: workers start while an application's transaction that enqueued stays
+    open; while one runs a task of 4 x VT, a session holds ACCESS EXCLUSIVE on the table
+    the heartbeats write for 3 x VT. The task runs exactly once (the other worker reads
+    the queue all along): leases renew on a connection of their own."""
+    vt = 2
+    env = {"KPT_VISIBILITY_TIMEOUT": str(vt), "KPT_CONSUMER_HEARTBEAT_INTERVAL": "0.5"}
+    with app.connection_for_write() as conn:
+        app.amqp.queues[app.conf.task_default_queue](conn.default_channel).declare()
+    with psycopg.connect(db_dsn) as producer:  # left open until the end, then rolled back
+        producer.execute("SELECT kombu_pgmq.publish('celery', '{\"n\": 1}', '{}')")
+        start_worker(**env)
+        start_worker(**env)
+        result = app.tasks["e2e.record_and_sleep"].delay(4 * vt, 0.0)
+        wait_for(lambda: runs(db, result.id), RESULT_TIMEOUT_S, "the first run")
+        with psycopg.connect(db_dsn) as locker:
+            locker.execute("LOCK TABLE kombu_pgmq.consumers IN ACCESS EXCLUSIVE MODE")
+            time.sleep(3 * vt)
+            locker.rollback()
+        assert result.get(timeout=RESULT_TIMEOUT_S)["runs"] == 1
+        producer.rollback()
+    assert len(runs(db, result.id)) == 1
+    wait_for(lambda: not _queue(db), RESULT_TIMEOUT_S, "the ack")
+    assert [r[1] for r in _queue(db, "a_celery") if r[2] == result.id] == [1]
