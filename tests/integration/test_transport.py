@@ -296,7 +296,7 @@ def test_install_schema_off_on_empty_database_says_how_to_fix(empty_db_dsn):
 
     with (
         connect(empty_db_dsn, install_schema=False) as conn,
-        pytest.raises(BootstrapError, match=r"python -m kombu_pgmq\.schema"),
+        pytest.raises(BootstrapError, match=r"kombu-pgmq schema install"),
     ):
         conn.channel()
 
