@@ -107,9 +107,7 @@ def main() -> None:
     consumer.cancel()
     worker.release()
     with psycopg.connect(args.url) as db:
-        reads = db.execute(
-            f"SELECT read_ct FROM pgmq.a_{QUEUE} WHERE message ? 'hold'"
-        ).fetchall()
+        reads = db.execute(f"SELECT read_ct FROM pgmq.a_{QUEUE} WHERE message ? 'hold'").fetchall()
 
     lat_ms = sorted(x * 1000 for x in latencies)
     result = {

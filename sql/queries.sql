@@ -22,17 +22,19 @@ SELECT kombu_pgmq.publish(%(queue)s, %(message)s::jsonb, %(headers)s::jsonb, %(d
 -- Uses the queue table's primary key order (msg_id) and its vt index.
 -- message and headers come back as text: the JSON body goes to Kombu unparsed.
 -- age_seconds (server clock) serves x-message-ttl and per-message expiration.
-SELECT %(queue)s::text AS queue, msg_id, read_ct, message::text AS message,
+SELECT %(queue)s::text AS queue, msg_id, read_ct, enqueued_at, message::text AS message,
        headers::text AS headers,
        extract(epoch FROM clock_timestamp() - enqueued_at)::float8 AS age_seconds
 FROM pgmq.read(%(queue)s, %(vt_seconds)s::integer, %(qty)s::integer)
 
 -- name: read_many
--- Archive acked messages, then read up to qty messages from several queues, in one
--- round trip (kombu_pgmq.read, migration 0003). Rows carry their PGMQ queue name.
-SELECT queue, msg_id, read_ct, message, headers, age_seconds
+-- Archive acked messages (receipt handles: queue, msg_id, read_ct, enqueued_at; a stale
+-- one is not applied, migration 0007), then read up to qty messages from several queues,
+-- in one round trip (kombu_pgmq.read). Rows carry their PGMQ queue name.
+SELECT queue, msg_id, read_ct, enqueued_at, message, headers, age_seconds
 FROM kombu_pgmq.read(%(queues)s::text[], %(vt_seconds)s::integer, %(qty)s::integer,
-                     %(ack_queues)s::text[], %(ack_ids)s::bigint[], %(durable_acks)s::boolean)
+                     %(ack_queues)s::text[], %(ack_ids)s::bigint[], %(ack_cts)s::integer[],
+                     %(ack_enqueued)s::timestamptz[], %(durable_acks)s::boolean)
 
 -- name: wait_for
 -- This connection found the queues empty and sleeps on their NOTIFY channels (see
@@ -64,7 +66,7 @@ UNLISTEN {channel}
 
 -- name: pop
 -- Deliver and delete up to qty visible messages (consumers with no_ack=True).
-SELECT %(queue)s::text AS queue, msg_id, read_ct, message::text AS message,
+SELECT %(queue)s::text AS queue, msg_id, read_ct, enqueued_at, message::text AS message,
        headers::text AS headers,
        extract(epoch FROM clock_timestamp() - enqueued_at)::float8 AS age_seconds
 FROM pgmq.pop(%(queue)s, %(qty)s::integer)
@@ -90,7 +92,29 @@ SELECT msg_id FROM pgmq.set_vt(%(queue)s, %(msg_ids)s::bigint[], %(vt_seconds)s:
 -- its visibility timeout passed, or gone).
 SELECT queue, msg_id
 FROM kombu_pgmq.renew(%(queues)s::text[], %(msg_ids)s::bigint[], %(read_cts)s::integer[],
-                      %(vt_seconds)s::integer)
+                      %(enqueued)s::timestamptz[], %(vt_seconds)s::integer)
+
+-- name: ack
+-- Ack with receipt handles (migration 0007): archive the rows these deliveries still
+-- hold; returns the (queue, msg_id) settled, a stale handle is left out.
+SELECT queue, msg_id
+FROM kombu_pgmq.ack(%(queues)s::text[], %(msg_ids)s::bigint[], %(read_cts)s::integer[],
+                    %(enqueued)s::timestamptz[])
+
+-- name: ack_async
+-- The same with an asynchronous commit (durable_acks=False).
+SELECT queue, msg_id, set_config('synchronous_commit', 'off', true) AS synchronous_commit
+FROM kombu_pgmq.ack(%(queues)s::text[], %(msg_ids)s::bigint[], %(read_cts)s::integer[],
+                    %(enqueued)s::timestamptz[])
+
+-- name: requeue
+-- Reject with requeue, restore, a failed delivery (migration 0007): visible in
+-- vt_seconds if the delivery still holds the row; uncount takes the delivery back from
+-- read_ct (the application never ran it). Returns the (queue, msg_id) settled.
+SELECT queue, msg_id
+FROM kombu_pgmq.requeue(%(queues)s::text[], %(msg_ids)s::bigint[], %(read_cts)s::integer[],
+                        %(enqueued)s::timestamptz[], %(vt_seconds)s::integer,
+                        %(uncount)s::boolean)
 
 -- name: create_queue
 -- Only if missing (pgmq.meta, unique on queue_name): on an existing queue pgmq.create
@@ -157,11 +181,15 @@ SELECT count(*) AS purged FROM purged
 
 -- name: dead_letter
 -- Move messages to the dead-letter queue in one statement (so atomically): delete from
--- the source queue table by primary key, send each to the dead-letter queue with an
+-- the source queue table the rows these deliveries still hold (receipt handles,
+-- migration 0007), send each to the dead-letter queue with an
 -- "x-dead-letter" header recording where it came from and why.
 WITH moved AS (
-    DELETE FROM {queue_table} WHERE msg_id = ANY(%(msg_ids)s::bigint[])
-    RETURNING msg_id, read_ct, enqueued_at, message, headers
+    DELETE FROM {queue_table} AS t
+    USING unnest(%(msg_ids)s::bigint[], %(read_cts)s::integer[], %(enqueued)s::timestamptz[])
+          AS h(id, ct, at)
+    WHERE t.msg_id = h.id AND t.read_ct = h.ct AND t.enqueued_at = h.at
+    RETURNING t.msg_id, t.read_ct, t.enqueued_at, t.message, t.headers
 )
 SELECT pgmq.send(
     %(dead_letter_queue)s,

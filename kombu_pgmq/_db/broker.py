@@ -10,17 +10,19 @@ reconnects) or :class:`~kombu_pgmq.errors.StatementError` (the statement failed)
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from datetime import datetime
 from typing import Any, NamedTuple
 
 from .connector import Connector
 
-__all__ = ["Broker", "QueueInfo", "RoutingTable", "Row"]
+__all__ = ["Broker", "QueueInfo", "Receipt", "RoutingTable", "Row"]
 
 
 class Row(NamedTuple):
     """One delivered message: ``message`` and ``headers`` are JSON text (headers may be
     None); ``age_seconds`` is the time since it was sent, by the server's clock; ``queue``
-    the PGMQ queue it was read from."""
+    the PGMQ queue it was read from; ``enqueued_at`` its send time (with ``msg_id`` and
+    ``read_ct``, the receipt of this delivery)."""
 
     msg_id: int
     read_ct: int
@@ -28,6 +30,29 @@ class Row(NamedTuple):
     headers: str | None
     age_seconds: float
     queue: str = ""
+    enqueued_at: datetime | None = None
+
+
+class Receipt(NamedTuple):
+    """A receipt handle (SQS's model): one delivery of one message. Settling it (ack,
+    requeue, dead-letter, lease renewal) touches the row only while this delivery still
+    holds it: same ``msg_id``, same ``read_ct`` (not read again since) and same
+    ``enqueued_at`` (not a new message that reused the id of an UNLOGGED queue emptied by
+    a crash). Migration 0007."""
+
+    queue: str
+    msg_id: int
+    read_ct: int
+    enqueued_at: datetime | None
+
+
+def _handles(receipts: Sequence[Receipt]) -> dict[str, list[Any]]:
+    return {
+        "queues": [r.queue for r in receipts],
+        "msg_ids": [r.msg_id for r in receipts],
+        "read_cts": [r.read_ct for r in receipts],
+        "enqueued": [r.enqueued_at for r in receipts],
+    }
 
 
 class RoutingTable(NamedTuple):
@@ -122,11 +147,12 @@ class Broker:
         queues: Sequence[str],
         vt_seconds: int,
         qty: int,
-        acks: Sequence[tuple[str, int]] = (),
+        acks: Sequence[Receipt] = (),
         *,
         durable_acks: bool = True,
     ) -> list[Row]:
-        """Archive ``acks`` (``(queue, msg_id)`` pairs), then deliver up to ``qty`` messages
+        """Archive ``acks`` (receipts; a stale one is not applied and the server's notice
+        is logged), then deliver up to ``qty`` messages
         from ``queues`` in the order given, all in one round trip and one transaction
         (each row names its ``queue``).
 
@@ -141,8 +167,10 @@ class Broker:
             "queues": list(queues),
             "vt_seconds": vt_seconds,
             "qty": qty,
-            "ack_queues": [q for q, _ in acks],
-            "ack_ids": [i for _, i in acks],
+            "ack_queues": [a.queue for a in acks],
+            "ack_ids": [a.msg_id for a in acks],
+            "ack_cts": [a.read_ct for a in acks],
+            "ack_enqueued": [a.enqueued_at for a in acks],
             "durable_acks": durable_acks,
         }
         return self.db.fetch("read_many", params, Row)
@@ -159,6 +187,22 @@ class Broker:
         name = "archive" if durable else "archive_async"
         return self.db.column(name, {"queue": queue, "msg_ids": list(msg_ids)})
 
+    def ack(self, receipts: Sequence[Receipt], *, durable: bool = True) -> set[tuple[str, int]]:
+        """Archive the messages these deliveries still hold; return the ``(queue, msg_id)``
+        settled (a stale receipt is left out, nothing is applied for it).
+        ``durable=False`` commits asynchronously (a server crash may forget the ack)."""
+        rows = self.db.fetch("ack" if durable else "ack_async", _handles(receipts), _Renewed)
+        return {(r.queue, int(r.msg_id)) for r in rows}
+
+    def requeue(
+        self, receipts: Sequence[Receipt], vt_seconds: int = 0, *, uncount: bool = False
+    ) -> set[tuple[str, int]]:
+        """Make messages these deliveries still hold visible in ``vt_seconds`` (0: now);
+        ``uncount``: take the delivery back from ``read_ct`` (the application never ran
+        it). Returns the ``(queue, msg_id)`` settled."""
+        params = {**_handles(receipts), "vt_seconds": vt_seconds, "uncount": uncount}
+        return {(r.queue, int(r.msg_id)) for r in self.db.fetch("requeue", params, _Renewed)}
+
     def set_vt(self, queue: str, msg_ids: Sequence[int], vt_seconds: int) -> list[int]:
         """Make messages visible again in ``vt_seconds`` (0: now); return the ids updated."""
         params = {"queue": queue, "msg_ids": list(msg_ids), "vt_seconds": vt_seconds}
@@ -168,29 +212,24 @@ class Broker:
         """Delete messages for good (no archive); return the ids that were there."""
         return self.db.column("delete_messages", {"queue": queue, "msg_ids": list(msg_ids)})
 
-    def renew(self, held: Sequence[tuple[str, int, int]], vt_seconds: int) -> set[tuple[str, int]]:
-        """Extend the leases of held messages, ``(queue, msg_id, read_ct)`` each, to now +
-        ``vt_seconds``, in one round trip. Returns the ``(queue, msg_id)`` renewed; the
-        others lost their lease (read again elsewhere after their visibility timeout
-        passed, or gone)."""
-        params = {
-            "queues": [h[0] for h in held],
-            "msg_ids": [h[1] for h in held],
-            "read_cts": [h[2] for h in held],
-            "vt_seconds": vt_seconds,
-        }
+    def renew(self, held: Sequence[Receipt], vt_seconds: int) -> set[tuple[str, int]]:
+        """Extend the leases of held messages (receipts) to now + ``vt_seconds``, in one
+        round trip. Returns the ``(queue, msg_id)`` renewed; the others lost their lease
+        (read again elsewhere after their visibility timeout passed, or gone)."""
+        params = {**_handles(held), "vt_seconds": vt_seconds}
         return {(r.queue, int(r.msg_id)) for r in self.db.fetch("renew", params, _Renewed)}
 
     def dead_letter(
         self,
         queue: str,
-        msg_ids: Sequence[int],
+        receipts: Sequence[Receipt],
         *,
         dead_letter_queue: str,
         reason: str,
         kombu_queue: str,
     ) -> list[int]:
-        """Atomically move messages from ``queue`` to ``dead_letter_queue``.
+        """Atomically move the messages these deliveries (of ``queue``) still hold to
+        ``dead_letter_queue``.
 
         The moved copy keeps message and headers and gains an ``x-dead-letter`` header:
         ``{"queue", "pgmq_queue", "msg_id", "read_ct", "reason", "enqueued_at",
@@ -201,7 +240,7 @@ class Broker:
         """
         params = {
             "queue": queue,
-            "msg_ids": list(msg_ids),
+            **_handles(receipts),
             "dead_letter_queue": dead_letter_queue,
             "reason": reason,
             "kombu_queue": kombu_queue,

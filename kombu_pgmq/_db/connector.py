@@ -5,8 +5,9 @@ own transaction unless inside :meth:`Connector.transaction`) and is used by one 
 only (a channel's statements, lease renewal, heartbeats, LISTEN): a statement that blocks
 on one of them never holds up another. Statements are named blocks of ``sql/queries.sql``
 (or a :class:`psycopg.sql.Composed` built from one, for table names); result rows are
-decoded **by column name** with psycopg row factories (``class_row``), so a column added
-or moved by a PGMQ release cannot shift a value into the wrong field.
+decoded **by column name** with psycopg row factories (NamedTuple fields matched to the
+result's column names), so a column added or moved by a PGMQ release cannot shift a value
+into the wrong field.
 
 Errors: every :class:`psycopg.Error` is translated here, once, by
 :func:`kombu_pgmq.errors.translate` (``raise ... from exc``); after a lost connection the
@@ -22,6 +23,9 @@ child at once.
 
 from __future__ import annotations
 
+import functools
+import logging
+import operator
 import os
 import threading
 import weakref
@@ -33,10 +37,12 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import RowFactory, class_row
 
-from ..errors import BrokerConnectionError, KombuPgmqError, translate
+from ..errors import BrokerConnectionError, KombuPgmqError, StatementError, translate
 from .queries import queries
 
 __all__ = ["Connector", "Query"]
+
+logger = logging.getLogger(__name__)
 
 #: A statement: the name of a block of ``sql/queries.sql``, or SQL composed from one.
 Query = str | sql.Composable
@@ -46,6 +52,45 @@ T = TypeVar("T")
 #: collected: psycopg would warn) until the child exits.
 _ABANDONED: list[Any] = []
 _LIVE: weakref.WeakSet[Connector] = weakref.WeakSet()
+
+
+@functools.lru_cache(maxsize=64)
+def _named_row(cls: Any) -> Any:
+    """A row factory building NamedTuple ``cls`` by column name: the statement's columns
+    are matched to the fields by name once per result, then each row is built with one
+    ``itemgetter`` (fields the statement does not return take their defaults).
+
+    Raises (when the statement runs):
+        StatementError: the statement lacks a field that has no default.
+    """
+    fields = cls._fields
+    defaults = cls._field_defaults
+
+    def factory(cursor: Any) -> Any:
+        names = [c.name for c in cursor.description or ()]
+        missing = [f for f in fields if f not in names and f not in defaults]
+        if missing:
+            raise StatementError(
+                f"the statement returns no column {', '.join(missing)} for {cls.__name__} "
+                f"(it returns {', '.join(names)}): name the columns in sql/queries.sql"
+            )
+        if all(f in names for f in fields):
+            getter = operator.itemgetter(*[names.index(f) for f in fields])
+            if len(fields) == 1:
+                return lambda values: cls._make((getter(values),))
+            return lambda values: cls._make(getter(values))
+        picks = [(names.index(f), None) if f in names else (None, defaults[f]) for f in fields]
+        return lambda values: cls._make([values[i] if i is not None else d for i, d in picks])
+
+    return factory
+
+
+def _log_notice(diagnostic: Any) -> None:
+    """Server notices of kombu_pgmq's own functions ("kombu_pgmq: ...", e.g. stale acks
+    not applied) are logged as warnings; others are left to the server log."""
+    text = diagnostic.message_primary or ""
+    if text.startswith("kombu_pgmq: "):
+        logger.warning("%s", text[len("kombu_pgmq: ") :])
 
 
 def _after_fork_in_child() -> None:
@@ -120,6 +165,7 @@ class Connector:
         if self._on_notify is not None:
             on_notify = self._on_notify
             conn.add_notify_handler(lambda n: on_notify(n.channel))
+        conn.add_notice_handler(_log_notice)
         self._conn = conn
         return conn
 
@@ -185,7 +231,8 @@ class Connector:
         """
         factory: Any = row
         if isinstance(row, type):
-            factory = class_row(row)
+            kind: Any = row
+            factory = _named_row(kind) if hasattr(kind, "_fields") else class_row(row)
         try:
             cur = (
                 self.connection.cursor(row_factory=factory) if factory else self.connection.cursor()

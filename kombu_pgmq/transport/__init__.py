@@ -53,8 +53,15 @@ Delivery semantics
   delivered again after its visibility timeout (at least once). An ack made outside both
   (e.g. after ``SimpleQueue.get``) is archived at once.
 * Closing a channel archives its batched acks and makes its unacked messages visible at
-  once (``set_vt`` to now); it never publishes copies, unlike kombu's default
-  ``_restore``.
+  once; it never publishes copies, unlike kombu's default ``_restore``. A restored
+  delivery (and one whose delivery callback failed) does not count toward
+  ``max_deliveries``: ``read_ct`` is taken back.
+* Receipt handles (SQS's model, migration 0007): every ack, requeue, restore,
+  dead-letter and lease renewal names the delivery it settles (``msg_id``, ``read_ct``
+  and ``enqueued_at``) and touches the row only while that delivery still holds it. A
+  stale one (the lease lapsed and the message was delivered again, or an UNLOGGED queue
+  emptied by a crash reused the id) is logged as a warning and never applied; an ack
+  whose id is already in the archive settles without failing the read it rides with.
 * Dead letters mirror SQS's redrive policy: after ``max_deliveries`` deliveries the next
   read moves the message to ``dead_letter_queue`` instead of delivering it; a reject
   without requeue does the same at once. The copy keeps body and headers and gains an

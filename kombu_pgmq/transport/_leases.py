@@ -31,7 +31,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
-from .._db.broker import Broker
+from .._db.broker import Broker, Receipt
 from ._service import Service
 
 logger = logging.getLogger(__name__)
@@ -39,12 +39,18 @@ logger = logging.getLogger(__name__)
 
 class Held(NamedTuple):
     """A message this connection holds: PGMQ queue, msg_id, the read_ct it was read
-    with, and the visibility timeout (seconds) its channel uses."""
+    with, its enqueued_at (the receipt), and the visibility timeout (seconds) its channel
+    uses."""
 
     queue: str
     msg_id: int
     read_ct: int
     vt_seconds: int
+    enqueued_at: Any = None
+
+    @property
+    def receipt(self) -> Receipt:
+        return Receipt(self.queue, self.msg_id, self.read_ct, self.enqueued_at)
 
 
 class Renewal(NamedTuple):
@@ -80,7 +86,15 @@ def held_by(channels: Iterable[Any]) -> list[Held]:
             if message.delivery_tag in settled:
                 continue
             info = message.delivery_info
-            held.append(Held(info["pgmq_queue"], info["pgmq_msg_id"], info["pgmq_read_ct"], vt))
+            held.append(
+                Held(
+                    info["pgmq_queue"],
+                    info["pgmq_msg_id"],
+                    info["pgmq_read_ct"],
+                    vt,
+                    info.get("pgmq_enqueued_at"),
+                )
+            )
     return held
 
 
@@ -143,7 +157,7 @@ class LeaseKeeper(Service):
             broker = Broker(self.connector)
             renewed: set[tuple[str, int]] = set()
             for vt, group in by_vt.items():
-                renewed |= broker.renew([(h.queue, h.msg_id, h.read_ct) for h in group], vt)
+                renewed |= broker.renew([h.receipt for h in group], vt)
         self.statements += len(by_vt)
         lost = [
             (h.queue, h.msg_id)

@@ -4,7 +4,8 @@ Inside ``drain_events`` and in Celery's event loop, ``message.ack()`` only recor
 ack here (any thread may: a lock guards the list); the poller archives the batch with its
 next read (one round trip, ``kombu_pgmq.read``) or flushes it (one ``pgmq.archive`` per
 queue). At least once: until archived, a message stays in its queue table, invisible; if
-the process dies first it is delivered again after its visibility timeout.
+the process dies first it is delivered again after its visibility timeout. Acks are
+receipt handles (:class:`~kombu_pgmq._db.broker.Receipt`): a stale one is never applied.
 
 The batch never opens a connection: :meth:`AckBatch.flush` takes the
 :class:`~kombu_pgmq._db.broker.Broker` to archive on explicitly, so closing a connection
@@ -13,21 +14,23 @@ flushes on that connection and then closes it, never the other way round.
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import threading
-from collections import defaultdict
+from collections.abc import Callable
 
-from .._db.broker import Broker
-from ..errors import BrokerConnectionError, QueueNotFound
+from .._db.broker import Broker, Receipt
+from ..errors import BrokerConnectionError
 
 __all__ = ["AckBatch"]
 
+logger = logging.getLogger(__name__)
+
 
 class AckBatch:
-    """Acked, not yet archived messages: ``(pgmq queue, msg_id)`` pairs."""
+    """Acked, not yet archived deliveries (receipt handles)."""
 
     def __init__(self) -> None:
-        self._acks: list[tuple[str, int]] = []
+        self._acks: list[Receipt] = []
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -36,18 +39,18 @@ class AckBatch:
     def __bool__(self) -> bool:
         return bool(self._acks)
 
-    def add(self, queue: str, msg_id: int) -> None:
+    def add(self, held: Receipt) -> None:
         with self._lock:
-            self._acks.append((queue, msg_id))
+            self._acks.append(held)
 
-    def take(self) -> list[tuple[str, int]]:
+    def take(self) -> list[Receipt]:
         """Remove and return every pending ack (the caller archives them or puts them
         back with :meth:`put_back`)."""
         with self._lock:
             acks, self._acks = self._acks, []
         return acks
 
-    def put_back(self, acks: list[tuple[str, int]]) -> None:
+    def put_back(self, acks: list[Receipt]) -> None:
         """Return acks that could not be archived (archived with the next batch)."""
         with self._lock:
             self._acks[:0] = acks
@@ -58,7 +61,7 @@ class AckBatch:
             self._acks = []
 
     def flush(self, broker: Broker, *, durable: bool) -> None:
-        """Archive the pending acks on ``broker`` now (one ``pgmq.archive`` per queue).
+        """Archive the pending acks on ``broker`` now (one statement).
 
         Raises:
             BrokerConnectionError: the connection was lost; the acks are kept for the
@@ -71,21 +74,25 @@ class AckBatch:
 
 def archive(
     broker: Broker,
-    acks: list[tuple[str, int]],
+    acks: list[Receipt],
     *,
     durable: bool,
-    on_lost: object = None,
+    on_lost: Callable[[list[Receipt]], None] | None = None,
 ) -> None:
-    """Archive ``acks`` (one statement per queue); a queue dropped meanwhile has nothing
-    left to ack. On a lost connection ``on_lost(acks)`` (if given) gets them back."""
-    by_queue: dict[str, list[int]] = defaultdict(list)
-    for queue, msg_id in acks:
-        by_queue[queue].append(msg_id)
+    """Archive ``acks`` in one statement; a stale receipt (delivered again since, or
+    gone with its queue) is logged, never applied. On a lost connection ``on_lost(acks)``
+    (if given) gets them back."""
     try:
-        for queue, ids in by_queue.items():
-            with contextlib.suppress(QueueNotFound):
-                broker.archive(queue, ids, durable=durable)
+        settled = broker.ack(acks, durable=durable)
     except BrokerConnectionError:
-        if callable(on_lost):
+        if on_lost is not None:
             on_lost(acks)
         raise
+    for held in acks:
+        if (held.queue, held.msg_id) not in settled:
+            logger.warning(
+                "stale ack of message %s in PGMQ queue %r not applied: it was delivered "
+                "again after its visibility timeout, or it is gone",
+                held.msg_id,
+                held.queue,
+            )

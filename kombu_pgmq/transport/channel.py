@@ -18,7 +18,7 @@ from kombu.transport.base import to_rabbitmq_queue_arguments
 from .. import _encoding as encoding
 from .. import _priorities as priorities
 from .. import errors
-from .._db.broker import Broker, Row
+from .._db.broker import Broker, Receipt, Row
 from .._naming import pgmq_queue_name
 from ._publishing import Publishing
 from .options import TransportOptions
@@ -59,42 +59,72 @@ def _expired(payload: dict[str, Any], row: Row, ttl_seconds: float | None) -> bo
         return False
 
 
+def receipt(delivery_info: dict[str, Any]) -> Receipt:
+    """The receipt handle of a delivered message (from its ``delivery_info``)."""
+    return Receipt(
+        delivery_info["pgmq_queue"],
+        delivery_info["pgmq_msg_id"],
+        delivery_info["pgmq_read_ct"],
+        delivery_info.get("pgmq_enqueued_at"),
+    )
+
+
+def _log_stale(action: str, given: list[Receipt], settled: set[tuple[str, int]]) -> None:
+    stale = [r for r in given if (r.queue, r.msg_id) not in settled]
+    for r in stale:
+        logger.warning(
+            "stale %s of message %s in PGMQ queue %r not applied: its lease lapsed and it "
+            "was delivered again (read_ct moved past %d), or it is gone",
+            action,
+            r.msg_id,
+            r.queue,
+            r.read_ct,
+        )
+
+
 class QoS(virtual.QoS):
-    """Prefetch bookkeeping; acks archive, rejects requeue or dead-letter in PGMQ."""
+    """Prefetch bookkeeping; acks archive, rejects requeue or dead-letter in PGMQ, each
+    by receipt handle (:class:`~kombu_pgmq._db.broker.Receipt`): a stale one (the lease
+    lapsed and the message was delivered again) is logged, never applied."""
 
     channel: Channel
 
-    def _locate(self, delivery_tag: Any) -> tuple[str, int, str]:
-        info = self._delivered[delivery_tag].delivery_info
-        return info["pgmq_queue"], info["pgmq_msg_id"], info["kombu_queue"]
-
     def ack(self, delivery_tag: Any) -> None:
         """Archive the message: at once, or batched with others (see
-        :meth:`Transport.defer_ack`: inside ``drain_events`` and in Celery's event
-        loop)."""
-        queue, msg_id, _ = self._locate(delivery_tag)
+        :meth:`Poller.defer_ack`: inside ``drain_events`` and in Celery's event loop).
+        Acking a message that is not held (``no_ack`` consumers, already settled) does
+        nothing, as kombu's virtual QoS."""
+        message = self._delivered.get(delivery_tag)
+        if message is None:
+            return
+        held = receipt(message.delivery_info)
         transport = self.channel.connection
         if transport.poller.defers_acks:
             super().ack(delivery_tag)
-            transport.poller.defer_ack(queue, msg_id)
+            transport.poller.defer_ack(held)
         else:
-            self.channel.pgmq.archive(queue, [msg_id], durable=transport.options.durable_acks)
+            durable = transport.options.durable_acks
+            _log_stale("ack", [held], self.channel.pgmq.ack([held], durable=durable))
             super().ack(delivery_tag)
             transport.poller.wake()  # a prefetch slot is free: read now
 
     def reject(self, delivery_tag: Any, requeue: bool = False) -> None:
-        queue, msg_id, kombu_queue = self._locate(delivery_tag)
+        message = self._delivered.get(delivery_tag)
+        if message is None:
+            return
+        held = receipt(message.delivery_info)
         with self.channel.connection.leases.lock:
             if requeue:
-                self.channel.pgmq.set_vt(queue, [msg_id], 0)
+                _log_stale("requeue", [held], self.channel.pgmq.requeue([held], 0))
             else:
-                self.channel._dead_letter(kombu_queue, queue, [msg_id], "rejected")
+                kombu_queue = message.delivery_info["kombu_queue"]
+                self.channel._dead_letter(kombu_queue, held.queue, [held], "rejected")
             self._quick_ack(delivery_tag)
-        self.channel.connection.poller.wake(requeued=queue if requeue else None)
+        self.channel.connection.poller.wake(requeued=held.queue if requeue else None)
 
     def restore_unacked(self) -> list[tuple[BaseException, Any]]:
-        """Make every unacked message visible again (one ``set_vt`` per queue); batched
-        acks are archived first."""
+        """Make every unacked message visible again (one statement); batched acks are
+        archived first. Restored deliveries do not count toward ``max_deliveries``."""
         self._flush()
         transport = self.channel.connection
         if transport is not None:
@@ -104,21 +134,17 @@ class QoS(virtual.QoS):
         return self._requeue_unacked()
 
     def _requeue_unacked(self) -> list[tuple[BaseException, Any]]:
-        by_queue: dict[str, list[Any]] = defaultdict(list)
-        for message in self._delivered.values():
-            by_queue[message.delivery_info["pgmq_queue"]].append(message)
+        held = [receipt(m.delivery_info) for m in self._delivered.values()]
         self._delivered.clear()
-        for queue, messages in by_queue.items():
-            ids = [m.delivery_info["pgmq_msg_id"] for m in messages]
+        if held:
             try:
-                self.channel.pgmq.set_vt(queue, ids, 0)
+                self.channel.pgmq.requeue(held, 0, uncount=True)
             except errors.KombuPgmqError as exc:
                 # Not lost: they become visible anyway when their visibility timeout ends.
                 logger.warning(
-                    "could not requeue %d unacked messages of %s (%s); they are delivered "
+                    "could not requeue %d unacked messages (%s); they are delivered "
                     "again after the visibility timeout",
-                    len(ids),
-                    queue,
+                    len(held),
                     exc,
                 )
         return []  # nothing is lost on failure: the visibility timeout restores it
@@ -293,7 +319,7 @@ class Channel(Publishing, virtual.Channel):
         return payloads[0]
 
     def _consume(
-        self, only: set[str] | None, acks: list[tuple[str, int]]
+        self, only: set[str] | None, acks: list[Receipt]
     ) -> tuple[int, set[str], set[str], bool]:
         """Read up to the free prefetch from the consumed queues (those in ``only``, PGMQ
         names; None: all) in one round trip, archiving ``acks`` in the same transaction,
@@ -377,13 +403,11 @@ class Channel(Publishing, virtual.Channel):
         return len(deliveries), drained, full, acks_sent
 
     def _release(self, payloads: list[dict[str, Any]]) -> None:
-        """Make read but undelivered messages visible again (a callback failed)."""
-        by_queue: dict[str, list[int]] = defaultdict(list)
-        for payload in payloads:
-            info = payload["properties"]["delivery_info"]
-            by_queue[info["pgmq_queue"]].append(info["pgmq_msg_id"])
-        for name, ids in by_queue.items():
-            self.pgmq.set_vt(name, ids, 0)
+        """Make read but undelivered messages visible again (a callback failed): the
+        application never saw them, so the delivery does not count."""
+        held = [receipt(p["properties"]["delivery_info"]) for p in payloads]
+        if held:
+            self.pgmq.requeue(held, 0, uncount=True)
 
     def _fetch(self, queue: str, qty: int, *, no_ack: bool) -> list[dict[str, Any]]:
         """Read up to ``qty`` messages of one queue, priority bands highest first (all
@@ -466,7 +490,11 @@ class Channel(Publishing, virtual.Channel):
     def _drop_poison(self, queue: str, name: str, rows: list[Row]) -> list[Row]:
         limit = self.options.max_deliveries
         assert limit is not None
-        poison = [row.msg_id for row in rows if row.read_ct > limit]
+        poison = [
+            Receipt(name, row.msg_id, row.read_ct, row.enqueued_at)
+            for row in rows
+            if row.read_ct > limit
+        ]
         if not poison:
             return rows
         self._dead_letter(queue, name, poison, "max_deliveries")
@@ -481,20 +509,23 @@ class Channel(Publishing, virtual.Channel):
         info["pgmq_queue"] = name
         info["pgmq_msg_id"] = row.msg_id
         info["pgmq_read_ct"] = row.read_ct
+        info["pgmq_enqueued_at"] = row.enqueued_at
         info["kombu_queue"] = queue
         info.setdefault("routing_key", queue)
         info.setdefault("exchange", "")
         return payload
 
-    def _dead_letter(self, kombu_queue: str, name: str, msg_ids: list[int], reason: str) -> None:
+    def _dead_letter(
+        self, kombu_queue: str, name: str, receipts: list[Receipt], reason: str
+    ) -> None:
         dlq_kombu = self.options.dead_letter_queue
         dlq = pgmq_queue_name(dlq_kombu)
         kwargs = {"dead_letter_queue": dlq, "reason": reason, "kombu_queue": kombu_queue}
         try:
-            moved = self.pgmq.dead_letter(name, msg_ids, **kwargs)
+            moved = self.pgmq.dead_letter(name, receipts, **kwargs)
         except errors.QueueNotFound:
             self._new_queue(dlq_kombu)
-            moved = self.pgmq.dead_letter(name, msg_ids, **kwargs)
+            moved = self.pgmq.dead_letter(name, receipts, **kwargs)
         logger.warning(
             "dead-lettered %d message(s) of queue %r to %r (reason: %s)",
             len(moved),
@@ -504,6 +535,6 @@ class Channel(Publishing, virtual.Channel):
         )
 
     def _restore(self, message: Any) -> None:
-        """Make one unacked message visible again (no copy is published)."""
-        info = message.delivery_info
-        self.pgmq.set_vt(info["pgmq_queue"], [info["pgmq_msg_id"]], 0)
+        """Make one unacked message visible again (no copy is published; the delivery
+        does not count toward ``max_deliveries``)."""
+        self.pgmq.requeue([receipt(message.delivery_info)], 0, uncount=True)

@@ -23,6 +23,7 @@ from time import monotonic, sleep
 from typing import TYPE_CHECKING, Any
 
 from .. import errors
+from .._db.broker import Receipt
 from ._listener import Listener
 from .acks import AckBatch, archive
 
@@ -137,9 +138,9 @@ class Poller:
         next turn, with the next read)."""
         return self._draining > 0 or self._hub is not None
 
-    def defer_ack(self, queue: str, msg_id: int) -> None:
+    def defer_ack(self, held: Receipt) -> None:
         """Queue an ack for the next read or flush (one statement for many)."""
-        self.acks.add(queue, msg_id)
+        self.acks.add(held)
         self.wake()
 
     def flush_acks(self) -> None:

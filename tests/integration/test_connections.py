@@ -297,9 +297,10 @@ def test_rows_are_decoded_by_column_name(db_dsn, monkeypatch):
     monkeypatch.setitem(
         statements,
         "read_many",
-        "SELECT age_seconds, headers, message, read_ct, msg_id, queue\n"
+        "SELECT age_seconds, headers, enqueued_at, message, read_ct, msg_id, queue\n"
         "FROM kombu_pgmq.read(%(queues)s::text[], %(vt_seconds)s::integer, %(qty)s::integer,\n"
-        "  %(ack_queues)s::text[], %(ack_ids)s::bigint[], %(durable_acks)s::boolean)",
+        "  %(ack_queues)s::text[], %(ack_ids)s::bigint[], %(ack_cts)s::integer[],\n"
+        "  %(ack_enqueued)s::timestamptz[], %(durable_acks)s::boolean)",
     )
     with connect(db_dsn) as conn:
         publish(conn, "shuffled", [{"n": 1}], headers={"task": "t"})

@@ -171,17 +171,17 @@ def test_acks_made_in_callbacks_are_batched_and_archived_before_drain_events_ret
         client = conn.default_channel.pgmq
         single_archives: list[int] = []
         acked_in_reads: list[int] = []
-        archive, read_many = client.archive, client.read_many
+        ack, read_many = client.ack, client.read_many
 
-        def spy_archive(queue, msg_ids, **kwargs):
-            single_archives.append(len(msg_ids))
-            return archive(queue, msg_ids, **kwargs)
+        def spy_ack(receipts, **kwargs):
+            single_archives.append(len(receipts))
+            return ack(receipts, **kwargs)
 
         def spy_read_many(queues, vt_seconds, qty, acks=(), **kwargs):
             acked_in_reads.append(len(acks))
             return read_many(queues, vt_seconds, qty, acks, **kwargs)
 
-        client.archive, client.read_many = spy_archive, spy_read_many
+        client.ack, client.read_many = spy_ack, spy_read_many
         got: list[Any] = []
         with Consumer(
             conn.default_channel,
@@ -340,13 +340,13 @@ def test_acks_commit_asynchronously_unless_durable_acks(db_dsn, durable):
         publish(conn, "durable_acks", [1, 2, 3])
         client = conn.default_channel.pgmq
         seen: list[bool] = []
-        archive = client.archive
+        ack = client.ack
 
-        def spy_archive(queue, msg_ids, *, durable=True):
+        def spy_ack(receipts, *, durable=True):
             seen.append(durable)
-            return archive(queue, msg_ids, durable=durable)
+            return ack(receipts, durable=durable)
 
-        client.archive = spy_archive
+        client.ack = spy_ack
         got: list[Any] = []
         with Consumer(
             conn.default_channel,

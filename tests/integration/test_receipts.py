@@ -1,0 +1,111 @@
+"""Receipt handles (migration 0007): acks, requeues, restores and dead-letters settle a
+delivery only while it still holds the message; restores do not count as deliveries;
+an UNLOGGED queue that reuses ids after a crash never has a new message acked by an old
+receipt, and an archive conflict never fails a read."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from kombu import Queue
+
+from .helpers import connect, drain, publish, sql, table
+
+
+def _count(db_dsn: str, queue: str, prefix: str = "q") -> int:
+    return int(sql(db_dsn, f"SELECT count(*) FROM {table(queue, prefix)}")[0][0])
+
+
+def test_stale_ack_does_not_settle_the_new_delivery(db_dsn, caplog):
+    with connect(db_dsn, visibility_timeout=1, lease_renewal_interval=0) as a:
+        publish(a, "stale", ["x"])
+        old = a.channel().basic_get("stale")
+        assert old is not None
+        time.sleep(1.3)  # no renewals: the lease lapses
+        with connect(db_dsn) as b:
+            new = b.channel().basic_get("stale")
+            assert new is not None and new.delivery_info["pgmq_read_ct"] == 2
+            with caplog.at_level(logging.WARNING):
+                old.ack()  # A's late ack
+            assert "stale ack" in caplog.text
+            assert _count(db_dsn, "stale") == 1 and _count(db_dsn, "stale", "a") == 0
+            new.reject(requeue=True)  # B's requeue still finds its delivery
+            again = b.channel().basic_get("stale")
+            assert again is not None and again.delivery_info["pgmq_read_ct"] == 3
+            again.ack()
+    assert sql(db_dsn, f"SELECT read_ct FROM {table('stale', 'a')}") == [(3,)]
+
+
+def test_a_stale_holders_restore_leaves_the_new_delivery_alone(db_dsn):
+    with connect(db_dsn, visibility_timeout=1, lease_renewal_interval=0) as a:
+        publish(a, "restored", ["x"])
+        channel = a.channel()
+        assert channel.basic_get("restored") is not None
+        time.sleep(1.3)
+        with connect(db_dsn, visibility_timeout=30) as b:
+            held = b.channel().basic_get("restored")
+            assert held is not None
+            channel.close()  # A restores its unacked message: not B's delivery
+            with connect(db_dsn) as c:
+                assert c.channel().basic_get("restored") is None
+            held.ack()
+    assert _count(db_dsn, "restored", "a") == 1
+
+
+def test_restores_do_not_count_toward_max_deliveries(db_dsn):
+    """Prefetched messages returned on channel close (a deploy) were never run: three
+    restores do not dead-letter a message with max_deliveries=2."""
+    with connect(db_dsn, max_deliveries=2) as conn:
+        publish(conn, "deploys", ["job"])
+        for _ in range(3):
+            channel = conn.channel()
+            assert channel.basic_get("deploys") is not None
+            channel.close()
+        got = drain(conn, "deploys", expect=1, timeout=5)
+    assert [m.payload for m in got] == ["job"]
+    assert got[0].delivery_info["pgmq_read_ct"] == 1
+    assert not _dlq_exists(db_dsn) or _count(db_dsn, "kombu_pgmq_dlq") == 0
+
+
+def _dlq_exists(db_dsn: str) -> bool:
+    return bool(sql(db_dsn, "SELECT to_regclass('pgmq.q_kombu_pgmq_dlq') IS NOT NULL")[0][0])
+
+
+def test_reused_ids_of_an_unlogged_queue_are_never_acked_by_an_old_receipt(db_dsn):
+    """A crash empties an UNLOGGED queue and restarts its ids (simulated: TRUNCATE ...
+    RESTART IDENTITY); a receipt of the old message never settles the new one."""
+    queue = Queue("volatile", durable=False)
+    with connect(db_dsn) as a, connect(db_dsn) as b:
+        queue(a.channel()).declare()
+        publish(a, "volatile", [{"m": "old"}])
+        old = a.channel().basic_get("volatile")
+        assert old is not None
+        sql(db_dsn, f"TRUNCATE {table('volatile')} RESTART IDENTITY")
+        publish(b, "volatile", [{"m": "new"}])
+        new = b.channel().basic_get("volatile")
+        assert new is not None
+        assert new.delivery_info["pgmq_msg_id"] == old.delivery_info["pgmq_msg_id"]
+        assert new.delivery_info["pgmq_read_ct"] == old.delivery_info["pgmq_read_ct"]
+        old.ack()  # same msg_id and read_ct, another message: not applied
+        assert _count(db_dsn, "volatile") == 1 and _count(db_dsn, "volatile", "a") == 0
+        new.ack()
+    assert sql(db_dsn, f"SELECT message->>'m' FROM {table('volatile', 'a')}") == [("new",)]
+
+
+def test_an_archive_conflict_never_fails_a_read(db_dsn):
+    """The archive of an UNLOGGED queue is logged: after a crash reused ids, an ack of a
+    new message whose id is already archived settles it and the reads go on."""
+    with connect(db_dsn) as conn:
+        Queue("reused", durable=False)(conn.channel()).declare()
+        publish(conn, "reused", [{"m": "first"}])
+        assert [m.payload["m"] for m in drain(conn, "reused", expect=1)] == ["first"]
+        sql(db_dsn, f"TRUNCATE {table('reused')} RESTART IDENTITY")
+        publish(conn, "reused", [{"m": "second"}, {"m": "third"}])
+        got = drain(conn, "reused", expect=2, prefetch=1)  # acks ride with the next read
+        assert [m.payload["m"] for m in got] == ["second", "third"]
+    assert _count(db_dsn, "reused") == 0
+    assert sql(db_dsn, f"SELECT message->>'m' FROM {table('reused', 'a')} ORDER BY msg_id") == [
+        ("first",),
+        ("third",),
+    ]
