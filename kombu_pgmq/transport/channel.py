@@ -360,9 +360,9 @@ class Channel(Publishing, virtual.Channel):
             if queue not in self._no_ack_queues:
                 acked.extend((queue, name) for name in names)
                 continue
-            for name in names:
+            for name in names:  # no_ack: read (not popped), deleted once delivered
                 if remaining > 0:
-                    account(queue, name, self._rows(queue, name, remaining, no_ack=True), True)
+                    account(queue, name, self._rows(queue, name, remaining), True)
         acks_sent = False
         if acked and remaining > 0:
             try:
@@ -393,14 +393,38 @@ class Channel(Publishing, virtual.Channel):
             for queue, name, rows, no_ack in batches
             for payload in self._to_payloads(queue, name, rows, no_ack=no_ack)
         ]
+        no_ack_read: dict[str, list[int]] = defaultdict(list)
+        for _, name, rows, no_ack in batches:
+            if no_ack:
+                no_ack_read[name].extend(r.msg_id for r in rows)
         deliver = self.connection._deliver
-        for index, (payload, queue) in enumerate(deliveries):
-            try:
-                deliver(payload, queue)
-            except BaseException:
-                self._release([p for p, _ in deliveries[index + 1 :]])
-                raise
+        undelivered: list[dict[str, Any]] = []
+        try:
+            for index, (payload, queue) in enumerate(deliveries):
+                try:
+                    deliver(payload, queue)
+                except BaseException:
+                    undelivered = [p for p, _ in deliveries[index + 1 :]]
+                    self._release(undelivered)
+                    raise
+        finally:
+            if no_ack_read:
+                self._forget_no_ack(no_ack_read, undelivered)
         return len(deliveries), drained, full, acks_sent
+
+    def _forget_no_ack(self, read: dict[str, list[int]], undelivered: list[dict[str, Any]]) -> None:
+        """Delete what ``no_ack`` consumers were handed (and expired rows read with
+        them): as AMQP auto-ack, a message is gone once delivered, but one a failed
+        callback kept from the application stays (it was requeued)."""
+        kept = {
+            (info["pgmq_queue"], info["pgmq_msg_id"])
+            for info in (p["properties"]["delivery_info"] for p in undelivered)
+        }
+        for name, ids in read.items():
+            gone = [i for i in ids if (name, i) not in kept]
+            if gone:
+                with contextlib.suppress(errors.QueueNotFound):
+                    self.pgmq.delete(name, gone)
 
     def _release(self, payloads: list[dict[str, Any]]) -> None:
         """Make read but undelivered messages visible again (a callback failed): the

@@ -5,10 +5,13 @@ receipt, and an archive conflict never fails a read."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from typing import Any
 
-from kombu import Queue
+import pytest
+from kombu import Consumer, Queue
 
 from .helpers import connect, drain, publish, sql, table
 
@@ -109,3 +112,28 @@ def test_an_archive_conflict_never_fails_a_read(db_dsn):
         ("first",),
         ("third",),
     ]
+
+
+def test_no_ack_consumer_loses_nothing_when_a_callback_raises(db_dsn):
+    """A no_ack consumer is handed what it reads, deleted once delivered; a callback
+    that raises leaves the rest of the batch in the queue (before: popped, then lost)."""
+    got: list[int] = []
+
+    def on_message(message: Any) -> None:
+        got.append(message.payload["n"])
+        message.ack()  # harmless on a no_ack message (before: KeyError)
+        if len(got) == 1:
+            raise RuntimeError("callback failed")
+
+    with connect(db_dsn) as conn:
+        publish(conn, "noack.fail", [{"n": n} for n in range(5)])
+        channel = conn.channel()
+        with Consumer(channel, [Queue("noack.fail")], on_message=on_message, no_ack=True):
+            with pytest.raises(RuntimeError, match="callback failed"):
+                conn.drain_events(timeout=5)
+            deadline = time.monotonic() + 10
+            while len(got) < 5 and time.monotonic() < deadline:
+                with contextlib.suppress(TimeoutError):
+                    conn.drain_events(timeout=1)
+    assert sorted(got) == [0, 1, 2, 3, 4]
+    assert _count(db_dsn, "noack.fail") == 0 and _count(db_dsn, "noack.fail", "a") == 0
