@@ -38,6 +38,9 @@ def url_to_params(url: str) -> dict[str, Any]:
         ConfigurationError: the scheme is not ``postgresql``/``postgres`` or the URL
         cannot be parsed (the message shows the URL with the password masked).
     """
+    hosts = _multi_host(url)
+    if hosts is not None:  # postgresql://u@a:5432,b:5433/db (libpq's multi-host form)
+        url = url.replace(hosts[0], "placeholder", 1)
     try:
         parts = urlsplit(url)
         port = parts.port
@@ -53,7 +56,11 @@ def url_to_params(url: str) -> dict[str, Any]:
             "postgresql:// or postgres://"
         )
     params: dict[str, Any] = {}
-    if parts.hostname:
+    if hosts is not None:
+        params["host"], ports = hosts[1], hosts[2]
+        if ports:
+            params["port"] = ports
+    elif parts.hostname:
         # urlsplit lower-cases hostname; keep the original spelling for socket paths.
         host = parts.netloc.rpartition("@")[2]
         host = host[1 : host.index("]")] if host.startswith("[") else host.split(":")[0]
@@ -72,13 +79,33 @@ def url_to_params(url: str) -> dict[str, Any]:
     return params
 
 
+def _multi_host(url: str) -> tuple[str, str, str] | None:
+    """``(netloc host part, "a,b", "5432,5433")`` of a URL listing several hosts in its
+    authority, else None."""
+    rest = url.split("://", 1)[-1]
+    authority = rest.split("/", 1)[0].split("?", 1)[0]
+    hostports = authority.rpartition("@")[2]
+    if "," not in hostports:
+        return None
+    hosts, ports = [], []
+    for item in hostports.split(","):
+        host, _, port = item.partition(":") if not item.startswith("[") else item.partition("]:")
+        hosts.append(unquote(host.strip("[]")))
+        ports.append(port)
+    return hostports, ",".join(hosts), ",".join(ports) if any(ports) else ""
+
+
 def make_dsn(params: Mapping[str, Any]) -> str:
-    """Return a libpq ``key=value`` connection string (with ``application_name``).
+    """Return a libpq ``key=value`` connection string (with ``application_name``; with
+    ``target_session_attrs=read-write`` when several hosts are listed, unless given).
 
     Raises:
         ConfigurationError: libpq rejects a parameter (the message names it).
     """
     merged = {"application_name": _DEFAULT_APPLICATION_NAME, **params}
+    if "," in str(merged.get("host") or "") and "target_session_attrs" not in merged:
+        # several hosts (a primary and standbys): connect to the one that takes writes
+        merged["target_session_attrs"] = "read-write"
     merged = {k: v for k, v in merged.items() if v is not None and v != ""}
     try:
         return make_conninfo("", **merged)

@@ -47,6 +47,9 @@ def dumps(value: Any) -> str:
 
 #: Header key holding the Kombu envelope.
 ENVELOPE_KEY = "x-kombu"
+#: Envelope key of the exact headers and properties (base64 of kombu's JSON), when some
+#: header jsonb cannot hold.
+EXACT_KEY = "exact"
 #: ``body-encoding`` value for bodies stored as base64 JSON strings.
 BASE64 = "base64"
 # Tokens Python's json emits that jsonb refuses (NaN/Infinity), and the NUL escape that
@@ -121,13 +124,34 @@ def _headers_json(
     body_encoding: str | None,
 ) -> str:
     props = {k: v for k, v in properties.items() if k not in _DROP_PROPERTIES}
-    envelope = {
+    envelope: dict[str, Any] = {
         "content-type": message.get("content-type"),
         "content-encoding": message.get("content-encoding"),
         "body-encoding": body_encoding,
         "properties": props,
     }
-    return dumps({**app_headers, ENVELOPE_KEY: envelope})
+    text = dumps({**app_headers, ENVELOPE_KEY: envelope})
+    if _storable(text):
+        return text
+    # A header or property jsonb cannot hold (NUL, NaN/Infinity, a lone surrogate) or
+    # JSON cannot (bytes): the exact headers and properties go into the envelope as the
+    # base64 of kombu's JSON (lossless); the storable headers stay readable at the top.
+    exact = _kombu_dumps({"headers": app_headers, "properties": props})
+    envelope["properties"] = {}
+    envelope[EXACT_KEY] = base64.b64encode(str(exact).encode("ascii")).decode("ascii")
+    readable = {k: v for k, v in app_headers.items() if _storable(dumps({k: v}))}
+    return dumps({**readable, ENVELOPE_KEY: envelope})
+
+
+def _storable(text: str) -> bool:
+    """True if jsonb can store this JSON text as is."""
+    if "\\u0000" in text or "NaN" in text or "Infinity" in text:
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate
+        return False
+    return True
 
 
 def reencode_opaque(message_json: str, headers_json: str) -> tuple[str, str]:
@@ -157,6 +181,10 @@ def decode(message_json: str, headers_json: str | None) -> dict[str, Any]:
             "properties": {"delivery_info": {}, "priority": 0},
         }
     properties = envelope.get("properties") or {}
+    exact = envelope.get(EXACT_KEY)
+    if exact:  # headers jsonb could not hold: the exact ones, as sent
+        original = loads(base64.b64decode(exact).decode("ascii"))
+        headers, properties = original["headers"], original["properties"]
     body_encoding = envelope.get("body-encoding")
     body: Any = message_json
     if body_encoding:

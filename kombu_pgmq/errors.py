@@ -89,9 +89,11 @@ _CONNECTION_SQLSTATE_CLASSES = ("08", "57")  # connection exception, operator in
 def translate(exc: psycopg.Error) -> KombuPgmqError:
     """Return the kombu_pgmq error for a psycopg error (does not raise).
 
-    Shapes: ``psycopg.Error -> KombuPgmqError``. Connection loss, admin shutdown and
-    ``pg_terminate_backend`` become :class:`BrokerConnectionError`; a missing queue table
-    :class:`QueueNotFound`; a JSON body PostgreSQL cannot store :class:`InvalidJsonBody`;
+    Shapes: ``psycopg.Error -> KombuPgmqError``. Connection loss, admin or crash
+    shutdown (``57P01``-``57P03``), ``pg_terminate_backend`` and a read-only server
+    (``25006``: a standby after a failover) become :class:`BrokerConnectionError`; a
+    missing queue table :class:`QueueNotFound`; a JSON body PostgreSQL cannot store
+    :class:`InvalidJsonBody`;
     anything else :class:`StatementError`. The message keeps the server's text.
     """
     sqlstate = getattr(exc, "sqlstate", None) or ""
@@ -100,6 +102,12 @@ def translate(exc: psycopg.Error) -> KombuPgmqError:
         not sqlstate or sqlstate[:2] in _CONNECTION_SQLSTATE_CLASSES
     ):
         return BrokerConnectionError(f"PostgreSQL connection failed or was lost: {text}")
+    if sqlstate == "25006":  # read_only_sql_transaction: a standby (after a failover)
+        return BrokerConnectionError(
+            f"PostgreSQL is read-only (a standby, e.g. after a failover): {text}; "
+            "reconnecting (list every host in the URL, host=a,b: kombu_pgmq then picks the "
+            "primary with target_session_attrs=read-write)"
+        )
     if isinstance(exc, psycopg.InterfaceError):
         return BrokerConnectionError(f"PostgreSQL connection is not usable: {text}")
     if isinstance(exc, pg_errors.UndefinedTable):

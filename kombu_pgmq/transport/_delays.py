@@ -27,6 +27,11 @@ import math
 from datetime import datetime, timezone
 from typing import Any
 
+from ..errors import ConfigurationError
+
+#: Longest delay PGMQ takes (its delay argument is an int4 of seconds).
+MAX_DELAY_SECONDS = 2**31 - 1
+
 
 def delay_seconds(message: dict[str, Any], lead_seconds: float) -> int:
     """Whole seconds to keep a Kombu message ``{"headers": {...}, ...}`` invisible (0: none)."""
@@ -36,9 +41,15 @@ def delay_seconds(message: dict[str, Any], lead_seconds: float) -> int:
     x_delay = headers.get("x-delay")
     if x_delay is not None:
         try:
-            return max(0, math.ceil(float(x_delay) / 1000.0))
+            ms = float(x_delay)
         except (TypeError, ValueError):
-            return 0
+            return 0  # not a number: delivered at once (as before)
+        if not math.isfinite(ms) or ms / 1000.0 > MAX_DELAY_SECONDS:
+            raise ConfigurationError(
+                f"message header x-delay={x_delay!r} is invalid: expected milliseconds from "
+                f"0 to {MAX_DELAY_SECONDS * 1000} (PGMQ delays are whole seconds in an int4)"
+            )
+        return max(0, math.ceil(ms / 1000.0))
     eta = headers.get("eta")
     if not eta or not isinstance(eta, str):
         return 0
@@ -49,4 +60,9 @@ def delay_seconds(message: dict[str, Any], lead_seconds: float) -> int:
     if when.tzinfo is None:
         return 0
     seconds = (when - datetime.now(timezone.utc)).total_seconds() - lead_seconds
+    if seconds > MAX_DELAY_SECONDS:
+        raise ConfigurationError(
+            f"task ETA {eta} is more than {MAX_DELAY_SECONDS} seconds (68 years) away: "
+            "PGMQ cannot delay a message that long; choose a nearer ETA"
+        )
     return int(seconds) if seconds >= 1 else 0

@@ -383,3 +383,15 @@ def test_declare_and_publish_do_not_wait_for_an_open_transaction_that_enqueued(d
     with connect(db_dsn) as conn:
         bodies = [m.decode() for m in drain(conn, "orders", expect=2)]
     assert bodies == ["before", "while it is open"]
+
+
+def test_headers_postgresql_cannot_store_round_trip(db_dsn):
+    """Issue 14, item 9: a NUL, NaN or a lone surrogate in a header (Celery's argsrepr)
+    no longer fails the publish; the message comes back with its headers as sent."""
+    headers = {"task": "t", "argsrepr": "('a\x00b',)", "ratio": float("inf"), "s": "\ud800"}
+    with connect(db_dsn) as conn:
+        publish(conn, "oddheaders", [{"n": 1}], headers=headers)
+        (message,) = drain(conn, "oddheaders", expect=1)
+    assert message.headers == headers
+    assert message.decode() == {"n": 1}
+    assert sql(db_dsn, f"SELECT headers->>'task' FROM {table('oddheaders', 'a')}") == [("t",)]

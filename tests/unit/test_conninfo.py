@@ -81,3 +81,15 @@ def test_bad_port_is_a_clear_error_without_password():
 )
 def test_redact(raw, expected):
     assert redact(raw) == expected
+
+
+def test_several_hosts_default_to_the_primary():
+    from psycopg.conninfo import conninfo_to_dict
+
+    params = conninfo_to_dict(make_dsn(url_to_params("postgresql://u@a:5432,b:5433/db")))
+    assert params["target_session_attrs"] == "read-write"
+    given = make_dsn(url_to_params("postgresql://u@a,b/db?target_session_attrs=any"))
+    assert conninfo_to_dict(given)["target_session_attrs"] == "any"
+    assert "target_session_attrs" not in conninfo_to_dict(
+        make_dsn(url_to_params("postgresql://u@a/db"))
+    )

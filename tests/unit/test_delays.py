@@ -1,5 +1,8 @@
 from datetime import datetime, timedelta, timezone
 
+import pytest
+
+from kombu_pgmq.errors import ConfigurationError
 from kombu_pgmq.transport._delays import delay_seconds
 
 
@@ -26,3 +29,14 @@ def test_no_header_naive_or_bad_eta_means_no_delay():
     assert delay_seconds({"headers": {"eta": "tomorrow"}}, 2.0) == 0
     naive = (datetime.now() + timedelta(hours=1)).isoformat()
     assert delay_seconds({"headers": {"eta": naive}}, 2.0) == 0
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), "inf", 3e12])
+def test_x_delay_out_of_range_is_a_clear_error(value):
+    with pytest.raises(ConfigurationError, match="x-delay"):
+        delay_seconds({"headers": {"x-delay": value}}, 2.0)
+
+
+def test_eta_beyond_pgmq_range_is_a_clear_error():
+    with pytest.raises(ConfigurationError, match="ETA 9999-01-01"):
+        delay_seconds({"headers": {"eta": "9999-01-01T00:00:00+00:00"}}, 2.0)

@@ -115,3 +115,34 @@ def test_reencode_opaque_keeps_the_exact_body():
     assert stored == "not json at all"  # PostgreSQL will refuse it: the transport re-encodes
     stored, headers = reencode_opaque(stored, headers)
     assert decode(stored, headers)["body"] == b"not json at all"
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["a\x00b", float("nan"), float("inf"), "\ud800 lone surrogate", b"\xff\x00 bytes"],
+    ids=["nul", "nan", "inf", "surrogate", "bytes"],
+)
+def test_headers_jsonb_cannot_hold_round_trip_exactly(value):
+    """Celery puts argsrepr in headers: a task argument with a NUL must not fail the
+    publish; every header comes back as sent, the storable ones stay readable in SQL."""
+    import json
+    import math
+
+    message = {
+        "body": '{"x": 1}',
+        "content-type": "application/json",
+        "content-encoding": "utf-8",
+        "headers": {"task": "tasks.add", "argsrepr": value},
+        "properties": {"delivery_info": {}, "correlation_id": "c-1"},
+    }
+    body, headers = encode(message)
+    headers.encode("utf-8")  # storable: no lone surrogate
+    assert "\\u0000" not in headers and "NaN" not in headers and "Infinity" not in headers
+    assert json.loads(headers)["task"] == "tasks.add"  # readable at the top level
+    back = decode(body, headers)
+    got = back["headers"]["argsrepr"]
+    if isinstance(value, float) and math.isnan(value):
+        assert math.isnan(got)
+    else:
+        assert got == value
+    assert back["properties"]["correlation_id"] == "c-1"

@@ -73,3 +73,11 @@ def test_statement_error_is_not_a_connection_error():
 
     with pytest.warns(DeprecationWarning):
         assert kombu_pgmq.OperationalError is StatementError
+
+
+@pytest.mark.parametrize("sqlstate", ["25006", "57P01", "57P02", "57P03"])
+def test_failover_states_are_connection_errors(sqlstate):
+    """Issue 14, item 10: a standby answering 25006 after a failover, or a server shutting
+    down, makes kombu reconnect (to the new primary) instead of failing the statement."""
+    exc = pg_errors.lookup(sqlstate)("server says no")
+    assert isinstance(translate(exc), BrokerConnectionError)
