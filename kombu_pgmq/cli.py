@@ -264,7 +264,9 @@ def _filters(func: F) -> F:
             click.option("--id", "ids", type=int, multiple=True, help="Dead-letter msg_id."),
             click.option("--queue", help="Original Kombu queue."),
             click.option(
-                "--reason", type=click.Choice(["max_deliveries", "rejected"]), help="Reason."
+                "--reason",
+                type=click.Choice(["max_deliveries", "rejected", "undecodable"]),
+                help="Reason.",
             ),
             click.option("--task", help="Celery task name."),
             url_option,

@@ -24,6 +24,7 @@ __all__ = [
     "SparkError",
     "SparkServerError",
     "StatementError",
+    "Unroutable",
     "UnsupportedPgmqVersion",
     "translate",
 ]
@@ -69,6 +70,11 @@ class StatementError(KombuPgmqError):
 
 class QueueNotFound(StatementError):
     """The PGMQ queue table does not exist (deleted by another process?)."""
+
+
+class Unroutable(StatementError):
+    """A message published with ``mandatory=True`` matched no binding (AMQP returns it
+    with ``basic.return``; this transport raises instead of dropping it)."""
 
 
 class InvalidJsonBody(StatementError):

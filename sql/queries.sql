@@ -156,7 +156,12 @@ SELECT CASE WHEN kombu_pgmq.drop_queue(%(kombu_queue)s) THEN true
             ELSE pgmq.drop_queue(%(queue)s) END AS dropped
 
 -- name: message_ttl
-SELECT message_ttl_ms FROM kombu_pgmq.queues WHERE queue = %(kombu_queue)s
+SELECT message_ttl_ms, expires_ms FROM kombu_pgmq.queues WHERE queue = %(kombu_queue)s
+
+-- name: touch_queue
+-- basic_get counts as use of an x-expires queue (AMQP's basic.get does).
+UPDATE kombu_pgmq.queues SET last_used_at = clock_timestamp()
+WHERE queue = %(kombu_queue)s AND expires_ms IS NOT NULL
 
 -- name: delete_messages
 -- Expired messages (x-message-ttl, per-message expiration): removed, never delivered.
@@ -186,10 +191,10 @@ SELECT count(*) AS purged FROM purged
 -- "x-dead-letter" header recording where it came from and why.
 WITH moved AS (
     DELETE FROM {queue_table} AS t
-    USING unnest(%(msg_ids)s::bigint[], %(read_cts)s::integer[], %(enqueued)s::timestamptz[])
-          AS h(id, ct, at)
+    USING unnest(%(msg_ids)s::bigint[], %(read_cts)s::integer[], %(enqueued)s::timestamptz[],
+                 %(errors)s::text[]) AS h(id, ct, at, err)
     WHERE t.msg_id = h.id AND t.read_ct = h.ct AND t.enqueued_at = h.at
-    RETURNING t.msg_id, t.read_ct, t.enqueued_at, t.message, t.headers
+    RETURNING t.msg_id, t.read_ct, t.enqueued_at, t.message, t.headers, h.err
 )
 SELECT pgmq.send(
     %(dead_letter_queue)s,
@@ -203,7 +208,8 @@ SELECT pgmq.send(
             'reason', %(reason)s::text,
             'enqueued_at', moved.enqueued_at,
             'dead_lettered_at', clock_timestamp()
-        )
+        ) || CASE WHEN moved.err IS NULL THEN '{{}}'::jsonb
+                  ELSE jsonb_build_object('error', moved.err) END
     )
 ) AS msg_id
 FROM moved

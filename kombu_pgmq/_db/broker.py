@@ -98,6 +98,11 @@ class _Version(NamedTuple):
     msg_ids: list[int]
 
 
+class _Lifetime(NamedTuple):
+    message_ttl_ms: int | None
+    expires_ms: int | None
+
+
 class _DeadTuples(NamedTuple):
     relname: str
     n_dead_tup: int
@@ -227,13 +232,16 @@ class Broker:
         dead_letter_queue: str,
         reason: str,
         kombu_queue: str,
+        errors: Sequence[str | None] | None = None,
     ) -> list[int]:
         """Atomically move the messages these deliveries (of ``queue``) still hold to
         ``dead_letter_queue``.
 
         The moved copy keeps message and headers and gains an ``x-dead-letter`` header:
         ``{"queue", "pgmq_queue", "msg_id", "read_ct", "reason", "enqueued_at",
-        "dead_lettered_at"}``. Returns the new msg_ids in the dead-letter queue.
+        "dead_lettered_at"}``, plus ``"error"`` where ``errors`` gives one (aligned with
+        ``receipts``, e.g. why a row could not be decoded). Returns the new msg_ids in the
+        dead-letter queue.
 
         Raises:
             QueueNotFound: ``dead_letter_queue`` does not exist (nothing was moved).
@@ -244,6 +252,7 @@ class Broker:
             "dead_letter_queue": dead_letter_queue,
             "reason": reason,
             "kombu_queue": kombu_queue,
+            "errors": list(errors) if errors is not None else [None] * len(receipts),
         }
         return self.db.column(
             self.db.compose("dead_letter", queue_table=("pgmq", f"q_{queue}")), params
@@ -332,6 +341,19 @@ class Broker:
         """The queue's ``x-message-ttl`` in milliseconds (None: unlimited or unknown queue)."""
         value = self.db.scalar("message_ttl", {"kombu_queue": kombu_queue})
         return None if value is None else int(value)
+
+    def lifetime(self, kombu_queue: str) -> tuple[int | None, int | None]:
+        """``(x-message-ttl, x-expires)`` of a Kombu queue in milliseconds (None: not set,
+        or unknown queue)."""
+        rows = self.db.fetch("message_ttl", {"kombu_queue": kombu_queue}, _Lifetime)
+        if not rows:
+            return None, None
+        ttl, expires = rows[0]
+        return (None if ttl is None else int(ttl)), (None if expires is None else int(expires))
+
+    def touch_queue(self, kombu_queue: str) -> None:
+        """Mark an x-expires queue used now (basic_get counts as use, as in AMQP)."""
+        self.db.execute("touch_queue", {"kombu_queue": kombu_queue})
 
     def queue_exists(self, queue: str) -> bool:
         return bool(self.db.scalar("queue_exists", {"queue": queue}))

@@ -27,6 +27,18 @@ logger = logging.getLogger(__name__)
 __all__ = ["Publishing"]
 
 
+#: Message property recording the delay a message was sent with (seconds): its
+#: x-message-ttl / expiration count from when it became visible, not from the publish.
+DELAY_PROPERTY = "pgmq_delay_seconds"
+
+
+def _note_delay(message: dict[str, Any], lead_seconds: float) -> int:
+    delay = delay_seconds(message, lead_seconds)
+    if delay > 0:
+        message.setdefault("properties", {})[DELAY_PROPERTY] = delay
+    return delay
+
+
 class Publishing:
     """Exchanges, bindings and publish of a channel (see the module docstring)."""
 
@@ -154,20 +166,26 @@ class Publishing:
         """Publish: to the queue named ``routing_key`` on the default exchange, else to
         every queue the exchange routes it to, in one statement (all or none).
 
-        A message no binding matches is dropped with a warning, as AMQP drops unroutable
-        messages (or sent to kombu's ``deadletter_queue`` option, if set).
+        A message no binding matches is dropped with a debug log, as AMQP drops
+        unroutable messages (or sent to kombu's ``deadletter_queue`` option, if set).
+
+        Raises:
+            Unroutable: ``mandatory=True`` and no binding matches (AMQP returns the
+                message; nothing was sent).
+            ConfigurationError: an ``x-delay`` or ETA PGMQ cannot take.
         """
         self._inplace_augment_message(message, exchange, routing_key)
         if not exchange:
             return self._put(routing_key, message, **kwargs)
+        delay = _note_delay(message, self.options.eta_lead_seconds)
         body, headers = encoding.encode(message)
         priority = self._get_message_priority(message)
-        delay = delay_seconds(message, self.options.eta_lead_seconds)
+        mandatory = bool(kwargs.get("mandatory"))
         try:
-            self._publish_routed(exchange, routing_key, body, headers, priority, delay)
+            self._publish_routed(exchange, routing_key, body, headers, priority, delay, mandatory)
         except errors.InvalidJsonBody:
             body, headers = encoding.reencode_opaque(body, headers)
-            self._publish_routed(exchange, routing_key, body, headers, priority, delay)
+            self._publish_routed(exchange, routing_key, body, headers, priority, delay, mandatory)
         return None
 
     def _publish_routed(
@@ -178,6 +196,7 @@ class Publishing:
         headers: str,
         priority: int = 0,
         delay: int = 0,
+        mandatory: bool = False,
     ) -> None:
         transport = self.connection
         fresh = transport._routes is None  # routes (re)loaded during this publish
@@ -195,6 +214,12 @@ class Publishing:
                 if self.deadletter_queue:
                     self._send_to(self.deadletter_queue, body, headers, priority, delay)
                     return
+                if mandatory:
+                    raise errors.Unroutable(
+                        f"message to exchange {exchange!r} with routing key {routing_key!r} "
+                        "matched no binding and was published with mandatory=True: nothing "
+                        "was sent; declare and bind a queue first"
+                    )
                 # Debug, not warning: Celery's events go unheard whenever no monitor runs.
                 logger.debug(
                     "message to exchange %r with routing key %r matched no binding: dropped "
@@ -231,11 +256,10 @@ class Publishing:
         )
 
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+        delay = _note_delay(message, self.options.eta_lead_seconds)
         body, headers = encoding.encode(message)
         priority = self._get_message_priority(message)
-        self._send_to(
-            queue, body, headers, priority, delay_seconds(message, self.options.eta_lead_seconds)
-        )
+        self._send_to(queue, body, headers, priority, delay)
 
     def _send_to(
         self, queue: str, body: str, headers: str, priority: int = 0, delay: int = 0

@@ -20,7 +20,7 @@ from .. import _priorities as priorities
 from .. import errors
 from .._db.broker import Broker, Receipt, Row
 from .._naming import pgmq_queue_name
-from ._publishing import Publishing
+from ._publishing import DELAY_PROPERTY, Publishing
 from .options import TransportOptions
 
 if TYPE_CHECKING:
@@ -47,14 +47,20 @@ def _milliseconds(arguments: dict[str, Any], key: str) -> int | None:
 
 
 def _expired(payload: dict[str, Any], row: Row, ttl_seconds: float | None) -> bool:
-    """x-message-ttl of the queue, or the message's own ``expiration`` (ms), has passed."""
-    if ttl_seconds is not None and row.age_seconds > ttl_seconds:
+    """x-message-ttl of the queue, or the message's own ``expiration`` (ms), has passed
+    since the message became visible (a delayed message's TTL starts after its delay)."""
+    properties = payload["properties"]
+    try:
+        age = row.age_seconds - float(properties.get(DELAY_PROPERTY) or 0)
+    except (TypeError, ValueError):
+        age = row.age_seconds
+    if ttl_seconds is not None and age > ttl_seconds:
         return True
-    expiration = payload["properties"].get("expiration")
+    expiration = properties.get("expiration")
     if expiration is None:
         return False
     try:
-        return row.age_seconds > float(expiration) / 1000.0
+        return age > float(expiration) / 1000.0
     except (TypeError, ValueError):
         return False
 
@@ -170,6 +176,7 @@ class Channel(Publishing, virtual.Channel):
         self._vt_seconds = self.options.vt_seconds
         self._known_queues: set[str] = set()
         self._message_ttl: dict[str, int | None] = {}
+        self._expires_ms: dict[str, int | None] = {}
         # What this channel declared and bound, to recreate a consumed queue that was
         # dropped under it (by an operator, or reaped after a long database outage).
         self._declared: dict[str, dict[str, Any]] = {}
@@ -304,6 +311,10 @@ class Channel(Publishing, virtual.Channel):
     def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
         """Get one message synchronously (``None`` if the queue has none ready)."""
         payloads = self._fetch(queue, 1, no_ack=no_ack)
+        if queue not in self._expires_ms:
+            self._message_ttl[queue], self._expires_ms[queue] = self.pgmq.lifetime(queue)
+        if self._expires_ms[queue] is not None:
+            self.pgmq.touch_queue(queue)  # basic.get counts as use (x-expires)
         if not payloads:
             return None
         message = self.Message(payloads[0], channel=self)
@@ -475,10 +486,29 @@ class Channel(Publishing, virtual.Channel):
     def _to_payloads(
         self, queue: str, name: str, rows: list[Row], no_ack: bool
     ) -> list[dict[str, Any]]:
-        """Rows -> Kombu payloads: poison messages dead-lettered, expired ones deleted."""
+        """Rows -> Kombu payloads: poison messages dead-lettered (too many deliveries, or
+        undecodable), expired ones deleted."""
         if self.options.max_deliveries is not None and not no_ack:
             rows = self._drop_poison(queue, name, rows)
-        payloads = [self._payload(queue, name, row) for row in rows]
+        payloads: list[dict[str, Any]] = []
+        decoded: list[Row] = []
+        undecodable: list[tuple[Row, str]] = []
+        for row in rows:
+            try:
+                payloads.append(self._payload(queue, name, row))
+            except Exception as exc:  # one bad row never blocks its batch
+                undecodable.append((row, f"{type(exc).__name__}: {exc}"))
+            else:
+                decoded.append(row)
+        if undecodable:
+            self._dead_letter(
+                queue,
+                name,
+                [Receipt(name, r.msg_id, r.read_ct, r.enqueued_at) for r, _ in undecodable],
+                "undecodable",
+                error_texts=[error for _, error in undecodable],
+            )
+        rows = decoded
         ttl = self._queue_ttl_seconds(queue)
         expired = [p for p, row in zip(payloads, rows, strict=True) if _expired(p, row, ttl)]
         if expired:
@@ -540,11 +570,21 @@ class Channel(Publishing, virtual.Channel):
         return payload
 
     def _dead_letter(
-        self, kombu_queue: str, name: str, receipts: list[Receipt], reason: str
+        self,
+        kombu_queue: str,
+        name: str,
+        receipts: list[Receipt],
+        reason: str,
+        error_texts: list[str] | None = None,
     ) -> None:
         dlq_kombu = self.options.dead_letter_queue
         dlq = pgmq_queue_name(dlq_kombu)
-        kwargs = {"dead_letter_queue": dlq, "reason": reason, "kombu_queue": kombu_queue}
+        kwargs: dict[str, Any] = {
+            "dead_letter_queue": dlq,
+            "reason": reason,
+            "kombu_queue": kombu_queue,
+            "errors": error_texts,
+        }
         try:
             moved = self.pgmq.dead_letter(name, receipts, **kwargs)
         except errors.QueueNotFound:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 
+import pytest
 from kombu import Consumer, Producer, Queue
 
 from .helpers import connect, drain, publish, sql, table
@@ -148,3 +149,66 @@ def test_consumed_queue_dropped_underneath_is_recreated_with_its_bindings(db_dsn
         Producer(operator.channel(), exchange=fanout).publish({"ping": 1})
         worker.drain_events(timeout=3)
         assert [m.decode() for m in got] == [{"ping": 1}]
+
+
+def test_message_ttl_counts_from_when_a_delayed_message_becomes_visible(db_dsn):
+    """Issue 14, item 5: x-message-ttl 2 s and a 3 s delay (a countdown): delivered, not
+    deleted undelivered (the TTL starts when the message becomes visible)."""
+    with connect(db_dsn, polling_interval=0.2) as conn:
+        q = Queue("ttl.delayed", message_ttl=2)
+        q(conn.channel()).declare()
+        publish(conn, "ttl.delayed", [{"n": 1}], headers={"x-delay": 3000})
+        got = drain(conn, "ttl.delayed", expect=1, timeout=8)
+    assert [m.payload for m in got] == [{"n": 1}]
+
+
+def test_basic_get_and_publishes_count_as_use_of_an_x_expires_queue(db_dsn):
+    """Issue 14, item 6: a queue polled with basic_get only, and one that keeps receiving
+    messages, are not dropped by x-expires."""
+    with connect(db_dsn) as conn:
+        Queue("polled.q", expires=1)(conn.channel()).declare()
+        Queue("fed.q", expires=1)(conn.channel()).declare()
+        deadline = time.monotonic() + 2.5
+        while time.monotonic() < deadline:
+            conn.channel().basic_get("polled.q")
+            publish(conn, "fed.q", [{"n": 1}])
+            time.sleep(0.3)
+        assert conn.transport.reap() == []
+        assert exists(db_dsn, "polled.q") and exists(db_dsn, "fed.q")
+        time.sleep(1.5)  # now unused (no get, no new message) for longer than x-expires
+        assert sorted(conn.transport.reap()) == ["fed.q", "polled.q"]
+
+
+def test_mandatory_publish_without_a_binding_raises(db_dsn):
+    from kombu import Exchange
+
+    from kombu_pgmq.errors import Unroutable
+
+    with connect(db_dsn) as conn:
+        exchange = Exchange("nowhere", type="direct")
+        producer = Producer(conn.channel(), exchange=exchange)
+        exchange(conn.channel()).declare()
+        producer.publish({"n": 1}, routing_key="nobody")  # dropped, as AMQP
+        with pytest.raises(Unroutable, match="mandatory=True"):
+            producer.publish({"n": 1}, routing_key="nobody", mandatory=True)
+
+
+def test_consumers_get_a_full_stale_after_from_a_database_restart(db_dsn):
+    """Issue 14, item 8: heartbeats could not be sent while the server was down; a
+    consumer whose last heartbeat is older than stale_after, but from before the server
+    started, is not judged until stale_after has passed since the start."""
+    with connect(db_dsn) as conn:
+        q = Queue("survivor.pidbox", auto_delete=True, durable=False)
+        Consumer(conn.channel(), [q], on_message=lambda m: None).consume()
+        conn.transport.maintainer.stop()  # no heartbeats from here on
+        uptime = sql(db_dsn, "SELECT extract(epoch FROM now() - pg_postmaster_start_time())")
+        stale_after = float(uptime[0][0]) + 60
+        sql(
+            db_dsn,
+            "UPDATE kombu_pgmq.consumers SET stale_after_seconds = %s, heartbeat_at ="
+            " pg_postmaster_start_time() - make_interval(secs => %s)",
+            (stale_after, stale_after + 10),
+        )
+        with connect(db_dsn) as other:
+            assert other.transport.reap() == []
+        assert exists(db_dsn, "survivor.pidbox")

@@ -137,3 +137,25 @@ def test_no_ack_consumer_loses_nothing_when_a_callback_raises(db_dsn):
                     conn.drain_events(timeout=1)
     assert sorted(got) == [0, 1, 2, 3, 4]
     assert _count(db_dsn, "noack.fail") == 0 and _count(db_dsn, "noack.fail", "a") == 0
+
+
+def test_an_undecodable_row_is_dead_lettered_and_the_batch_goes_on(db_dsn):
+    """Issue 14, item 3: a row written by another producer that cannot be decoded goes to
+    the dead-letter queue with reason undecodable and the error; the rest is delivered,
+    nothing climbs in read_ct."""
+    with connect(db_dsn, max_deliveries=2) as conn:
+        publish(conn, "mixed", [{"n": 1}])
+        sql(db_dsn, "SELECT pgmq.send('mixed', '{\"n\": 2}'::jsonb, '{\"x-kombu\": 42}'::jsonb)")
+        publish(conn, "mixed", [{"n": 3}])
+        got = drain(conn, "mixed", expect=2, timeout=5)
+    assert [m.payload["n"] for m in got] == [1, 3]
+    rows = sql(
+        db_dsn,
+        "SELECT message, headers->'x-dead-letter'->>'reason', headers->'x-dead-letter'->>'error'"
+        " FROM pgmq.q_kombu_pgmq_dlq",
+    )
+    assert len(rows) == 1
+    message, reason, error = rows[0]
+    assert message == {"n": 2} and reason == "undecodable"
+    assert "AttributeError" in error
+    assert _count(db_dsn, "mixed") == 0
