@@ -66,7 +66,10 @@ Delivery semantics
   read moves the message to ``dead_letter_queue`` instead of delivering it; a reject
   without requeue does the same at once. The copy keeps body and headers and gains an
   ``x-dead-letter`` header ``{queue, pgmq_queue, msg_id, read_ct, reason, enqueued_at,
-  dead_lettered_at}``; reasons are ``"max_deliveries"`` and ``"rejected"``. A Celery task
+  dead_lettered_at}`` (and ``error`` for ``"undecodable"``); reasons are
+  ``"max_deliveries"``, ``"rejected"`` and ``"undecodable"`` (a row written by another
+  producer that cannot be decoded: dead-lettered at once, the rest of its batch is
+  delivered, so one bad row never blocks a consumer). A Celery task
   that kills its pool process (segfault, OOM) is requeued by Celery when it has
   ``acks_late=True, reject_on_worker_lost=True``, and so reaches the dead-letter queue
   after ``max_deliveries``. List, replay and purge dead letters with
@@ -144,8 +147,26 @@ shared by every process; routing follows AMQP (``direct``, ``fanout``, ``topic``
 exchange reaches all bound queues in one statement, or none. Queue arguments:
 ``durable=False`` makes UNLOGGED tables; ``auto_delete``/``exclusive`` queues are
 dropped with their last consumer (or when its process stops heartbeating);
-``x-expires`` drops a queue unused that long; ``x-message-ttl`` and a message's own
-``expiration`` delete older messages instead of delivering them.
+``x-expires`` drops a queue unused that long (consumers, declarations, ``basic_get``
+and new messages count as use); ``x-message-ttl`` and a message's own
+``expiration`` delete older messages instead of delivering them, counting from when the
+message became visible (a countdown's TTL starts after its delay). A publish with
+``mandatory=True`` that no binding matches raises
+:class:`~kombu_pgmq.errors.Unroutable` (AMQP returns it) instead of being dropped. After
+a database restart every consumer gets a full ``consumer_stale_after`` before the reaper
+judges it (heartbeats could not be sent while the server was down).
+
+Headers any Python value can hold round-trip exactly: one PostgreSQL's jsonb cannot store
+(a NUL character, NaN, a lone surrogate, bytes; Celery puts task arguments in
+``argsrepr``) travels as base64 of kombu's JSON in the envelope, the others stay readable
+in ``headers``. An ``x-delay`` that is not finite or beyond 2**31 - 1 seconds, or an ETA
+that far away, is a :class:`~kombu_pgmq.errors.ConfigurationError` at publish.
+
+Failover: a read-only server (``25006``, a standby after a failover) and a server
+shutting down (``57P01``-``57P03``) are connection errors (kombu reconnects). List every
+host in the URL (``postgresql://u@primary:5432,standby:5432/db`` or ``?host=a,b``):
+``target_session_attrs=read-write`` is then the default, so a reconnect finds the new
+primary.
 
 Queue names
 ===========
