@@ -212,6 +212,9 @@ Transport Options
   the migrations must already be there.
 * ``consumer_heartbeat_interval`` (seconds, default 10): how often a consuming process
   marks its consumers live and runs the reaper of abandoned queues.
+* ``max_message_bytes`` (bytes, default 67108864 = 64 MiB): largest message a publish
+  sends (body and headers as stored); a larger one raises ``ConfigurationError`` before
+  anything is sent (jsonb's limit is 255 MiB).
 * ``consumer_stale_after`` (seconds, default 30): a consumer without a heartbeat for this
   long counts as gone (its process died); its ``auto_delete`` queues are dropped.
 * ``connection_options`` (dict): extra libpq parameters, merged over the URL's.

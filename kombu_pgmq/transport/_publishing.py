@@ -32,6 +32,23 @@ __all__ = ["Publishing"]
 DELAY_PROPERTY = "pgmq_delay_seconds"
 
 
+def _check_size(queue: str, body: str, headers: str, limit: int) -> None:
+    """Refuse a message larger than ``max_message_bytes`` before anything is sent.
+
+    Raises:
+        ConfigurationError: too large (the message names the size, the queue and the fix).
+    """
+    if len(body) + len(headers) <= limit // 4:  # a character is at most 4 bytes in UTF-8
+        return
+    size = len(body.encode("utf-8", "surrogatepass")) + len(headers.encode("utf-8"))
+    if size > limit:
+        raise errors.ConfigurationError(
+            f"message to {queue!r} is {size} bytes as stored, over the transport option "
+            f"max_message_bytes={limit}: send a reference to the data instead (a table row, "
+            "a file), or raise max_message_bytes (jsonb holds at most 255 MiB); nothing was sent"
+        )
+
+
 def _note_delay(message: dict[str, Any], lead_seconds: float) -> int:
     delay = delay_seconds(message, lead_seconds)
     if delay > 0:
@@ -179,6 +196,7 @@ class Publishing:
             return self._put(routing_key, message, **kwargs)
         delay = _note_delay(message, self.options.eta_lead_seconds)
         body, headers = encoding.encode(message)
+        _check_size(exchange, body, headers, self.options.max_message_bytes)
         priority = self._get_message_priority(message)
         mandatory = bool(kwargs.get("mandatory"))
         try:
@@ -258,6 +276,7 @@ class Publishing:
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         delay = _note_delay(message, self.options.eta_lead_seconds)
         body, headers = encoding.encode(message)
+        _check_size(queue, body, headers, self.options.max_message_bytes)
         priority = self._get_message_priority(message)
         self._send_to(queue, body, headers, priority, delay)
 

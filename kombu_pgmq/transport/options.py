@@ -16,7 +16,10 @@ from typing import Any
 from .._priorities import validate_steps
 from ..errors import ConfigurationError
 
-__all__ = ["OPTIONS", "TransportOptions"]
+__all__ = ["JSONB_MAX_BYTES", "OPTIONS", "TransportOptions"]
+
+#: Largest value a jsonb column holds (PostgreSQL's limit, 255 MiB).
+JSONB_MAX_BYTES = 268_435_455
 
 
 def _doc(unit: str, text: str) -> dict[str, str]:
@@ -71,6 +74,10 @@ class TransportOptions:
     )
     consumer_heartbeat_interval: float = field(
         default=10.0, metadata=_doc("seconds", "consumer heartbeats and reaper runs")
+    )
+    max_message_bytes: int = field(
+        default=64 * 1024 * 1024,
+        metadata=_doc("bytes", "largest message (body and headers as stored) a publish sends"),
     )
     consumer_stale_after: float = field(
         default=30.0, metadata=_doc("seconds", "a consumer without heartbeat counts as gone")
@@ -139,6 +146,9 @@ class TransportOptions:
                 "vacuum_threshold",
                 "a number of dead tuples >= 0 (0: never vacuum, leave it to autovacuum)",
             )
+        max_bytes = values["max_message_bytes"]
+        if not _is_int(max_bytes) or not 1024 <= max_bytes <= JSONB_MAX_BYTES:
+            raise bad("max_message_bytes", f"bytes from 1024 to {JSONB_MAX_BYTES} (jsonb's limit)")
         conn_opts = values["connection_options"] or {}
         if not isinstance(conn_opts, Mapping):
             raise bad("connection_options", "a dict of libpq parameters")
@@ -161,6 +171,7 @@ class TransportOptions:
             vacuum_threshold=threshold,
             install_schema=values["install_schema"],
             connection_options=dict(conn_opts),
+            max_message_bytes=max_bytes,
             **timing,
         )
 

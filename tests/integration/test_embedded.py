@@ -142,3 +142,18 @@ def test_server_left_running_by_a_deleted_virtualenv_is_restarted(embedded_dir: 
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("DO $$ BEGIN PERFORM 1; END $$")  # plpgsql loads again
         assert conn.execute("SELECT count(*) FROM kept").fetchone() == (0,)
+
+
+def test_embedded_server_is_not_reachable_by_other_local_users(embedded_dir: Path) -> None:
+    """Issue 14 (local servers): trust authentication is safe only because nobody else
+    can reach the server: no TCP listener, and the socket sits in a directory only its
+    owner may enter."""
+    import stat
+    from urllib.parse import parse_qs, urlsplit
+
+    url = embedded.start()
+    with psycopg.connect(url) as conn:
+        (listen,) = conn.execute("SHOW listen_addresses").fetchone() or ("?",)
+    assert listen == ""
+    socket_dir = Path(parse_qs(urlsplit(url).query)["host"][0])
+    assert stat.S_IMODE(socket_dir.stat().st_mode) & 0o077 == 0, oct(socket_dir.stat().st_mode)

@@ -395,3 +395,11 @@ def test_headers_postgresql_cannot_store_round_trip(db_dsn):
     assert message.headers == headers
     assert message.decode() == {"n": 1}
     assert sql(db_dsn, f"SELECT headers->>'task' FROM {table('oddheaders', 'a')}") == [("t",)]
+
+
+def test_message_over_max_message_bytes_is_refused_before_sending(db_dsn):
+    with connect(db_dsn, max_message_bytes=4096) as conn:
+        publish(conn, "small", [{"ok": "x" * 100}])
+        with pytest.raises(ConfigurationError, match="max_message_bytes=4096"):
+            publish(conn, "small", [{"big": "x" * 5000}])
+    assert sql(db_dsn, f"SELECT count(*) FROM {table('small')}") == [(1,)]

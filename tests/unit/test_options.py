@@ -77,6 +77,8 @@ def test_defaults_parse():
         ("connection_options", "sslmode=require"),
         ("consumer_heartbeat_interval", 0),
         ("consumer_stale_after", "soon"),
+        ("max_message_bytes", 10),
+        ("max_message_bytes", 2**30),
     ],
 )
 def test_bad_values_name_the_option(name, value):
