@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 
 import psycopg
 import pytest
+from psycopg import sql
 
 from kombu_pgmq._db.broker import Broker
 from kombu_pgmq._db.connector import Connector
@@ -148,3 +150,40 @@ def test_archive_range_and_snapshot(client, db_dsn) -> None:
     archived = list(client.snapshot("rows", 0, hi, archive=True))
     assert [r[0] for r in archived] == [lo, lo + 1, lo + 2]
     assert all(r[5] is not None for r in archived)  # archived_at
+
+
+def test_stream_horizon_waits_for_writers_without_the_stats_privilege(client, db_dsn) -> None:
+    """Issue 14, item 11: a reader role without pg_read_all_stats sees other sessions'
+    xact_start as NULL; the horizon must still wait for a writer in flight."""
+    role = f"kpt_reader_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(db_dsn, autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE ROLE {} NOLOGIN").format(sql.Identifier(role)))
+        for schema in ("pgmq", "kombu_pgmq"):
+            ident = sql.Identifier(schema)
+            admin.execute(
+                sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(ident, sql.Identifier(role))
+            )
+            admin.execute(
+                sql.SQL("GRANT SELECT ON ALL TABLES IN SCHEMA {} TO {}").format(
+                    ident, sql.Identifier(role)
+                )
+            )
+    try:
+        with connect(db_dsn) as conn:
+            publish(conn, "rows", [1])
+        base = client.msg_id_range("rows")[1]
+        with psycopg.connect(db_dsn) as slow, psycopg.connect(db_dsn, autocommit=True) as reader:
+            reader.execute(sql.SQL("SET ROLE {}").format(sql.Identifier(role)))
+            slow.execute(
+                "SELECT pgmq.send('rows', %s::jsonb, %s::jsonb)",
+                (dumps(2), dumps({"x-kombu": {}})),
+            )
+            Broker(client.db).send("rows", dumps(3), dumps({"x-kombu": {}}))
+            horizon = "SELECT kombu_pgmq.stream_horizon('rows', %s, 100, 0.3)"
+            assert reader.execute(horizon, (base,)).fetchone() == (base,)  # waited, gave up
+            slow.commit()
+            assert reader.execute(horizon, (base,)).fetchone() == (base + 2,)
+    finally:
+        with psycopg.connect(db_dsn, autocommit=True) as admin:
+            admin.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+            admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
