@@ -71,16 +71,6 @@ SELECT %(queue)s::text AS queue, msg_id, read_ct, enqueued_at, message::text AS 
        extract(epoch FROM clock_timestamp() - enqueued_at)::float8 AS age_seconds
 FROM pgmq.pop(%(queue)s, %(qty)s::integer)
 
--- name: archive
--- Ack: move messages to pgmq.a_<queue> (the audit trail). Returns archived ids.
-SELECT pgmq.archive(%(queue)s, %(msg_ids)s::bigint[]) AS msg_id
-
--- name: archive_async
--- Ack with an asynchronous commit (transport option durable_acks=False): a server crash
--- may forget it, and the message is then delivered again (at least once).
-SELECT pgmq.archive(%(queue)s, %(msg_ids)s::bigint[]) AS msg_id,
-       set_config('synchronous_commit', 'off', true) AS synchronous_commit
-
 -- name: set_vt
 -- Requeue (vt_seconds = 0) or extend the lease of messages. Returns updated ids.
 SELECT msg_id FROM pgmq.set_vt(%(queue)s, %(msg_ids)s::bigint[], %(vt_seconds)s::integer)
@@ -142,7 +132,7 @@ VALUES (%(kombu_queue)s, %(queue)s, %(durable)s, %(auto_delete)s, %(expires_ms)s
         %(message_ttl_ms)s, %(max_priority)s, %(priority_bands)s::smallint[],
         %(band_queues)s::text[])
 ON CONFLICT (queue) DO UPDATE SET last_used_at = clock_timestamp()
-RETURNING message_ttl_ms, max_priority, priority_bands, band_queues
+RETURNING message_ttl_ms, expires_ms, max_priority, priority_bands, band_queues
 
 -- name: queue_bands
 -- Priority bands of a Kombu queue (NULL arrays: no priorities); no row: unknown queue.

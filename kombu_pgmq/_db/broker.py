@@ -72,16 +72,19 @@ class RoutingTable(NamedTuple):
 class QueueInfo(NamedTuple):
     """A queue's arguments in force (as first declared): ``message_ttl_ms`` (None:
     unlimited), ``max_priority`` (None: no priorities), the priority band ``floors`` and
-    the PGMQ queue of each band (None, None without priorities)."""
+    the PGMQ queue of each band (None, None without priorities), ``expires_ms``
+    (x-expires; None: never)."""
 
     message_ttl_ms: int | None
     max_priority: int | None
     floors: list[int] | None
     band_queues: list[str] | None
+    expires_ms: int | None = None
 
 
 class _QueueArgs(NamedTuple):
     message_ttl_ms: int | None = None
+    expires_ms: int | None = None
     max_priority: int | None = None
     priority_bands: list[int] | None = None
     band_queues: list[str] | None = None
@@ -96,11 +99,6 @@ class _Routing(NamedTuple):
 class _Version(NamedTuple):
     version: int
     msg_ids: list[int]
-
-
-class _Lifetime(NamedTuple):
-    message_ttl_ms: int | None
-    expires_ms: int | None
 
 
 class _DeadTuples(NamedTuple):
@@ -119,6 +117,7 @@ def _info(args: _QueueArgs) -> QueueInfo:
         None if args.max_priority is None else int(args.max_priority),
         None if args.priority_bands is None else [int(f) for f in args.priority_bands],
         None if args.band_queues is None else [str(q) for q in args.band_queues],
+        None if args.expires_ms is None else int(args.expires_ms),
     )
 
 
@@ -183,14 +182,6 @@ class Broker:
     def pop(self, queue: str, qty: int) -> list[Row]:
         """Deliver and delete up to ``qty`` visible messages (no ack will follow)."""
         return self.db.fetch("pop", {"queue": queue, "qty": qty}, Row)
-
-    def archive(self, queue: str, msg_ids: Sequence[int], *, durable: bool = True) -> list[int]:
-        """Move messages to the archive ``pgmq.a_<queue>``; return the ids that were there.
-
-        ``durable=False`` commits asynchronously (a server crash may forget the ack).
-        """
-        name = "archive" if durable else "archive_async"
-        return self.db.column(name, {"queue": queue, "msg_ids": list(msg_ids)})
 
     def ack(self, receipts: Sequence[Receipt], *, durable: bool = True) -> set[tuple[str, int]]:
         """Archive the messages these deliveries still hold; return the ``(queue, msg_id)``
@@ -337,19 +328,14 @@ class Broker:
         """Drop the queue, its archive, bindings and consumers; False if it did not exist."""
         return bool(self.db.scalar("drop_queue", {"queue": queue, "kombu_queue": kombu_queue}))
 
-    def message_ttl_ms(self, kombu_queue: str) -> int | None:
-        """The queue's ``x-message-ttl`` in milliseconds (None: unlimited or unknown queue)."""
-        value = self.db.scalar("message_ttl", {"kombu_queue": kombu_queue})
-        return None if value is None else int(value)
-
     def lifetime(self, kombu_queue: str) -> tuple[int | None, int | None]:
         """``(x-message-ttl, x-expires)`` of a Kombu queue in milliseconds (None: not set,
         or unknown queue)."""
-        rows = self.db.fetch("message_ttl", {"kombu_queue": kombu_queue}, _Lifetime)
+        rows = self.db.fetch("message_ttl", {"kombu_queue": kombu_queue}, _QueueArgs)
         if not rows:
             return None, None
-        ttl, expires = rows[0]
-        return (None if ttl is None else int(ttl)), (None if expires is None else int(expires))
+        info = _info(rows[0])
+        return info.message_ttl_ms, info.expires_ms
 
     def touch_queue(self, kombu_queue: str) -> None:
         """Mark an x-expires queue used now (basic_get counts as use, as in AMQP)."""

@@ -175,8 +175,8 @@ class Channel(Publishing, virtual.Channel):
         self._no_ack_queues: set[str] = set()
         self._vt_seconds = self.options.vt_seconds
         self._known_queues: set[str] = set()
-        self._message_ttl: dict[str, int | None] = {}
-        self._expires_ms: dict[str, int | None] = {}
+        #: Kombu queue -> (x-message-ttl, x-expires) in ms, as stored (first declaration).
+        self._lifetimes: dict[str, tuple[int | None, int | None]] = {}
         # What this channel declared and bound, to recreate a consumed queue that was
         # dropped under it (by an operator, or reaped after a long database outage).
         self._declared: dict[str, dict[str, Any]] = {}
@@ -233,7 +233,7 @@ class Channel(Publishing, virtual.Channel):
             floors=bands.floors,
             band_queues=bands.queues,
         )
-        self._message_ttl[queue] = info.message_ttl_ms
+        self._lifetimes[queue] = (info.message_ttl_ms, info.expires_ms)
         self.connection.set_bands(queue, priorities.stored(name, info.floors, info.band_queues))
         if max_priority is not None and info.max_priority != max_priority:
             raise ChannelError(
@@ -311,9 +311,7 @@ class Channel(Publishing, virtual.Channel):
     def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
         """Get one message synchronously (``None`` if the queue has none ready)."""
         payloads = self._fetch(queue, 1, no_ack=no_ack)
-        if queue not in self._expires_ms:
-            self._message_ttl[queue], self._expires_ms[queue] = self.pgmq.lifetime(queue)
-        if self._expires_ms[queue] is not None:
+        if self._lifetime(queue)[1] is not None:
             self.pgmq.touch_queue(queue)  # basic.get counts as use (x-expires)
         if not payloads:
             return None
@@ -520,10 +518,15 @@ class Channel(Publishing, virtual.Channel):
             payloads = [p for p in payloads if id(p) not in gone]
         return payloads
 
+    def _lifetime(self, queue: str) -> tuple[int | None, int | None]:
+        """``(x-message-ttl, x-expires)`` of ``queue`` in ms (cached per channel)."""
+        lifetime = self._lifetimes.get(queue)
+        if lifetime is None:
+            lifetime = self._lifetimes[queue] = self.pgmq.lifetime(queue)
+        return lifetime
+
     def _queue_ttl_seconds(self, queue: str) -> float | None:
-        if queue not in self._message_ttl:
-            self._message_ttl[queue] = self.pgmq.message_ttl_ms(queue)
-        ttl = self._message_ttl[queue]
+        ttl = self._lifetime(queue)[0]
         return None if ttl is None else ttl / 1000.0
 
     def _recreate(self, queue: str) -> None:
