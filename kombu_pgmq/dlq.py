@@ -48,7 +48,8 @@ class DeadLetterInfo:
     ``queue``/``pgmq_queue``: where it came from (None if it lacks ``x-dead-letter``);
     ``read_ct``: its read count there (see :attr:`deliveries`); ``reason``:
     ``"max_deliveries"``, ``"rejected"`` or ``"undecodable"``; ``task``/``task_id``:
-    Celery's headers (None for plain Kombu messages); ``body``: the stored message as JSON text; times are timezone-aware.
+    Celery's headers (None for plain Kombu messages); ``body``: the stored message as
+    JSON text; times are timezone-aware.
     """
 
     msg_id: int
