@@ -14,7 +14,7 @@ Passwords never appear in :func:`redact` output, in logs or in ``repr``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
@@ -25,6 +25,7 @@ from .errors import ConfigurationError
 #: URL schemes this transport registers with kombu.
 SCHEMES = ("postgresql", "postgres")
 _DEFAULT_APPLICATION_NAME = "kombu_pgmq"
+DEFAULT_PORT = 5432
 
 
 def url_to_params(url: str) -> dict[str, Any]:
@@ -76,6 +77,54 @@ def url_to_params(url: str) -> dict[str, Any]:
         params["dbname"] = dbname
     for key, value in parse_qsl(parts.query, keep_blank_values=True):
         params[key] = value
+    return params
+
+
+def failover_params(urls: Sequence[str]) -> dict[str, Any]:
+    """Fold kombu's failover list (``url1;url2``, ``Connection(alternates=...)``) into
+    one libpq multi-host parameter set: ``host`` and ``port`` become comma lists in the
+    order given (libpq tries them in turn on every connect) and
+    ``target_session_attrs=read-write`` picks the primary (see :func:`make_dsn`).
+
+    kombu's own switching (``Connection.switch``) re-parses the next URL generically and
+    passes its libpq query parameters (``host=``, ``sslmode=``) to
+    ``Connection._init_params``, which fails; and a URL without them would silently lose
+    ``sslmode``. libpq's failover needs neither.
+
+    Shapes: ``["postgresql://u@a:5432/db?sslmode=require", "postgresql://u@b/db?sslmode=require"]
+    -> {"user": "u", "dbname": "db", "sslmode": "require", "host": "a,b",
+    "port": "5432,5432"}``.
+
+    Raises:
+        ConfigurationError: a URL cannot be parsed, or the URLs differ in anything but
+            host and port (user, password, database, libpq parameters: one connection
+            string cannot express that); the message names the parameters.
+    """
+    hosts: list[str] = []
+    ports: list[str] = []
+    common: dict[str, Any] | None = None
+    for url in urls:
+        params = url_to_params(url)
+        url_hosts = str(params.pop("host", "") or "").split(",")
+        url_ports = str(params.pop("port", "") or "").split(",")
+        if len(url_ports) == 1:
+            url_ports = url_ports * len(url_hosts)
+        hosts += url_hosts
+        ports += url_ports
+        if common is None:
+            common = params
+        elif params != common:
+            differ = sorted(k for k in {*params, *common} if params.get(k) != common.get(k))
+            raise ConfigurationError(
+                f"failover URLs {' ; '.join(redact(u) for u in urls)} differ in "
+                f"{', '.join(differ)}: they may differ only in host and port (kombu_pgmq "
+                "folds them into one libpq connection string); or list every host in one "
+                "URL: postgresql://user@host1:5432,host2:5432/dbname"
+            )
+    params = dict(common or {})
+    params["host"] = ",".join(hosts)
+    if any(ports):
+        params["port"] = ",".join(port or str(DEFAULT_PORT) for port in ports)
     return params
 
 

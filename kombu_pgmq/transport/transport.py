@@ -133,7 +133,15 @@ class Transport(virtual.Transport):
 
     def _make_dsn(self, client: Any) -> str:
         host = client.hostname or ""
-        if "://" in host:
+        alternates = [u for u in getattr(client, "alt", None) or () if isinstance(u, str)]
+        if len(alternates) > 1 and all("://" in u for u in alternates):
+            # kombu's failover list (url1;url2): one libpq multi-host connection string
+            # (libpq tries the hosts in order on every connect, the primary wins with
+            # target_session_attrs=read-write). kombu's own switching is turned off for
+            # this connection: Connection.switch cannot carry libpq query parameters.
+            params = conninfo.failover_params(alternates)
+            client.cycle = None
+        elif "://" in host:
             params = conninfo.url_to_params(host)
         else:
             params = {

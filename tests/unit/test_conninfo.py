@@ -93,3 +93,56 @@ def test_several_hosts_default_to_the_primary():
     assert "target_session_attrs" not in conninfo_to_dict(
         make_dsn(url_to_params("postgresql://u@a/db"))
     )
+
+
+def test_failover_list_folds_into_one_multi_host_connection_string():
+    from kombu_pgmq._conninfo import failover_params
+
+    params = failover_params(
+        [
+            "postgresql://u:pw@db1:5433/app?sslmode=require",
+            "postgresql://u:pw@db2/app?sslmode=require",
+            "postgresql://u:pw@/app?sslmode=require&host=/run/pg",
+        ]
+    )
+    assert params == {
+        "user": "u",
+        "password": "pw",
+        "dbname": "app",
+        "sslmode": "require",
+        "host": "db1,db2,/run/pg",
+        "port": "5433,5432,5432",
+    }
+    dsn = conninfo_to_dict(make_dsn(params))
+    assert dsn["target_session_attrs"] == "read-write"
+    assert dsn["sslmode"] == "require"  # kombu's switch would have lost it
+
+
+def test_failover_urls_that_differ_beyond_host_and_port_are_a_clear_error():
+    from kombu_pgmq._conninfo import failover_params
+
+    with pytest.raises(ConfigurationError, match="differ in dbname, sslmode") as info:
+        failover_params(
+            [
+                "postgresql://u:topsecret@db1/app?sslmode=require",
+                "postgresql://u:topsecret@db2/other",
+            ]
+        )
+    assert "topsecret" not in str(info.value)
+
+
+def test_kombu_failover_list_gives_the_transport_every_host_and_no_switching():
+    from kombu import Connection
+
+    import kombu_pgmq  # noqa: F401
+
+    conn = Connection(
+        "postgresql://u@db1:5433/app?sslmode=require;postgresql://u@db2:5434/app?sslmode=require"
+    )
+    assert conn.cycle is not None  # kombu would switch to the next URL on errors...
+    dsn = conninfo_to_dict(conn.transport.dsn)
+    assert (dsn["host"], dsn["port"]) == ("db1,db2", "5433,5434")
+    assert dsn["target_session_attrs"] == "read-write"
+    assert conn.cycle is None  # ...libpq does it instead (switch() would fail on sslmode=)
+    conn.maybe_switch_next()  # a no-op now
+    assert conninfo_to_dict(conn.transport.dsn)["host"] == "db1,db2"
