@@ -42,10 +42,15 @@ class Worker:
         extra_args: Sequence[str] = (),
         without: Sequence[str] = DEFAULT_WITHOUT,
         own_queue: bool = True,
+        app_module: str = "tests.e2e.celery_app",
+        queues: Sequence[str] = ("celery",),
+        concurrency: int = 2,
     ) -> None:
         """*without*: ``--without-<x>`` flags; *extra_args*: more ``celery worker``
         arguments (``-E``...); *own_queue*: also consume queue ``e2e_<name>`` (readiness
-        is a ``ping`` task sent there; without it, a remote-control ping)."""
+        is a ``ping`` task sent there; without it, a remote-control ping); *app_module*:
+        the ``-A`` argument; *queues*: the ``-Q`` queues (besides its own);
+        *concurrency*: prefork pool processes."""
         self.name = name
         self.node = host_format(f"{name}@%h")  # the worker's node name, as -n expands it
         # Consumed by this worker only: readiness pings (None: no such queue).
@@ -54,6 +59,9 @@ class Worker:
         self.log_path = log_path
         self.extra_args = list(extra_args)
         self.without = list(without)
+        self.app_module = app_module
+        self.queues = list(queues)
+        self.concurrency = concurrency
         self.proc: subprocess.Popen[bytes] | None = None
         self._terminated = False
 
@@ -68,19 +76,19 @@ class Worker:
             "-m",
             "celery",
             "-A",
-            "tests.e2e.celery_app",
+            self.app_module,
             "worker",
             "-P",
             "prefork",
             "-c",
-            "2",
+            str(self.concurrency),
             *(f"--without-{feature}" for feature in self.without),
             "-l",
             "info",
             "-n",
             f"{self.name}@%h",
             "-Q",
-            ",".join(filter(None, ["celery", self.queue])),
+            ",".join(filter(None, [*self.queues, self.queue])),
             *self.extra_args,
         ]
         with self.log_path.open("ab") as log:

@@ -231,6 +231,15 @@ class LocalServer:
         cmd += ["-t", str(_PG_CTL_TIMEOUT_S), *args]
         _run(cmd, user=self.user, cwd=self.root)
 
+    def crash(self) -> None:
+        """Stop the server as a crash would (``pg_ctl stop -m immediate``: no shutdown
+        checkpoint; the next start runs crash recovery). The data directory stays."""
+        self._pg_ctl("-m", "immediate", "stop")
+
+    def start_again(self) -> None:
+        """Start the server again on its data directory (after :meth:`crash`)."""
+        self._pg_ctl("-l", str(self.log_file), "start")
+
     def stop(self) -> None:
         """Stop the server (immediate shutdown: nothing is kept) and delete ``root``."""
         if self._stopped:
