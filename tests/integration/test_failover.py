@@ -9,13 +9,9 @@ no message whose publish returned is lost (synchronous replication,
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import shutil
-import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
@@ -27,49 +23,7 @@ import kombu_pgmq  # noqa: F401
 from kombu_pgmq import schema
 from tests.support import pgserver
 
-SETTINGS = {
-    **pgserver.TEST_SETTINGS,
-    "synchronous_commit": "on",
-    "wal_level": "replica",
-    "max_wal_senders": "5",
-    "hot_standby": "on",
-}
-
-
-def _standby_from(primary: pgserver.LocalServer) -> pgserver.LocalServer:
-    """pg_basebackup of ``primary`` into a new LocalServer started as a streaming standby."""
-    root = Path(tempfile.mkdtemp(prefix="kpt_pg_"))
-    standby = pgserver.LocalServer(root, primary.bin_dir, primary.user)
-    root.chmod(0o755)
-    standby.socket_dir.mkdir()
-    for path in (root, standby.socket_dir):
-        pgserver._chown(path, primary.user)
-    pgserver._run(
-        [
-            str(primary.bin_dir / "pg_basebackup"),
-            "-h",
-            str(primary.socket_dir),
-            "-U",
-            pgserver.SUPERUSER,
-            "-D",
-            str(standby.data_dir),
-            "-R",  # standby.signal + primary_conninfo
-            "-X",
-            "stream",
-            "--checkpoint=fast",  # else a spread checkpoint: minutes
-        ],
-        user=primary.user,
-        cwd=root,
-    )
-    conf = standby.data_dir / "postgresql.auto.conf"
-    with conf.open("a") as out:
-        out.write(f"unix_socket_directories = '{standby.socket_dir}'\n")
-        out.write("synchronous_standby_names = ''\n")
-    # lets a later run stop this server if our process dies without cleaning up
-    owner = {"pid": os.getpid(), "bin": str(primary.bin_dir)}
-    (root / pgserver._OWNER_FILE).write_text(json.dumps(owner))
-    standby._pg_ctl("-l", str(standby.log_file), "start")
-    return standby
+SETTINGS = {**pgserver.TEST_SETTINGS, **pgserver.REPLICATION_SETTINGS, "synchronous_commit": "on"}
 
 
 @pytest.fixture
@@ -83,17 +37,8 @@ def primary_and_standby() -> Any:
         with psycopg.connect(primary.dsn, autocommit=True) as conn:
             conn.execute("CREATE DATABASE broker")
         schema.bootstrap(_url(primary))
-        standby = _standby_from(primary)
-        with psycopg.connect(primary.dsn, autocommit=True) as conn:
-            # synchronous from now on: a commit returns once the standby has it
-            conn.execute("ALTER SYSTEM SET synchronous_standby_names = '*'")
-            conn.execute("SELECT pg_reload_conf()")
-            deadline = time.monotonic() + 30
-            while conn.execute(
-                "SELECT count(*) FROM pg_stat_replication WHERE sync_state = 'sync'"
-            ).fetchone() != (1,):
-                assert time.monotonic() < deadline, "the standby never became synchronous"
-                time.sleep(0.1)
+        standby = pgserver.start_standby(primary)
+        pgserver.make_synchronous(primary)  # a commit returns once the standby has it
         yield primary, standby
     finally:
         for server in (standby, primary):
@@ -159,12 +104,7 @@ def test_worker_and_producer_continue_on_the_promoted_standby(primary_and_standb
         while len(set(received)) < 20 and time.monotonic() < deadline:
             time.sleep(0.05)
         primary._pg_ctl("-m", "immediate", "stop")  # the primary dies
-        standby._pg_ctl("promote")
-        with psycopg.connect(_url(standby).replace("/broker", "/postgres")) as conn:
-            deadline = time.monotonic() + 30
-            while conn.execute("SELECT pg_is_in_recovery()").fetchone() != (False,):
-                assert time.monotonic() < deadline, "the standby was not promoted"
-                time.sleep(0.1)
+        pgserver.promote(standby)
         publish_range(range(50, 100))
         deadline = time.monotonic() + 60
         while set(received) != set(published) and time.monotonic() < deadline:

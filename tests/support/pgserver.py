@@ -40,6 +40,7 @@ import signal
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from urllib.parse import quote
@@ -51,6 +52,7 @@ from psycopg.conninfo import conninfo_to_dict
 __all__ = [
     "DB_PREFIX",
     "ENV_TEST_DSN",
+    "REPLICATION_SETTINGS",
     "TEST_SETTINGS",
     "EmbeddedPostgresMissing",
     "LocalServer",
@@ -60,10 +62,13 @@ __all__ = [
     "drop_created_databases",
     "drop_database",
     "embedded_install_dir",
+    "make_synchronous",
     "make_template",
+    "promote",
     "reap_orphan_servers",
     "start_extension_server",
     "start_server",
+    "start_standby",
     "stop_test_server",
     "test_server_dsn",
 ]
@@ -354,6 +359,78 @@ def start_extension_server(settings: Mapping[str, str] = TEST_SETTINGS) -> Local
     pgmq 1.1.4). Call :meth:`LocalServer.stop` when done (also done at exit).
     """
     return start_server(settings=settings, pgmq_extension=True)
+
+
+def start_standby(primary: LocalServer) -> LocalServer:
+    """pg_basebackup of ``primary`` into a new LocalServer started as a streaming standby."""
+    root = Path(tempfile.mkdtemp(prefix="kpt_pg_"))
+    standby = LocalServer(root, primary.bin_dir, primary.user)
+    root.chmod(0o755)
+    standby.socket_dir.mkdir()
+    for path in (root, standby.socket_dir):
+        _chown(path, primary.user)
+    _run(
+        [
+            str(primary.bin_dir / "pg_basebackup"),
+            "-h",
+            str(primary.socket_dir),
+            "-U",
+            SUPERUSER,
+            "-D",
+            str(standby.data_dir),
+            "-R",  # standby.signal + primary_conninfo
+            "-X",
+            "stream",
+            "--checkpoint=fast",  # else a spread checkpoint: minutes
+        ],
+        user=primary.user,
+        cwd=root,
+    )
+    conf = standby.data_dir / "postgresql.auto.conf"
+    with conf.open("a") as out:
+        out.write(f"unix_socket_directories = '{standby.socket_dir}'\n")
+        out.write("synchronous_standby_names = ''\n")
+    # lets a later run stop this server if our process dies without cleaning up
+    owner = {"pid": os.getpid(), "bin": str(primary.bin_dir)}
+    (root / _OWNER_FILE).write_text(json.dumps(owner))
+    standby._pg_ctl("-l", str(standby.log_file), "start")
+    return standby
+
+
+#: Settings of a primary that streams to standbys (add to a server's settings).
+REPLICATION_SETTINGS: Mapping[str, str] = {
+    "wal_level": "replica",
+    "max_wal_senders": "5",
+    "hot_standby": "on",
+}
+
+
+def make_synchronous(primary: LocalServer, timeout: float = 30.0) -> None:
+    """Make every commit on ``primary`` wait for its standby (``synchronous_standby_names =
+    '*'``) and wait until the standby is synchronous."""
+    with psycopg.connect(primary.dsn, autocommit=True) as conn:
+        conn.execute("ALTER SYSTEM SET synchronous_standby_names = '*'")
+        conn.execute("SELECT pg_reload_conf()")
+        deadline = time.monotonic() + timeout
+        while conn.execute(
+            "SELECT count(*) FROM pg_stat_replication WHERE sync_state = 'sync'"
+        ).fetchone() != (1,):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the standby never became synchronous")
+            time.sleep(0.1)
+
+
+def promote(standby: LocalServer, timeout: float = 30.0) -> None:
+    """``pg_ctl promote`` and wait until the standby takes writes."""
+    import time
+
+    standby._pg_ctl("promote")
+    with psycopg.connect(standby.dsn, autocommit=True) as conn:
+        deadline = time.monotonic() + timeout
+        while conn.execute("SELECT pg_is_in_recovery()").fetchone() != (False,):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the standby was not promoted")
+            time.sleep(0.1)
 
 
 _test_server: LocalServer | None = None
