@@ -6,6 +6,7 @@ The commands that talk to the database take ``--url`` (default: ``$KOMBU_PGMQ_UR
 
     kombu-pgmq schema install [--url URL]     # PGMQ + kombu_pgmq's migrations (idempotent)
     kombu-pgmq schema status  [--url URL]     # what is installed; installs nothing
+    kombu-pgmq schema grant worker|producer ROLE [--url URL]   # least privilege
     kombu-pgmq dlq list [--queue Q] [--reason R] [--task T] [--id N ...] [--limit 50] [--json]
     kombu-pgmq dlq replay (--all | --id N ... | --queue Q | --reason R | --task T)
     kombu-pgmq dlq purge  (--all | --id N ... | --queue Q | --reason R | --task T) [--yes]
@@ -234,6 +235,50 @@ def schema_status(url: str | None) -> None:
     if missing:
         _fail(f"{'; '.join(missing)}: run kombu-pgmq schema install --url {shown}")
     click.echo("ready")
+
+
+@schema_group.command(
+    "grant",
+    epilog=_examples(
+        "kombu-pgmq schema grant worker celery_worker --url " + _EXAMPLE_URL,
+        "kombu-pgmq schema grant producer web_app --url " + _EXAMPLE_URL,
+        "kombu-pgmq schema grant --list",
+    ),
+)
+@url_option
+@click.argument("kind", type=click.Choice(schema.ROLE_KINDS), required=False)
+@click.argument("role", required=False)
+@click.option("--revoke", "revoke_role", help="Take every privilege back from this role.")
+@click.option("--list", "show", is_flag=True, help="List the roles granted.")
+def schema_grant(
+    url: str | None, kind: str | None, role: str | None, revoke_role: str | None, show: bool
+) -> None:
+    """Give an existing role the privileges of a worker or a producer (run as the schema
+    owner, the role that installed it).
+
+    \b
+    producer: publish to existing queues and exchanges (and count ready messages).
+    worker:   consume, ack, reject, renew leases, declare and bind its queues (pidbox,
+              replies, events), purge, publish. Not: delete queues, DDL, dead-letter
+              admin, archive pruning (the owner's).
+    Neither gets any privilege on PGMQ's tables: they go through kombu_pgmq's functions.
+    Run workers with the transport option install_schema=False.
+    """
+    if show:
+        rows = _run(url, lambda resolved: schema.grants(to_dsn(resolved)))
+        for granted, granted_kind in rows:
+            click.echo(f"{granted}\t{granted_kind}")
+        if not rows:
+            click.echo("no roles granted")
+        return
+    if revoke_role:
+        revoked = _run(url, lambda resolved: schema.revoke(to_dsn(resolved), revoke_role))
+        click.echo(f"revoked {revoke_role}" if revoked else f"{revoke_role} had no grants")
+        return
+    if kind is None or role is None:
+        raise click.UsageError("give KIND and ROLE (or --revoke ROLE, or --list)")
+    _run(url, lambda resolved: schema.grant(to_dsn(resolved), role, kind))
+    click.echo(f"granted {kind} privileges to {role}")
 
 
 def schema_alias(argv: list[str] | None = None) -> int:

@@ -20,6 +20,7 @@ __all__ = [
     "InvalidJsonBody",
     "InvalidQueueName",
     "KombuPgmqError",
+    "PermissionDenied",
     "QueueNotFound",
     "SparkError",
     "SparkServerError",
@@ -72,6 +73,13 @@ class QueueNotFound(StatementError):
     """The PGMQ queue table does not exist (deleted by another process?)."""
 
 
+class PermissionDenied(StatementError):
+    """The role lacks a privilege for the statement (SQLSTATE ``42501``): e.g. a role
+    granted as a producer tried to consume, or a worker to delete a queue. The schema
+    owner grants roles with ``kombu-pgmq schema grant producer|worker ROLE`` (see
+    :mod:`kombu_pgmq.schema`, "Least privilege")."""
+
+
 class Unroutable(StatementError):
     """A message published with ``mandatory=True`` matched no binding (AMQP returns it
     with ``basic.return``; this transport raises instead of dropping it)."""
@@ -98,7 +106,8 @@ def translate(exc: psycopg.Error) -> KombuPgmqError:
     Shapes: ``psycopg.Error -> KombuPgmqError``. Connection loss, admin or crash
     shutdown (``57P01``-``57P03``), ``pg_terminate_backend`` and a read-only server
     (``25006``: a standby after a failover) become :class:`BrokerConnectionError`; a
-    missing queue table :class:`QueueNotFound`; a JSON body PostgreSQL cannot store
+    missing privilege (``42501``) :class:`PermissionDenied`; a missing queue table
+    :class:`QueueNotFound`; a JSON body PostgreSQL cannot store
     :class:`InvalidJsonBody`;
     anything else :class:`StatementError`. The message keeps the server's text.
     """
@@ -116,6 +125,12 @@ def translate(exc: psycopg.Error) -> KombuPgmqError:
         )
     if isinstance(exc, psycopg.InterfaceError):
         return BrokerConnectionError(f"PostgreSQL connection is not usable: {text}")
+    if sqlstate == "42501":  # insufficient_privilege
+        return PermissionDenied(
+            f"{text}: this role lacks the privilege; the schema owner grants it with "
+            "'kombu-pgmq schema grant worker <role>' (consume, ack, declare queues) or "
+            "'kombu-pgmq schema grant producer <role>' (publish only)"
+        )
     if isinstance(exc, pg_errors.UndefinedTable):
         return QueueNotFound(f"queue table does not exist: {text}")
     if isinstance(exc, (pg_errors.InvalidTextRepresentation, pg_errors.UntranslatableCharacter)):

@@ -19,6 +19,31 @@ transaction, installs what is missing:
 PGMQ must provide every function kombu_pgmq calls (headers, batch ``set_vt``, ``pop``
 with a quantity) and be at least :data:`MIN_PGMQ_VERSION`; otherwise
 :class:`~kombu_pgmq.errors.UnsupportedPgmqVersion` says what to upgrade.
+
+Least privilege
+===============
+
+The role that runs :func:`bootstrap` (``kombu-pgmq schema install``) owns every table;
+it needs no superuser (the SQL-only PGMQ installs as any role with ``CREATE`` on the
+database). Other roles get only what :func:`grant` (``kombu-pgmq schema grant producer|
+worker ROLE``) gives them, and never a privilege on PGMQ's tables: what they may do to
+messages is what kombu_pgmq's ``SECURITY DEFINER`` functions do (migration 0010).
+
+* ``producer``: publish to queues and exchanges that exist (Celery's declaration before
+  a first publish becomes a passive check), count ready messages.
+* ``worker``: what a producer may, and consume (read, ack, reject, requeue, renew
+  leases, dead-letter), purge ready messages, declare and bind queues (its pidbox, reply
+  and event queues), delete transient queues (non-durable, ``auto_delete`` or
+  ``x-expires``), record its consumers. ``celery inspect``/``control`` clients need it
+  too (they consume replies).
+* owner only: delete a durable queue, the dead-letter admin (``kombu-pgmq dlq``),
+  archive pruning, schema installs and grants, the Spark data source (it reads and
+  writes queue tables directly), ``VACUUM`` of queue tables (``vacuum_threshold``:
+  roles that do not own the tables leave them to autovacuum).
+
+Run least-privilege roles with the transport option ``install_schema=False``. Grants are
+recorded (``kombu_pgmq.roles``) and applied again after every migration. A refusal is a
+:class:`~kombu_pgmq.errors.PermissionDenied` naming the command that grants it.
 """
 
 from __future__ import annotations
@@ -162,6 +187,8 @@ def _bootstrap(client: Connector) -> SchemaInfo:
                 applied.append(migration.version)
             if method == "install_sql":
                 client.scalar("record_pgmq_install", {"version": version})
+            if applied:  # functions added by these migrations reach the granted roles
+                client.column("apply_grants")
     except (errors.UnsupportedPgmqVersion, errors.BrokerConnectionError):
         raise
     except errors.KombuPgmqError as exc:
@@ -289,6 +316,65 @@ def status(dsn: str) -> SchemaStatus:
         )
     finally:
         client.close()
+
+
+#: Kinds of roles :func:`grant` knows (see "Least privilege" in the module docstring).
+ROLE_KINDS = ("producer", "worker")
+
+
+def grant(dsn: str, role: str, kind: str) -> None:
+    """Give an existing role the privileges of a ``"producer"`` (publish only) or a
+    ``"worker"`` (consume, ack, declare its queues, and publish); run as the schema owner.
+    Recorded in ``kombu_pgmq.roles``: later migrations grant what they add to it too.
+    A role granted before gets the new kind (a worker made producer loses the rest).
+
+    Raises:
+        ConfigurationError: ``kind`` is not ``"producer"`` or ``"worker"``.
+        StatementError: the role does not exist (``CREATE ROLE ... LOGIN`` first) or this
+            role cannot grant (not the schema owner).
+        BootstrapError: the schema is older than migration 0010 (run :func:`bootstrap`).
+    """
+    if kind not in ROLE_KINDS:
+        raise errors.ConfigurationError(
+            f"role kind {kind!r} is unknown: use {' or '.join(ROLE_KINDS)}"
+        )
+    client = Connector(dsn)
+    try:
+        _require_current(client)
+        client.execute("grant_role", {"role": role, "kind": kind})
+    finally:
+        client.close()
+
+
+def revoke(dsn: str, role: str) -> bool:
+    """Take back every privilege :func:`grant` gave ``role``; False if it had none
+    recorded. Run as the schema owner."""
+    client = Connector(dsn)
+    try:
+        _require_current(client)
+        return bool(client.scalar("revoke_role", {"role": role}))
+    finally:
+        client.close()
+
+
+def grants(dsn: str) -> list[tuple[str, str]]:
+    """``[(role, kind)]`` of the roles granted with :func:`grant`."""
+    client = Connector(dsn)
+    try:
+        _require_current(client)
+        rows: list[tuple[str, str]] = client.fetch("granted_roles")
+        return [(str(role), str(kind)) for role, kind in rows]
+    finally:
+        client.close()
+
+
+def _require_current(client: Connector) -> None:
+    applied = client.column("applied_migrations") if client.scalar("schema_version") else []
+    if len(applied) < len(migrations()):
+        raise errors.BootstrapError(
+            f"kombu_pgmq schema is at version {len(applied)}, this release needs "
+            f"{len(migrations())}: run 'kombu-pgmq schema install --url <url>' first"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

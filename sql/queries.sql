@@ -17,15 +17,12 @@ SELECT kombu_pgmq.publish(%(queue)s, %(message)s::jsonb, %(headers)s::jsonb) AS 
 SELECT kombu_pgmq.publish(%(queue)s, %(message)s::jsonb, %(headers)s::jsonb, %(delay_seconds)s::integer) AS msg_id
 
 -- name: read
--- Deliver up to qty visible messages, hiding them for vt_seconds (FOR UPDATE SKIP
--- LOCKED inside pgmq.read: concurrent consumers never get the same message).
--- Uses the queue table's primary key order (msg_id) and its vt index.
--- message and headers come back as text: the JSON body goes to Kombu unparsed.
--- age_seconds (server clock) serves x-message-ttl and per-message expiration.
-SELECT %(queue)s::text AS queue, msg_id, read_ct, enqueued_at, message::text AS message,
-       headers::text AS headers,
-       extract(epoch FROM clock_timestamp() - enqueued_at)::float8 AS age_seconds
-FROM pgmq.read(%(queue)s, %(vt_seconds)s::integer, %(qty)s::integer)
+-- Deliver up to qty visible messages of one queue, hiding them for vt_seconds
+-- (kombu_pgmq.read: pgmq.read, FOR UPDATE SKIP LOCKED; concurrent consumers never get
+-- the same message). message and headers come back as text: the JSON body goes to Kombu
+-- unparsed. age_seconds (server clock) serves x-message-ttl and per-message expiration.
+SELECT queue, msg_id, read_ct, enqueued_at, message, headers, age_seconds
+FROM kombu_pgmq.read(ARRAY[%(queue)s]::text[], %(vt_seconds)s::integer, %(qty)s::integer)
 
 -- name: read_many
 -- Archive acked messages (receipt handles: queue, msg_id, read_ct, enqueued_at; a stale
@@ -65,15 +62,9 @@ LISTEN {channel}
 UNLISTEN {channel}
 
 -- name: pop
--- Deliver and delete up to qty visible messages (consumers with no_ack=True).
-SELECT %(queue)s::text AS queue, msg_id, read_ct, enqueued_at, message::text AS message,
-       headers::text AS headers,
-       extract(epoch FROM clock_timestamp() - enqueued_at)::float8 AS age_seconds
-FROM pgmq.pop(%(queue)s, %(qty)s::integer)
-
--- name: set_vt
--- Requeue (vt_seconds = 0) or extend the lease of messages. Returns updated ids.
-SELECT msg_id FROM pgmq.set_vt(%(queue)s, %(msg_ids)s::bigint[], %(vt_seconds)s::integer)
+-- Deliver and delete up to qty visible messages (basic_get with no_ack; migration 0010).
+SELECT queue, msg_id, read_ct, enqueued_at, message, headers, age_seconds
+FROM kombu_pgmq.pop(%(queue)s, %(qty)s::integer)
 
 -- name: renew
 -- Lease renewal (migration 0004): push the visibility timeout of held messages to now +
@@ -106,33 +97,16 @@ FROM kombu_pgmq.requeue(%(queues)s::text[], %(msg_ids)s::bigint[], %(read_cts)s:
                         %(enqueued)s::timestamptz[], %(vt_seconds)s::integer,
                         %(uncount)s::boolean)
 
--- name: create_queue
--- Only if missing (pgmq.meta, unique on queue_name): on an existing queue pgmq.create
--- still runs CREATE INDEX IF NOT EXISTS, whose SHARE lock waits for every open
--- transaction that wrote to the queue (an application enqueueing inside its own
--- transaction), so every redeclare (a worker or producer connecting) would wait for it.
-SELECT pgmq.create(%(queue)s)
-WHERE NOT EXISTS (SELECT 1 FROM pgmq.meta WHERE queue_name = %(queue)s)
-
--- name: create_queue_unlogged
--- Non-durable Kombu queues (pidbox replies, event queues): no WAL, emptied by a crash.
--- Only if missing, as create_queue.
-SELECT pgmq.create_unlogged(%(queue)s)
-WHERE NOT EXISTS (SELECT 1 FROM pgmq.meta WHERE queue_name = %(queue)s)
-
--- name: register_queue
--- Remember the Kombu name and the declared arguments of a PGMQ queue (kombu_pgmq.naming
--- is one-way). The first declaration's arguments stay (a redeclare without them, as
--- plain consumers do, must not turn a TTL off); a redeclare counts as use (x-expires).
--- Returns the arguments in force, and the priority bands (migration 0004).
-INSERT INTO kombu_pgmq.queues
-    (queue, pgmq_queue, durable, auto_delete, expires_ms, message_ttl_ms, max_priority,
-     priority_bands, band_queues)
-VALUES (%(kombu_queue)s, %(queue)s, %(durable)s, %(auto_delete)s, %(expires_ms)s,
-        %(message_ttl_ms)s, %(max_priority)s, %(priority_bands)s::smallint[],
-        %(band_queues)s::text[])
-ON CONFLICT (queue) DO UPDATE SET last_used_at = clock_timestamp()
-RETURNING message_ttl_ms, expires_ms, max_priority, priority_bands, band_queues
+-- name: declare_queue
+-- Create the PGMQ queue if missing (UNLOGGED if not durable) and its priority bands, and
+-- record the Kombu name and the declared arguments (migration 0010). The first
+-- declaration's arguments stay (a redeclare without them, as plain consumers do, must
+-- not turn a TTL off); a redeclare counts as use (x-expires). Returns the arguments in
+-- force.
+SELECT message_ttl_ms, expires_ms, max_priority, priority_bands, band_queues
+FROM kombu_pgmq.declare_queue(%(kombu_queue)s, %(queue)s, %(durable)s, %(auto_delete)s,
+                              %(expires_ms)s, %(message_ttl_ms)s, %(max_priority)s,
+                              %(priority_bands)s::smallint[], %(band_queues)s::text[])
 
 -- name: queue_bands
 -- Priority bands of a Kombu queue (NULL arrays: no priorities); no row: unknown queue.
@@ -145,6 +119,11 @@ WHERE queue = %(kombu_queue)s
 SELECT CASE WHEN kombu_pgmq.drop_queue(%(kombu_queue)s) THEN true
             ELSE pgmq.drop_queue(%(queue)s) END AS dropped
 
+-- name: drop_transient_queue
+-- A worker's queue_delete: only a non-durable, auto_delete or x-expires queue (migration
+-- 0010); false if there is no such queue.
+SELECT kombu_pgmq.drop_transient_queue(%(kombu_queue)s) AS dropped
+
 -- name: message_ttl
 SELECT message_ttl_ms, expires_ms FROM kombu_pgmq.queues WHERE queue = %(kombu_queue)s
 
@@ -153,9 +132,11 @@ SELECT message_ttl_ms, expires_ms FROM kombu_pgmq.queues WHERE queue = %(kombu_q
 UPDATE kombu_pgmq.queues SET last_used_at = clock_timestamp()
 WHERE queue = %(kombu_queue)s AND expires_ms IS NOT NULL
 
--- name: delete_messages
--- Expired messages (x-message-ttl, per-message expiration): removed, never delivered.
-SELECT pgmq.delete(%(queue)s, %(msg_ids)s::bigint[]) AS msg_id
+-- name: discard
+-- Expired messages (x-message-ttl, per-message expiration) and what a no_ack consumer
+-- was handed: deleted for good if these deliveries still hold them (receipt handles).
+SELECT kombu_pgmq.discard(%(queue)s, %(msg_ids)s::bigint[], %(read_cts)s::integer[],
+                          %(enqueued)s::timestamptz[]) AS msg_id
 
 -- name: queue_exists
 -- pgmq.meta has one row per queue (unique index on queue_name).
@@ -163,46 +144,18 @@ SELECT EXISTS (SELECT 1 FROM pgmq.meta WHERE queue_name = %(queue)s) AS found
 
 -- name: size
 -- Ready (visible) messages, as AMQP's message_count: unacked ones are not counted.
-SELECT count(*) AS size FROM {queue_table} WHERE vt <= clock_timestamp()
+SELECT kombu_pgmq.size(%(queue)s) AS size
 
 -- name: purge
--- AMQP purge removes ready messages only: messages being processed (vt in the future)
--- stay, so their ack or redelivery still works. pgmq.purge_queue would TRUNCATE them
--- too, and take an ACCESS EXCLUSIVE lock that blocks every consumer meanwhile.
-WITH purged AS (
-    DELETE FROM {queue_table} WHERE vt <= clock_timestamp() RETURNING 1
-)
-SELECT count(*) AS purged FROM purged
+-- AMQP purge removes ready messages only (migration 0010); returns how many.
+SELECT kombu_pgmq.purge(%(queue)s) AS purged
 
 -- name: dead_letter
--- Move messages to the dead-letter queue in one statement (so atomically): delete from
--- the source queue table the rows these deliveries still hold (receipt handles,
--- migration 0007), send each to the dead-letter queue with an
--- "x-dead-letter" header recording where it came from and why.
-WITH moved AS (
-    DELETE FROM {queue_table} AS t
-    USING unnest(%(msg_ids)s::bigint[], %(read_cts)s::integer[], %(enqueued)s::timestamptz[],
-                 %(errors)s::text[]) AS h(id, ct, at, err)
-    WHERE t.msg_id = h.id AND t.read_ct = h.ct AND t.enqueued_at = h.at
-    RETURNING t.msg_id, t.read_ct, t.enqueued_at, t.message, t.headers, h.err
-)
-SELECT pgmq.send(
-    %(dead_letter_queue)s,
-    moved.message,
-    coalesce(moved.headers, '{{}}'::jsonb) || jsonb_build_object(
-        'x-dead-letter', jsonb_build_object(
-            'queue', %(kombu_queue)s::text,
-            'pgmq_queue', %(queue)s::text,
-            'msg_id', moved.msg_id,
-            'read_ct', moved.read_ct,
-            'reason', %(reason)s::text,
-            'enqueued_at', moved.enqueued_at,
-            'dead_lettered_at', clock_timestamp()
-        ) || CASE WHEN moved.err IS NULL THEN '{{}}'::jsonb
-                  ELSE jsonb_build_object('error', moved.err) END
-    )
-) AS msg_id
-FROM moved
+-- Move messages to the dead-letter queue atomically, the rows these deliveries still hold
+-- (receipt handles), each with an "x-dead-letter" header (migration 0010).
+SELECT kombu_pgmq.dead_letter(%(queue)s, %(msg_ids)s::bigint[], %(read_cts)s::integer[],
+                              %(enqueued)s::timestamptz[], %(errors)s::text[],
+                              %(dead_letter_queue)s, %(reason)s, %(kombu_queue)s) AS msg_id
 
 -- name: pgmq_extension_version
 SELECT extversion AS version FROM pg_extension WHERE extname = 'pgmq'
@@ -258,6 +211,25 @@ INSERT INTO kombu_pgmq.migrations (version, name) VALUES (%(version)s, %(name)s)
 -- name: record_pgmq_install
 INSERT INTO kombu_pgmq.settings (key, value) VALUES ('pgmq_sql_version', %(version)s)
 ON CONFLICT (key) DO UPDATE SET value = excluded.value
+
+-- name: apply_grants
+-- After migrations: the privileges of every role granted with kombu_pgmq.grant_role
+-- (migration 0010), so functions added since reach them.
+SELECT kombu_pgmq.apply_grants() AS role
+
+-- name: grant_role
+SELECT kombu_pgmq.grant_role(%(role)s, %(kind)s)
+
+-- name: revoke_role
+SELECT kombu_pgmq.revoke_role(%(role)s) AS revoked
+
+-- name: granted_roles
+SELECT role, kind FROM kombu_pgmq.roles ORDER BY role
+
+-- name: binding_exists
+SELECT EXISTS (SELECT 1 FROM kombu_pgmq.bindings
+               WHERE exchange = %(exchange)s AND routing_key = %(routing_key)s
+                 AND queue = %(kombu_queue)s) AS found
 
 -- name: pgmq_sql_version
 SELECT value AS version FROM kombu_pgmq.settings WHERE key = 'pgmq_sql_version'
@@ -344,9 +316,12 @@ ON CONFLICT (queue, owner, consumer_tag) DO UPDATE SET heartbeat_at = clock_time
 SELECT kombu_pgmq.release_consumer(%(kombu_queue)s, %(owner)s, %(consumer_tag)s) AS dropped
 
 -- name: dead_tuples
--- Dead row versions of queue tables (cumulative statistics, a few seconds behind).
-SELECT relname, n_dead_tup FROM pg_stat_user_tables
-WHERE schemaname = 'pgmq' AND relname = ANY(%(tables)s::text[])
+-- Dead row versions of queue tables (cumulative statistics, a few seconds behind), of
+-- the tables this role may VACUUM (their owner, or a member of it; superusers).
+SELECT s.relname, s.n_dead_tup
+FROM pg_stat_user_tables s JOIN pg_class c ON c.oid = s.relid
+WHERE s.schemaname = 'pgmq' AND s.relname = ANY(%(tables)s::text[])
+  AND pg_has_role(c.relowner, 'USAGE')
 
 -- name: vacuum
 -- {queue_table} composed with psycopg.sql.Identifier. SKIP_LOCKED: another consumer's

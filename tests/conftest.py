@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,54 @@ def empty_db_dsn(pg_server: str, request: pytest.FixtureRequest) -> Iterator[str
     name = pgserver.create_database(pg_server, request.node.name, template="template0")
     yield pgserver.database_url(pg_server, name)
     pgserver.drop_database(pg_server, name)
+
+
+@dataclass(frozen=True)
+class LeastPrivilegeDb:
+    """A database owned by a role that is no superuser, the kombu_pgmq schema installed by
+    it, and a producer and a worker role granted with ``kombu-pgmq schema grant``: URLs
+    log in as each role."""
+
+    owner_url: str
+    producer_url: str
+    worker_url: str
+    owner: str
+    producer: str
+    worker: str
+
+
+@pytest.fixture
+def least_privilege_db(
+    pg_server: str, request: pytest.FixtureRequest
+) -> Iterator[LeastPrivilegeDb]:
+    """See :class:`LeastPrivilegeDb` (roles and database dropped afterwards)."""
+    from kombu_pgmq import schema
+
+    roles: list[str] = []
+    name = None
+    try:
+        owner, owner_pw = pgserver.create_role(pg_server, "owner")
+        roles.append(owner)
+        producer, producer_pw = pgserver.create_role(pg_server, "producer")
+        roles.append(producer)
+        worker, worker_pw = pgserver.create_role(pg_server, "worker")
+        roles.append(worker)
+        name = pgserver.create_database(
+            pg_server, request.node.name, template="template0", owner=owner
+        )
+        urls = {
+            role: pgserver.database_url(pg_server, name, user=role, password=password)
+            for role, password in ((owner, owner_pw), (producer, producer_pw), (worker, worker_pw))
+        }
+        schema.bootstrap(urls[owner])  # as the owner: no superuser
+        schema.grant(urls[owner], producer, "producer")
+        schema.grant(urls[owner], worker, "worker")
+        yield LeastPrivilegeDb(urls[owner], urls[producer], urls[worker], owner, producer, worker)
+    finally:
+        if name is not None:
+            pgserver.drop_database(pg_server, name)
+        for role in roles:
+            pgserver.drop_role(pg_server, role)
 
 
 @pytest.fixture(scope="session")

@@ -199,14 +199,14 @@ class Broker:
         params = {**_handles(receipts), "vt_seconds": vt_seconds, "uncount": uncount}
         return {(r.queue, int(r.msg_id)) for r in self.db.fetch("requeue", params, _Renewed)}
 
-    def set_vt(self, queue: str, msg_ids: Sequence[int], vt_seconds: int) -> list[int]:
-        """Make messages visible again in ``vt_seconds`` (0: now); return the ids updated."""
-        params = {"queue": queue, "msg_ids": list(msg_ids), "vt_seconds": vt_seconds}
-        return self.db.column("set_vt", params)
-
-    def delete(self, queue: str, msg_ids: Sequence[int]) -> list[int]:
-        """Delete messages for good (no archive); return the ids that were there."""
-        return self.db.column("delete_messages", {"queue": queue, "msg_ids": list(msg_ids)})
+    def discard(self, receipts: Sequence[Receipt]) -> list[int]:
+        """Delete, for good (no archive), the messages these deliveries still hold
+        (expired ones, what a no_ack consumer was handed); return the ids deleted.
+        ``receipts`` are of one queue."""
+        if not receipts:
+            return []
+        params = {"queue": receipts[0].queue, **_handles(receipts)}
+        return [int(i) for i in self.db.column("discard", params)]
 
     def renew(self, held: Sequence[Receipt], vt_seconds: int) -> set[tuple[str, int]]:
         """Extend the leases of held messages (receipts) to now + ``vt_seconds``, in one
@@ -245,9 +245,7 @@ class Broker:
             "kombu_queue": kombu_queue,
             "errors": list(errors) if errors is not None else [None] * len(receipts),
         }
-        return self.db.column(
-            self.db.compose("dead_letter", queue_table=("pgmq", f"q_{queue}")), params
-        )
+        return [int(i) for i in self.db.column("dead_letter", params)]
 
     # -- wake-ups (migration 0003) ----------------------------------------------------
 
@@ -298,26 +296,18 @@ class Broker:
         name and arguments in ``kombu_pgmq.queues`` (the first declaration's arguments
         stay), then the PGMQ queues of its priority bands as stored. Returns the
         arguments in force."""
-        create = "create_queue" if durable else "create_queue_unlogged"
-        with self.db.transaction():
-            self.db.execute(create, {"queue": queue})
-            params = {
-                "queue": queue,
-                "kombu_queue": kombu_queue,
-                "durable": durable,
-                "auto_delete": auto_delete,
-                "expires_ms": expires_ms,
-                "message_ttl_ms": message_ttl_ms,
-                "max_priority": max_priority,
-                "priority_bands": list(floors) if max_priority is not None and floors else None,
-                "band_queues": list(band_queues)
-                if max_priority is not None and band_queues
-                else None,
-            }
-            info = _info(self.db.fetch("register_queue", params, _QueueArgs)[0])
-            for band in (info.band_queues or [])[1:]:
-                self.db.execute(create, {"queue": band})
-        return info
+        params = {
+            "queue": queue,
+            "kombu_queue": kombu_queue,
+            "durable": durable,
+            "auto_delete": auto_delete,
+            "expires_ms": expires_ms,
+            "message_ttl_ms": message_ttl_ms,
+            "max_priority": max_priority,
+            "priority_bands": list(floors) if max_priority is not None and floors else None,
+            "band_queues": list(band_queues) if max_priority is not None and band_queues else None,
+        }
+        return _info(self.db.fetch("declare_queue", params, _QueueArgs)[0])
 
     def queue_info(self, kombu_queue: str) -> QueueInfo | None:
         """Priority arguments of a Kombu queue as stored (None: no such queue recorded)."""
@@ -327,6 +317,11 @@ class Broker:
     def drop_queue(self, queue: str, kombu_queue: str) -> bool:
         """Drop the queue, its archive, bindings and consumers; False if it did not exist."""
         return bool(self.db.scalar("drop_queue", {"queue": queue, "kombu_queue": kombu_queue}))
+
+    def drop_transient_queue(self, kombu_queue: str) -> bool:
+        """Drop the queue if it is non-durable, auto_delete or has x-expires (a worker
+        role may); False if there is no such queue."""
+        return bool(self.db.scalar("drop_transient_queue", {"kombu_queue": kombu_queue}))
 
     def lifetime(self, kombu_queue: str) -> tuple[int | None, int | None]:
         """``(x-message-ttl, x-expires)`` of a Kombu queue in milliseconds (None: not set,
@@ -346,11 +341,15 @@ class Broker:
 
     def size(self, queue: str) -> int:
         """Number of ready (visible) messages."""
-        return int(self.db.scalar(self.db.compose("size", queue_table=("pgmq", f"q_{queue}"))))
+        return int(self.db.scalar("size", {"queue": queue}))
 
     def purge(self, queue: str) -> int:
         """Delete the ready messages (not the unacked ones); return how many."""
-        return int(self.db.scalar(self.db.compose("purge", queue_table=("pgmq", f"q_{queue}"))))
+        return int(self.db.scalar("purge", {"queue": queue}))
+
+    def binding_exists(self, exchange: str, routing_key: str, kombu_queue: str) -> bool:
+        params = {"exchange": exchange, "routing_key": routing_key, "kombu_queue": kombu_queue}
+        return bool(self.db.scalar("binding_exists", params))
 
     # -- exchanges and bindings --------------------------------------------------------
 

@@ -112,9 +112,20 @@ class Publishing:
                 f"exchange {exchange!r} has type {type!r}: kombu_pgmq routes "
                 f"{', '.join(sorted(EXCHANGE_TYPES))}"
             )
-        stored = self.pgmq.declare_exchange(
-            exchange, type, durable=bool(durable), auto_delete=bool(auto_delete)
-        )
+        try:
+            stored = self.pgmq.declare_exchange(
+                exchange, type, durable=bool(durable), auto_delete=bool(auto_delete)
+            )
+        except errors.PermissionDenied as exc:
+            # a producer's role: a passive declaration of an exchange that exists
+            found = self.pgmq.exchange_type(exchange)
+            if found is None:
+                raise errors.PermissionDenied(
+                    f"exchange {exchange!r} does not exist and this role may not declare "
+                    f"exchanges ({exc}); declare it once with a worker or the schema "
+                    "owner's role"
+                ) from exc
+            stored = found
         if stored != type:
             raise virtual.NotEquivalentError(
                 f"Cannot redeclare exchange {exchange!r} in vhost {self._vhost()!r} with "
@@ -141,7 +152,16 @@ class Publishing:
         if not exchange:
             return  # the default exchange routes by queue name, no binding needed
         self._new_queue(queue)
-        self.pgmq.bind(exchange, routing_key or "", queue)
+        try:
+            self.pgmq.bind(exchange, routing_key or "", queue)
+        except errors.PermissionDenied as exc:
+            # a producer's role: a passive check of a binding that exists
+            if not self.pgmq.binding_exists(exchange, routing_key or "", queue):
+                raise errors.PermissionDenied(
+                    f"queue {queue!r} is not bound to exchange {exchange!r} with routing key "
+                    f"{routing_key!r} and this role may not bind ({exc}); bind it once with "
+                    "a worker or the schema owner's role"
+                ) from exc
         self._bound.setdefault(queue, set()).add((exchange, routing_key or ""))
 
     def queue_unbind(

@@ -18,7 +18,7 @@ from kombu.transport.base import to_rabbitmq_queue_arguments
 from .. import _encoding as encoding
 from .. import _priorities as priorities
 from .. import errors
-from .._db.broker import Broker, Receipt, Row
+from .._db.broker import Broker, QueueInfo, Receipt, Row
 from .._naming import pgmq_queue_name
 from ._publishing import DELAY_PROPERTY, Publishing
 from .options import TransportOptions
@@ -222,17 +222,20 @@ class Channel(Publishing, virtual.Channel):
         ttl = _milliseconds(args, "x-message-ttl")
         max_priority = priorities.max_priority_argument(args, queue)
         bands = priorities.make_bands(queue, max_priority, self.options.priority_steps)
-        info = self.pgmq.create_queue(
-            name,
-            queue,
-            durable=bool(durable),
-            auto_delete=bool(auto_delete or exclusive),
-            expires_ms=expires,
-            message_ttl_ms=ttl,
-            max_priority=max_priority,
-            floors=bands.floors,
-            band_queues=bands.queues,
-        )
+        try:
+            info = self.pgmq.create_queue(
+                name,
+                queue,
+                durable=bool(durable),
+                auto_delete=bool(auto_delete or exclusive),
+                expires_ms=expires,
+                message_ttl_ms=ttl,
+                max_priority=max_priority,
+                floors=bands.floors,
+                band_queues=bands.queues,
+            )
+        except errors.PermissionDenied as exc:
+            info = self._passive_declare(queue, exc)
         self._lifetimes[queue] = (info.message_ttl_ms, info.expires_ms)
         self.connection.set_bands(queue, priorities.stored(name, info.floors, info.band_queues))
         if max_priority is not None and info.max_priority != max_priority:
@@ -245,6 +248,23 @@ class Channel(Publishing, virtual.Channel):
                 "406",
             )
         self._known_queues.add(name)
+
+    def _passive_declare(self, queue: str, refused: errors.PermissionDenied) -> QueueInfo:
+        """A role that may not declare queues (a producer) may still use one that exists:
+        its declaration becomes a passive one, as Celery declares the task queue before
+        every first publish.
+
+        Raises:
+            PermissionDenied: the queue does not exist (the message names the fix).
+        """
+        info = self.pgmq.queue_info(queue)
+        if info is None:
+            raise errors.PermissionDenied(
+                f"queue {queue!r} does not exist and this role may not create queues "
+                f"({refused}); declare it once with a worker or the schema owner's role"
+            ) from refused
+        ttl, expires = self.pgmq.lifetime(queue)
+        return info._replace(message_ttl_ms=ttl, expires_ms=expires)
 
     def prepare_queue_arguments(self, arguments: Any, **kwargs: Any) -> Any:
         """Kombu ``Queue(expires=, message_ttl=, max_length=...)`` -> ``x-*`` arguments
@@ -271,7 +291,17 @@ class Channel(Publishing, virtual.Channel):
     def _delete(self, queue: str, *args: Any, **kwargs: Any) -> None:
         name = pgmq_queue_name(queue)
         self._known_queues.discard(name)
-        self.pgmq.drop_queue(name, queue)  # every band with it
+        try:
+            self.pgmq.drop_queue(name, queue)  # every band with it
+        except errors.PermissionDenied as exc:
+            # a worker's role: its transient queues only (kombu deletes pidbox reply
+            # queues once it read the replies)
+            if not self.pgmq.drop_transient_queue(queue) and self.pgmq.queue_info(queue):
+                raise errors.PermissionDenied(
+                    f"queue {queue!r} is durable and this role may delete only transient "
+                    f"queues (non-durable, auto_delete, x-expires) ({exc}); the schema "
+                    "owner's role deletes it"
+                ) from exc
         self.connection.forget_bands(queue)
 
     def queue_delete(
@@ -402,10 +432,12 @@ class Channel(Publishing, virtual.Channel):
             for queue, name, rows, no_ack in batches
             for payload in self._to_payloads(queue, name, rows, no_ack=no_ack)
         ]
-        no_ack_read: dict[str, list[int]] = defaultdict(list)
+        no_ack_read: dict[str, list[Receipt]] = defaultdict(list)
         for _, name, rows, no_ack in batches:
             if no_ack:
-                no_ack_read[name].extend(r.msg_id for r in rows)
+                no_ack_read[name].extend(
+                    Receipt(name, r.msg_id, r.read_ct, r.enqueued_at) for r in rows
+                )
         deliver = self.connection._deliver
         undelivered: list[dict[str, Any]] = []
         try:
@@ -421,7 +453,9 @@ class Channel(Publishing, virtual.Channel):
                 self._forget_no_ack(no_ack_read, undelivered)
         return len(deliveries), drained, full, acks_sent
 
-    def _forget_no_ack(self, read: dict[str, list[int]], undelivered: list[dict[str, Any]]) -> None:
+    def _forget_no_ack(
+        self, read: dict[str, list[Receipt]], undelivered: list[dict[str, Any]]
+    ) -> None:
         """Delete what ``no_ack`` consumers were handed (and expired rows read with
         them): as AMQP auto-ack, a message is gone once delivered, but one a failed
         callback kept from the application stays (it was requeued)."""
@@ -429,11 +463,11 @@ class Channel(Publishing, virtual.Channel):
             (info["pgmq_queue"], info["pgmq_msg_id"])
             for info in (p["properties"]["delivery_info"] for p in undelivered)
         }
-        for name, ids in read.items():
-            gone = [i for i in ids if (name, i) not in kept]
+        for name, held in read.items():
+            gone = [r for r in held if (name, r.msg_id) not in kept]
             if gone:
                 with contextlib.suppress(errors.QueueNotFound):
-                    self.pgmq.delete(name, gone)
+                    self.pgmq.discard(gone)
 
     def _release(self, payloads: list[dict[str, Any]]) -> None:
         """Make read but undelivered messages visible again (a callback failed): the
@@ -511,9 +545,7 @@ class Channel(Publishing, virtual.Channel):
         expired = [p for p, row in zip(payloads, rows, strict=True) if _expired(p, row, ttl)]
         if expired:
             if not no_ack:
-                self.pgmq.delete(
-                    name, [p["properties"]["delivery_info"]["pgmq_msg_id"] for p in expired]
-                )
+                self.pgmq.discard([receipt(p["properties"]["delivery_info"]) for p in expired])
             gone = {id(p) for p in expired}
             payloads = [p for p in payloads if id(p) not in gone]
         return payloads

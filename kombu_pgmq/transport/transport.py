@@ -185,6 +185,8 @@ class Transport(virtual.Transport):
             self._statements = connector
             try:
                 self.reap(Broker(connector))
+            except errors.PermissionDenied:
+                logger.debug("not reaping abandoned queues: this role is not a worker")
             except errors.KombuPgmqError as exc:
                 logger.warning("reaping abandoned queues failed: %s", exc)
         broker = self._broker = Broker(connector)

@@ -196,3 +196,21 @@ def test_python_m_schema_is_an_alias_of_schema_install(empty_db_dsn: str) -> Non
     assert unreachable.returncode == 1 and unreachable.stdout == ""
     assert len(unreachable.stderr.splitlines()) == 1 and "check the URL" in unreachable.stderr
     assert run(empty_db_dsn, "extra").returncode == 2
+
+
+def test_schema_grant_list_and_revoke(least_privilege_db) -> None:
+    db = least_privilege_db
+    listed = invoke("schema", "grant", "--list", "--url", db.owner_url)
+    assert listed.exit_code == 0, listed.output
+    assert sorted(listed.stdout.split("\n")[:2]) == sorted(
+        [f"{db.producer}\tproducer", f"{db.worker}\tworker"]
+    )
+    assert invoke("schema", "grant", "--revoke", db.producer, "--url", db.owner_url).exit_code == 0
+    again = invoke("schema", "grant", "producer", db.producer, "--url", db.owner_url)
+    assert again.exit_code == 0 and f"granted producer privileges to {db.producer}" in again.stdout
+    missing = invoke("schema", "grant", "worker", "no_such_role_kpt", "--url", db.owner_url)
+    assert_one_error_line(missing, "no_such_role_kpt does not exist", "CREATE ROLE")
+    not_owner = invoke("schema", "grant", "worker", db.producer, "--url", db.worker_url)
+    assert not_owner.exit_code == 1 and "error:" in not_owner.stderr
+    usage = invoke("schema", "grant", "worker", "--url", db.owner_url)
+    assert usage.exit_code == 2

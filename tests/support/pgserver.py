@@ -58,9 +58,11 @@ __all__ = [
     "LocalServer",
     "close_admin_connections",
     "create_database",
+    "create_role",
     "database_url",
     "drop_created_databases",
     "drop_database",
+    "drop_role",
     "embedded_install_dir",
     "make_synchronous",
     "make_template",
@@ -505,8 +507,11 @@ def _unique_name(label: str) -> str:
     return name[:63]
 
 
-def create_database(server_dsn: str, label: str = "", template: str | None = None) -> str:
-    """Create a uniquely named database (optionally cloned from ``template``); return its name.
+def create_database(
+    server_dsn: str, label: str = "", template: str | None = None, owner: str | None = None
+) -> str:
+    """Create a uniquely named database (optionally cloned from ``template``, owned by
+    role ``owner``); return its name.
 
     ``label`` only makes the name readable (``kpt_<pid>_<rand>_<n>_<label>``, 63 bytes
     max). Cloning fails if a session is connected to ``template``: see
@@ -516,6 +521,8 @@ def create_database(server_dsn: str, label: str = "", template: str | None = Non
     stmt = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
     if template is not None:
         stmt += sql.SQL(" TEMPLATE {}").format(sql.Identifier(template))
+    if owner is not None:
+        stmt += sql.SQL(" OWNER {}").format(sql.Identifier(owner))
     with _admin(server_dsn) as conn:
         conn.execute(stmt)
     _created.add((server_dsn, name))
@@ -589,11 +596,47 @@ def drop_created_databases(server_dsn: str) -> list[str]:
     return names
 
 
-def database_url(server_dsn: str, name: str) -> str:
+_roles: set[tuple[str, str]] = set()  # (server_dsn, role name)
+
+
+def create_role(server_dsn: str, label: str) -> tuple[str, str]:
+    """Create a uniquely named login role (no superuser, no CREATEDB/CREATEROLE) with a
+    random password; return ``(name, password)``. Roles are cluster-wide: drop it with
+    :func:`drop_role` after the databases it owns."""
+    name = _unique_name(label)
+    password = secrets.token_hex(12)
+    with _admin(server_dsn) as conn:
+        conn.execute(
+            sql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(
+                sql.Identifier(name), sql.Literal(password)
+            )
+        )
+    _roles.add((server_dsn, name))
+    return name, password
+
+
+def drop_role(server_dsn: str, name: str) -> None:
+    """Drop a role :func:`create_role` made in this process (refuses any other)."""
+    if (server_dsn, name) not in _roles:
+        raise ValueError(f"refusing to drop role {name!r}: not created by this process")
+    with _admin(server_dsn) as conn:
+        conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(name)))
+    _roles.discard((server_dsn, name))
+
+
+def database_url(
+    server_dsn: str, name: str, *, user: str | None = None, password: str | None = None
+) -> str:
     """Return a ``postgresql://`` URL for database ``name`` on the server of ``server_dsn``
-    (a URL or ``key=value`` DSN); every other parameter is kept."""
+    (a URL or ``key=value`` DSN), as role ``user`` (with ``password``) if given; every
+    other parameter is kept."""
     params = {k: str(v) for k, v in conninfo_to_dict(server_dsn).items() if v is not None}
     params["dbname"] = name
+    if user is not None:
+        params["user"] = user
+        params.pop("password", None)
+        if password is not None:
+            params["password"] = password
     return _to_url(params)
 
 

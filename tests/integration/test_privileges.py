@@ -1,0 +1,190 @@
+"""Least privilege (issue 14): an owner role that is no superuser installs the schema; a
+producer role may only publish; a worker role may consume, ack, reject and declare its
+own queues, nothing else (``install_schema=False``). Each refusal is checked on a real
+server, as the role itself, through Kombu and in plain SQL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import psycopg
+import pytest
+from kombu import Connection, Consumer, Exchange, Producer, Queue
+from kombu.exceptions import OperationalError
+
+import kombu_pgmq  # noqa: F401
+from kombu_pgmq import errors, schema
+from kombu_pgmq.dlq import DeadLetterQueue
+from tests.conftest import LeastPrivilegeDb
+
+EXCHANGE = Exchange("orders_x", type="direct")
+QUEUE = Queue("orders", EXCHANGE, routing_key="orders")
+OPTIONS = {"install_schema": False, "polling_interval": 0.2}
+
+
+def _connection(url: str, **options: Any) -> Connection:
+    return Connection(url, transport_options={**OPTIONS, **options})
+
+
+def _drain(conn: Connection, queue: Queue, count: int, on_message: Any) -> None:
+    with Consumer(conn, [queue], on_message=on_message, prefetch_count=10):
+        for _ in range(count * 4):
+            with contextlib.suppress(TimeoutError):
+                conn.drain_events(timeout=1)
+
+
+def _sql_refused(url: str, statement: str) -> str:
+    """Run ``statement`` as the URL's role; return the server's refusal (fails if none)."""
+    with (
+        psycopg.connect(url, autocommit=True) as conn,
+        pytest.raises(psycopg.errors.InsufficientPrivilege) as info,
+    ):
+        conn.execute(statement)
+    return str(info.value)
+
+
+def _owner_count(db: LeastPrivilegeDb, table: str) -> int:
+    with psycopg.connect(db.owner_url, autocommit=True) as conn:
+        return conn.execute(f"SELECT count(*) FROM pgmq.{table}").fetchone()[0]
+
+
+def _declare_as_worker(db: LeastPrivilegeDb) -> None:
+    with _connection(db.worker_url) as conn:
+        QUEUE(conn.default_channel).declare()
+
+
+def test_grants_are_recorded_and_the_owner_is_no_superuser(least_privilege_db):
+    db = least_privilege_db
+    assert sorted(schema.grants(db.owner_url)) == sorted(
+        [(db.producer, "producer"), (db.worker, "worker")]
+    )
+    with psycopg.connect(db.owner_url, autocommit=True) as conn:
+        assert conn.execute(
+            "SELECT rolsuper FROM pg_roles WHERE rolname = current_user"
+        ).fetchone() == (False,)
+    with pytest.raises(errors.StatementError):
+        schema.grant(db.worker_url, db.producer, "worker")  # only the owner grants
+    with pytest.raises(errors.ConfigurationError, match="producer or worker"):
+        schema.grant(db.owner_url, db.producer, "admin")
+
+
+def test_producer_publishes_to_existing_queues_and_nothing_else(least_privilege_db):
+    db = least_privilege_db
+    _declare_as_worker(db)
+    with _connection(db.producer_url) as conn:
+        producer = Producer(conn.default_channel)
+        # Celery declares the queue (and its exchange and binding) before a first
+        # publish: for a producer that is a passive declaration of what exists.
+        producer.publish({"n": 1}, exchange=EXCHANGE, routing_key="orders", declare=[QUEUE])
+        producer.publish({"n": 2}, routing_key="orders")  # default exchange
+        assert QUEUE(conn.default_channel).queue_declare(passive=True).message_count == 2
+
+        channel = conn.default_channel
+        with pytest.raises(errors.PermissionDenied, match="may not create queues"):
+            Queue("new_queue")(channel).declare()
+        with pytest.raises(errors.PermissionDenied, match="may not declare exchanges"):
+            Exchange("new_x", type="fanout")(channel).declare()
+        with pytest.raises(errors.PermissionDenied, match="may not bind"):
+            QUEUE(channel).bind_to(EXCHANGE, routing_key="other")
+        with pytest.raises(errors.PermissionDenied, match="schema grant worker"):
+            channel.basic_get("orders")  # consuming is the worker's
+        with pytest.raises(errors.PermissionDenied):
+            channel.queue_purge("orders")
+        with pytest.raises(errors.PermissionDenied):
+            channel.queue_delete("orders")
+    assert _owner_count(db, "q_orders") == 2  # published, untouched
+
+    # In SQL: no privilege on PGMQ's tables, not even through PGMQ's own functions.
+    _sql_refused(db.producer_url, "SELECT * FROM pgmq.q_orders")
+    _sql_refused(db.producer_url, "SELECT * FROM pgmq.read('orders', 30, 1)")
+    _sql_refused(db.producer_url, "SELECT pgmq.send('orders', '{}'::jsonb)")
+    _sql_refused(db.producer_url, "SELECT * FROM kombu_pgmq.read(ARRAY['orders'], 30, 1)")
+    _sql_refused(db.producer_url, "DELETE FROM kombu_pgmq.queues")
+    _sql_refused(db.producer_url, "SELECT kombu_pgmq.purge('orders')")
+
+
+def test_worker_consumes_acks_rejects_and_declares_its_queues_nothing_else(least_privilege_db):
+    db = least_privilege_db
+    _declare_as_worker(db)
+    with _connection(db.producer_url) as conn:
+        producer = Producer(conn.default_channel)
+        for n in range(3):
+            producer.publish({"n": n}, exchange=EXCHANGE, routing_key="orders")
+
+    seen: list[int] = []
+
+    def settle(message: Any) -> None:
+        n = message.payload["n"]
+        seen.append(n)
+        if n == 1:
+            message.reject()  # dead-lettered
+        elif n == 2 and seen.count(2) == 1:
+            message.requeue()  # delivered again
+        else:
+            message.ack()
+
+    with _connection(db.worker_url, max_deliveries=5) as conn:
+        _drain(conn, QUEUE, 4, settle)
+        assert sorted(seen) == [0, 1, 2, 2]
+        # A reply queue as Celery's pidbox makes them: non-durable, auto-delete, created
+        # through kombu_pgmq.declare_queue (so owned by the schema owner, not the worker).
+        reply = Queue(
+            "reply.w1",
+            Exchange("reply_x", type="direct"),
+            routing_key="w1",
+            durable=False,
+            auto_delete=True,
+        )
+        Producer(conn.default_channel).publish(
+            {"n": 9}, exchange="reply_x", routing_key="w1", declare=[reply]
+        )
+        replies: list[int] = []
+        _drain(conn, reply, 1, lambda m: (replies.append(m.payload["n"]), m.ack()))
+        assert replies == [9]
+
+        channel = conn.default_channel
+        with pytest.raises(errors.PermissionDenied, match="durable"):
+            channel.queue_delete("orders")  # a durable queue: the owner's decision
+        Queue("events.w1", durable=False)(channel).declare()
+        channel.queue_delete("events.w1")  # its own transient queue (as kombu's pidbox)
+        assert channel.queue_purge("orders") == 0  # purging ready messages is a consumer's
+
+    assert _owner_count(db, "a_orders") == 2  # acked: 0 and 2 (after its requeue)
+    assert _owner_count(db, "q_kombu_pgmq_dlq") == 1  # 1, rejected
+    assert _owner_count(db, "q_orders") == 0
+    with psycopg.connect(db.owner_url, autocommit=True) as conn:
+        owners = conn.execute(
+            "SELECT DISTINCT pg_get_userbyid(c.relowner) FROM pg_class c"
+            " JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = 'pgmq'"
+        ).fetchall()
+        assert owners == [(db.owner,)]  # the worker created no table of its own
+        assert conn.execute(
+            "SELECT count(*) FROM kombu_pgmq.queues WHERE queue IN ('reply.w1', 'events.w1')"
+        ).fetchone() == (0,)  # auto-deleted with its consumer; deleted
+
+    _sql_refused(db.worker_url, "SELECT * FROM pgmq.a_orders")  # the audit trail
+    _sql_refused(db.worker_url, "SELECT * FROM pgmq.q_kombu_pgmq_dlq")
+    _sql_refused(db.worker_url, "DROP TABLE pgmq.q_orders")
+    _sql_refused(db.worker_url, "SELECT kombu_pgmq.drop_queue('orders')")
+    _sql_refused(db.worker_url, "CREATE TABLE pgmq.mine (id int)")
+    _sql_refused(db.worker_url, "DELETE FROM kombu_pgmq.exchanges")
+    with DeadLetterQueue(db.worker_url) as dlq, pytest.raises(errors.PermissionDenied):
+        dlq.list()  # dead-letter admin is the owner's
+
+
+def test_a_role_revoked_or_made_producer_loses_the_worker_privileges(least_privilege_db):
+    db = least_privilege_db
+    _declare_as_worker(db)
+    schema.grant(db.owner_url, db.worker, "producer")  # demoted
+    with _connection(db.worker_url) as conn, pytest.raises(errors.PermissionDenied):
+        conn.default_channel.basic_get("orders")
+    assert schema.revoke(db.owner_url, db.worker)
+    # refused at connect (kombu wraps the error of its first channel)
+    with (
+        pytest.raises((errors.PermissionDenied, OperationalError), match="schema grant"),
+        _connection(db.worker_url) as conn,
+    ):
+        Producer(conn.default_channel).publish({"n": 1}, routing_key="orders")
+    assert (db.worker, "worker") not in schema.grants(db.owner_url)
