@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
+from psycopg import sql
 
 from tests.support import pgserver
 
@@ -93,38 +95,53 @@ class LeastPrivilegeDb:
     worker: str
 
 
-@pytest.fixture
-def least_privilege_db(
-    pg_server: str, request: pytest.FixtureRequest
-) -> Iterator[LeastPrivilegeDb]:
-    """See :class:`LeastPrivilegeDb` (roles and database dropped afterwards)."""
+@pytest.fixture(params=["sql_only", "extension"])
+def least_privilege_db(request: pytest.FixtureRequest) -> Iterator[LeastPrivilegeDb]:
+    """See :class:`LeastPrivilegeDb` (roles and database dropped afterwards). Twice: PGMQ
+    installed by the owner as SQL-only, and as the ``pgmq`` extension created by a
+    superuser (who then grants the owner ``CREATE`` on schema ``pgmq`` and DML on
+    ``pgmq.meta``, so the owner's functions can create queues, with the grant option, so
+    the owner can pass ``USAGE`` and ``SELECT`` on to the roles)."""
     from kombu_pgmq import schema
 
+    extension = request.param == "extension"
+    server = request.getfixturevalue("extension_server" if extension else "pg_server")
     roles: list[str] = []
     name = None
     try:
-        owner, owner_pw = pgserver.create_role(pg_server, "owner")
+        owner, owner_pw = pgserver.create_role(server, "owner")
         roles.append(owner)
-        producer, producer_pw = pgserver.create_role(pg_server, "producer")
+        producer, producer_pw = pgserver.create_role(server, "producer")
         roles.append(producer)
-        worker, worker_pw = pgserver.create_role(pg_server, "worker")
+        worker, worker_pw = pgserver.create_role(server, "worker")
         roles.append(worker)
         name = pgserver.create_database(
-            pg_server, request.node.name, template="template0", owner=owner
+            server, request.node.name, template="template0", owner=owner
         )
         urls = {
-            role: pgserver.database_url(pg_server, name, user=role, password=password)
+            role: pgserver.database_url(server, name, user=role, password=password)
             for role, password in ((owner, owner_pw), (producer, producer_pw), (worker, worker_pw))
         }
-        schema.bootstrap(urls[owner])  # as the owner: no superuser
+        if extension:
+            with psycopg.connect(pgserver.database_url(server, name), autocommit=True) as conn:
+                conn.execute("CREATE EXTENSION pgmq")
+                conn.execute(
+                    sql.SQL(
+                        "GRANT USAGE, CREATE ON SCHEMA pgmq TO {0} WITH GRANT OPTION;"
+                        "GRANT SELECT, INSERT, UPDATE, DELETE ON pgmq.meta TO {0}"
+                        " WITH GRANT OPTION"
+                    ).format(sql.Identifier(owner))
+                )
+        info = schema.bootstrap(urls[owner])  # as the owner: no superuser
+        assert info.method == ("extension" if extension else "install_sql")
         schema.grant(urls[owner], producer, "producer")
         schema.grant(urls[owner], worker, "worker")
         yield LeastPrivilegeDb(urls[owner], urls[producer], urls[worker], owner, producer, worker)
     finally:
         if name is not None:
-            pgserver.drop_database(pg_server, name)
+            pgserver.drop_database(server, name)
         for role in roles:
-            pgserver.drop_role(pg_server, role)
+            pgserver.drop_role(server, role)
 
 
 @pytest.fixture(scope="session")

@@ -239,6 +239,16 @@ DECLARE
 BEGIN
     FOR r IN SELECT * FROM kombu_pgmq.roles
              WHERE only_role IS NULL OR role = only_role ORDER BY role LOOP
+        -- A GRANT without the grant option only warns: say what is missing instead (the
+        -- pgmq extension created by another role, e.g. a superuser, owns schema pgmq).
+        IF NOT (has_schema_privilege('pgmq', 'USAGE WITH GRANT OPTION')
+                AND has_table_privilege('pgmq.meta', 'SELECT WITH GRANT OPTION')) THEN
+            RAISE EXCEPTION 'kombu_pgmq: role % cannot pass on USAGE on schema pgmq and SELECT on pgmq.meta (owned by %): as that role run GRANT USAGE ON SCHEMA pgmq TO % WITH GRANT OPTION; GRANT SELECT ON pgmq.meta TO % WITH GRANT OPTION',
+                current_user,
+                (SELECT pg_get_userbyid(nspowner) FROM pg_namespace WHERE nspname = 'pgmq'),
+                quote_ident(current_user), quote_ident(current_user)
+                USING ERRCODE = 'object_not_in_prerequisite_state';
+        END IF;
         EXECUTE format('GRANT USAGE ON SCHEMA kombu_pgmq, pgmq TO %I', r.role);
         EXECUTE format(
             'GRANT SELECT ON kombu_pgmq.queues, kombu_pgmq.exchanges, kombu_pgmq.bindings,

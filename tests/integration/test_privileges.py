@@ -157,7 +157,8 @@ def test_worker_consumes_acks_rejects_and_declares_its_queues_nothing_else(least
     with psycopg.connect(db.owner_url, autocommit=True) as conn:
         owners = conn.execute(
             "SELECT DISTINCT pg_get_userbyid(c.relowner) FROM pg_class c"
-            " JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = 'pgmq'"
+            " JOIN pg_namespace n ON n.oid = c.relnamespace"
+            " WHERE n.nspname = 'pgmq' AND c.relname ~ '^[qa]_'"
         ).fetchall()
         assert owners == [(db.owner,)]  # the worker created no table of its own
         assert conn.execute(
@@ -188,3 +189,31 @@ def test_a_role_revoked_or_made_producer_loses_the_worker_privileges(least_privi
     ):
         Producer(conn.default_channel).publish({"n": 1}, routing_key="orders")
     assert (db.worker, "worker") not in schema.grants(db.owner_url)
+
+
+def test_an_owner_without_the_grant_option_on_pgmq_gets_the_fix(extension_server):
+    """The pgmq extension created by a superuser owns schema pgmq: an owner role that may
+    create queues there but not pass USAGE on is told which GRANT to run (PostgreSQL
+    itself would only warn, and the roles would fail later)."""
+    from tests.support import pgserver
+
+    owner, password = pgserver.create_role(extension_server, "owner")
+    producer, _ = pgserver.create_role(extension_server, "producer")
+    name = pgserver.create_database(extension_server, "nogrant", "template0", owner=owner)
+    try:
+        with psycopg.connect(
+            pgserver.database_url(extension_server, name), autocommit=True
+        ) as conn:
+            conn.execute("CREATE EXTENSION pgmq")
+            conn.execute(f'GRANT USAGE, CREATE ON SCHEMA pgmq TO "{owner}"')
+            conn.execute(f'GRANT SELECT, INSERT, UPDATE, DELETE ON pgmq.meta TO "{owner}"')
+        url = pgserver.database_url(extension_server, name, user=owner, password=password)
+        schema.bootstrap(url)
+        with pytest.raises(errors.StatementError, match="WITH GRANT OPTION") as info:
+            schema.grant(url, producer, "producer")
+        assert f"GRANT USAGE ON SCHEMA pgmq TO {owner} WITH GRANT OPTION" in str(info.value)
+        assert schema.grants(url) == []  # nothing half-granted
+    finally:
+        pgserver.drop_database(extension_server, name)
+        pgserver.drop_role(extension_server, owner)
+        pgserver.drop_role(extension_server, producer)
