@@ -166,7 +166,15 @@ Failover: a read-only server (``25006``, a standby after a failover) and a serve
 shutting down (``57P01``-``57P03``) are connection errors (kombu reconnects). List every
 host in the URL (``postgresql://u@primary:5432,standby:5432/db`` or ``?host=a,b``):
 ``target_session_attrs=read-write`` is then the default, so a reconnect finds the new
-primary.
+primary. kombu's failover lists (``url1;url2``, Celery's ``broker_url``) are folded into
+that one multi-host connection string (the URLs may differ only in host and port) and
+kombu's own switching is turned off for them: libpq tries every host on each connect.
+
+Least privilege: roles granted with ``kombu-pgmq schema grant producer|worker ROLE``
+(:mod:`kombu_pgmq.schema`, "Least privilege") have no privilege on PGMQ's tables; a
+producer's declarations of queues, exchanges and bindings that exist are passive checks
+(Celery declares before its first publish); a refusal is
+:class:`~kombu_pgmq.errors.PermissionDenied`. Run them with ``install_schema=False``.
 
 Queue names
 ===========
@@ -206,10 +214,11 @@ Transport Options
   VACUUMs a consumed queue's table when it has more dead row versions than this
   (checked every ``consumer_heartbeat_interval``). Every delivery and ack leaves one; a
   busy queue collects them faster than autovacuum (once a minute at best, and sometimes
-  off) removes them. Needs ownership of the queue tables; if refused, logged once.
+  off) removes them. Only tables the role owns (roles granted as workers leave them to
+  autovacuum).
 * ``install_schema`` (bool, default True): on connect, install PGMQ (extension, or the
   bundled SQL-only form) and kombu_pgmq's migrations if missing. When False, PGMQ and
-  the migrations must already be there.
+  the migrations must already be there (roles granted as producer or worker).
 * ``consumer_heartbeat_interval`` (seconds, default 10): how often a consuming process
   marks its consumers live and runs the reaper of abandoned queues.
 * ``max_message_bytes`` (bytes, default 67108864 = 64 MiB): largest message a publish
