@@ -144,6 +144,33 @@ def least_privilege_db(request: pytest.FixtureRequest) -> Iterator[LeastPrivileg
             pgserver.drop_role(server, role)
 
 
+@pytest.fixture
+def primary_and_standby() -> Iterator[tuple[pgserver.LocalServer, pgserver.LocalServer]]:
+    """A primary and a synchronous streaming standby made for the test (``initdb``,
+    ``pg_basebackup``, ``pg_ctl``; unix sockets in temp dirs), with database ``broker``
+    bootstrapped: a commit returns once the standby has it. URLs:
+    :func:`tests.support.pgserver.socket_url`."""
+    from kombu_pgmq import schema
+
+    settings = {**pgserver.TEST_SETTINGS, **pgserver.REPLICATION_SETTINGS}
+    try:
+        primary = pgserver.start_server(settings={**settings, "synchronous_commit": "on"})
+    except pgserver.EmbeddedPostgresMissing as exc:
+        pytest.skip(str(exc))
+    standby = None
+    try:
+        with psycopg.connect(primary.dsn, autocommit=True) as conn:
+            conn.execute("CREATE DATABASE broker")
+        schema.bootstrap(pgserver.socket_url(primary))
+        standby = pgserver.start_standby(primary)
+        pgserver.make_synchronous(primary)
+        yield primary, standby
+    finally:
+        for server in (standby, primary):
+            if server is not None:
+                server.stop()
+
+
 @pytest.fixture(scope="session")
 def extension_server() -> Iterator[str]:
     """DSN of a throwaway server where ``CREATE EXTENSION pgmq`` works (database

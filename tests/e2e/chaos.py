@@ -99,7 +99,8 @@ class ChaosResult:
         return asdict(self)
 
 
-def _executions(path: Path) -> Counter[int]:
+def executions(path: Path) -> Counter[int]:
+    """How many times each task ``n`` ran to its end (lines of the executions file)."""
     runs: Counter[int] = Counter()
     try:
         data = path.read_text()
@@ -243,7 +244,7 @@ def run(config: ChaosConfig) -> ChaosResult:
         wanted = set(published)
         deadline = t_settle + config.settle_timeout_s
         while True:
-            runs = _executions(log)
+            runs = executions(log)
             if wanted <= runs.keys() or time.monotonic() > deadline:
                 break
             for slot, worker in enumerate(workers):
@@ -266,7 +267,7 @@ def run(config: ChaosConfig) -> ChaosResult:
 
     result.published = len(published)
     result.publish_errors = len(failed)
-    runs = _executions(log)
+    runs = executions(log)
     lost = sorted(set(published) - runs.keys())
     result.executed = sum(runs.values())
     result.distinct = len(runs)

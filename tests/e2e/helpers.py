@@ -199,11 +199,11 @@ def wait_for(
 
 
 def celery_cli(
-    env: dict[str, str], *args: str, timeout: float = 60.0
+    env: dict[str, str], *args: str, timeout: float = 60.0, app: str = "tests.e2e.celery_app"
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m celery -A tests.e2e.celery_app ARGS...`` to completion."""
+    """Run ``python -m celery -A <app> ARGS...`` to completion."""
     return subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "tests.e2e.celery_app", *args],
+        [sys.executable, "-m", "celery", "-A", app, *args],
         cwd=REPO_ROOT,
         env=env,
         stdin=subprocess.DEVNULL,

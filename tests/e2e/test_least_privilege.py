@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 from tests.conftest import LeastPrivilegeDb
 from tests.e2e import chaos_app
-from tests.e2e.helpers import REPO_ROOT, Worker, wait_for
+from tests.e2e.chaos import executions
+from tests.e2e.helpers import REPO_ROOT, Worker, celery_cli, wait_for
 
 
 def _env(url: str, log: Path) -> dict[str, str]:
@@ -27,14 +26,6 @@ def _env(url: str, log: Path) -> dict[str, str]:
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")])),
     )
     return env
-
-
-def _executed(log: Path) -> set[int]:
-    try:
-        lines = log.read_text().splitlines()
-    except FileNotFoundError:
-        return set()
-    return {int(line.split(",")[0]) for line in lines if line.split(",")[0].isdigit()}
 
 
 def test_worker_and_producer_roles_run_celery(
@@ -58,16 +49,9 @@ def test_worker_and_producer_roles_run_celery(
         worker.wait_ready(control)  # a remote-control ping, answered through the pidbox
         for n in range(20):
             producer.tasks["chaos.work"].apply_async((n,))
-        wait_for(lambda: _executed(log) == set(range(20)), 60, "the 20 tasks to run")
+        wait_for(lambda: set(executions(log)) == set(range(20)), 60, "the 20 tasks to run")
 
-        ping = subprocess.run(
-            [sys.executable, "-m", "celery", "-A", "tests.e2e.chaos_app", "inspect", "ping"],
-            cwd=REPO_ROOT,
-            env=worker_env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        ping = celery_cli(worker_env, "inspect", "ping", app="tests.e2e.chaos_app")
         assert ping.returncode == 0, ping.stdout + ping.stderr
         assert "pong" in ping.stdout
         assert "permission denied" not in worker.log()

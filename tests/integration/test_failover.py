@@ -9,55 +9,21 @@ no message whose publish returned is lost (synchronous replication,
 from __future__ import annotations
 
 import contextlib
-import shutil
 import threading
 import time
 from typing import Any
-from urllib.parse import quote
 
-import psycopg
-import pytest
 from kombu import Connection, Consumer, Producer, Queue
 
 import kombu_pgmq  # noqa: F401
-from kombu_pgmq import schema
 from tests.support import pgserver
-
-SETTINGS = {**pgserver.TEST_SETTINGS, **pgserver.REPLICATION_SETTINGS, "synchronous_commit": "on"}
-
-
-@pytest.fixture
-def primary_and_standby() -> Any:
-    try:
-        primary = pgserver.start_server(settings=SETTINGS)
-    except pgserver.EmbeddedPostgresMissing as exc:
-        pytest.skip(str(exc))
-    standby = None
-    try:
-        with psycopg.connect(primary.dsn, autocommit=True) as conn:
-            conn.execute("CREATE DATABASE broker")
-        schema.bootstrap(_url(primary))
-        standby = pgserver.start_standby(primary)
-        pgserver.make_synchronous(primary)  # a commit returns once the standby has it
-        yield primary, standby
-    finally:
-        for server in (standby, primary):
-            if server is not None:
-                with contextlib.suppress(Exception):
-                    server.stop()
-                shutil.rmtree(server.root, ignore_errors=True)
-
-
-def _url(*servers: pgserver.LocalServer) -> str:
-    hosts = ",".join(quote(str(s.socket_dir), safe="/") for s in servers)
-    return f"postgresql://{pgserver.SUPERUSER}@/broker?host={hosts}"
 
 
 def test_worker_and_producer_continue_on_the_promoted_standby(primary_and_standby):
     primary, standby = primary_and_standby
     # The standby first: the URL must not connect to a read-only server (libpq's default,
     # target_session_attrs=any, would: every publish then fails with 25006).
-    url = _url(standby, primary)
+    url = pgserver.socket_url(standby, primary)
     queue = Queue("failover", routing_key="failover")
     published: list[int] = []
     received: list[int] = []

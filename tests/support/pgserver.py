@@ -68,6 +68,7 @@ __all__ = [
     "make_template",
     "promote",
     "reap_orphan_servers",
+    "socket_url",
     "start_extension_server",
     "start_server",
     "start_standby",
@@ -420,6 +421,13 @@ def make_synchronous(primary: LocalServer, timeout: float = 30.0) -> None:
             if time.monotonic() > deadline:
                 raise RuntimeError("the standby never became synchronous")
             time.sleep(0.1)
+
+
+def socket_url(*servers: LocalServer, dbname: str = "broker") -> str:
+    """``postgresql://`` URL of database ``dbname`` listing the servers' sockets in order
+    (several: libpq's multi-host form)."""
+    hosts = ",".join(quote(str(server.socket_dir), safe="/") for server in servers)
+    return f"postgresql://{SUPERUSER}@/{dbname}?host={hosts}"
 
 
 def promote(standby: LocalServer, timeout: float = 30.0) -> None:
