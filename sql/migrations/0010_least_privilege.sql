@@ -43,13 +43,6 @@ DECLARE
     stored kombu_pgmq.queues;
     band text;
 BEGIN
-    IF NOT EXISTS (SELECT 1 FROM pgmq.meta m WHERE m.queue_name = pgmq_name) THEN
-        IF is_durable THEN
-            PERFORM pgmq.create(pgmq_name);
-        ELSE
-            PERFORM pgmq.create_unlogged(pgmq_name);
-        END IF;
-    END IF;
     INSERT INTO kombu_pgmq.queues AS q
         (queue, pgmq_queue, durable, auto_delete, expires_ms, message_ttl_ms, max_priority,
          priority_bands, band_queues)
@@ -57,7 +50,8 @@ BEGIN
             priority_max, floors, band_names)
     ON CONFLICT (queue) DO UPDATE SET last_used_at = clock_timestamp()
     RETURNING q.* INTO stored;
-    FOREACH band IN ARRAY coalesce(stored.band_queues[2:], '{}') LOOP
+    -- band_queues[1] is the queue's own PGMQ queue
+    FOREACH band IN ARRAY coalesce(stored.band_queues, ARRAY[stored.pgmq_queue]) LOOP
         IF NOT EXISTS (SELECT 1 FROM pgmq.meta m WHERE m.queue_name = band) THEN
             IF is_durable THEN
                 PERFORM pgmq.create(band);
