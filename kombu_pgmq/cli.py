@@ -622,7 +622,8 @@ def spark_server_start(port: int | None) -> None:
 
     conf = {"spark_connect_port": port} if port else None
     url = server.ensure_running(conf)
-    click.echo(f"running: {url} (log: {server.status(server.local_port(conf))['log']})")
+    log = server.status(server.local_port(conf))["log"]
+    click.echo(f"running: {server.redact_url(url)} (log: {log})")  # the token stays secret
 
 
 @spark_server.command("stop", epilog=_examples("kombu-pgmq spark server stop"))
@@ -642,6 +643,8 @@ def spark_server_status(port: int | None) -> None:
     from .spark import server
 
     info = server.status(port or server.local_port())
+    if info["problem"] is not None:  # another process listens on the port
+        _fail(info["problem"])
     state = "running" if info["accepting"] else "not running"
     click.echo(f"{state}: port {info['port']}, pid {info['pid']}, log {info['log']}")
 

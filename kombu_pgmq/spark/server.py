@@ -11,9 +11,40 @@ process that started it, so they import the same ``kombu_pgmq``; a server whose
 interpreter was deleted since (a recreated virtualenv) is restarted.
 
 Files (:func:`state_dir`, ``$KOMBU_PGMQ_SPARK_DIR`` or
-``~/.local/share/kombu_pgmq/spark-connect-<port>``): ``server.pid``, ``server.log`` (the
-JVM's log4j output, INFO: cancelled jobs are logged there), ``server.python`` (the
-interpreter of its Python workers), ``server.lock``.
+``~/.local/share/kombu_pgmq/spark-connect-<port>``, a directory of mode 0700 owned by the
+user): ``server.pid``, ``server.log`` (the JVM's log4j output, INFO: cancelled jobs are
+logged there), ``server.python`` (the interpreter of its Python workers), ``server.token``
+(its authentication token, mode 0600), ``server.properties`` (its Spark settings, mode
+0600), ``server.lock``.
+
+Security: the server runs jobs (Python UDFs and data sources included) as the user who
+started it, and jobs carry secrets (broker URLs in ``pgmq`` options), so
+
+* it listens on 127.0.0.1 only and requires a token: :func:`ensure_running` generates one
+  for every start (``secrets.token_urlsafe``), gives it to the JVM in its environment
+  (``SPARK_CONNECT_AUTHENTICATE_TOKEN``, as pyspark's own local server does) and keeps it
+  in ``server.token``; the URL it returns carries it (``sc://localhost:15002/;token=...``;
+  pyspark sends a token in clear text only to the host ``localhost``). Print URLs through
+  :func:`redact_url`;
+* before the URL is returned (each call, also when the server already runs), every socket
+  listening on the port on a loopback or wildcard address (IPv4 and IPv6) must belong to
+  the user and be held by the pid in ``server.pid`` (the JVM: spark-submit execs it); else
+  :class:`~kombu_pgmq.errors.SparkServerError` names the port and the other process, and
+  nothing is sent to it. The server also holds ``[::1]:<port>`` (bound, not listening), as
+  a client of ``localhost`` may try ``::1`` first: no other process can listen there while
+  it runs. Cost (measured on 2 cores under gVisor, whose ``/proc/net`` is slow): the first
+  check in a process reads ``/proc/net/tcp*`` and the JVM's ``/proc/<pid>/fd`` (~15 ms);
+  later calls read the pid file and readlink the listening socket's fd (~60 us per call;
+  the TCP connect this replaced cost ~120 us), and check everything again when either
+  changed. Linux only: elsewhere the token alone protects the server, and the token may
+  be sent to whatever listens on the port;
+* no secret on a command line (``ps`` shows those to every user): the token goes through
+  the environment, ``spark_local_conf`` and the defaults through ``--properties-file``
+  (``--load-spark-defaults`` keeps ``spark-defaults.conf`` underneath). The port and
+  ``--master`` stay on the command line; ``spark.driver.extraJavaOptions`` becomes JVM
+  arguments, so keep secrets out of it.
+
+A server left by an older version (no ``server.token``: no authentication) is restarted.
 
 Shell::
 
@@ -31,32 +62,40 @@ Celery setting            environment                      meaning
                                                            (default 15002, 127.0.0.1 only)
 ``spark_local_master``    ``KOMBU_PGMQ_SPARK_MASTER``      ``--master`` of the local server
                                                            (default ``local[*]``)
-``spark_local_conf``      --                               extra ``--conf`` of the local
-                                                           server (dict)
+``spark_local_conf``      --                               extra Spark settings of the
+                                                           local server (dict; not the
+                                                           port, address or token)
 ========================  ===============================  ================================
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
+import ipaddress
 import logging
 import os
+import re
+import secrets
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import ConfigurationError, SparkServerError
 
 __all__ = [
     "DEFAULT_PORT",
     "ensure_running",
+    "redact_url",
     "remote_url",
+    "running_url",
     "state_dir",
     "status",
     "stop",
@@ -70,12 +109,18 @@ ENV_REMOTE = "SPARK_REMOTE"
 ENV_PORT = "KOMBU_PGMQ_SPARK_CONNECT_PORT"
 ENV_MASTER = "KOMBU_PGMQ_SPARK_MASTER"
 ENV_DIR = "KOMBU_PGMQ_SPARK_DIR"
+#: Environment variable of the Connect server's (and pyspark client's) token.
+ENV_TOKEN = "SPARK_CONNECT_AUTHENTICATE_TOKEN"
 #: Seconds a starting server gets to accept connections (JVM start: ~5-7 s on 2 cores).
 START_TIMEOUT_SECONDS = 120.0
 SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
+#: Host of the local server's URL: pyspark uses gRPC local credentials (which may carry a
+#: token in clear text) only for the host name ``localhost``.
+LOCAL_HOST = "localhost"
+#: Address the local server binds to.
+BIND_ADDRESS = "127.0.0.1"
 #: Configuration of the local server; ``spark_local_conf`` adds to / overrides it.
 DEFAULT_CONF: dict[str, str] = {
-    "spark.connect.grpc.binding.address": "127.0.0.1",
     "spark.ui.enabled": "false",
     # Small jobs on a few cores: 200 shuffle partitions (Spark's default) cost more than
     # they compute. Adaptive execution still coalesces/splits as needed.
@@ -84,10 +129,39 @@ DEFAULT_CONF: dict[str, str] = {
     # Stage progress to clients (SparkTask's PROGRESS state) twice a second (default 2 s).
     "spark.connect.progress.reportInterval": "500ms",
 }
-
+#: Settings of the local server that ``spark_local_conf`` cannot change.
+_RESERVED_CONF = (
+    "spark.connect.grpc.binding.address",
+    "spark.connect.grpc.binding.port",
+    "spark.connect.authenticate.token",
+)
+_TOKEN_FILE = "server.token"
+_PROPERTIES_FILE = "server.properties"
+_PROPERTY_ESCAPES = {"\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t", "\f": "\\f"}
+_TOKEN_PARAM = re.compile(r"(;token=)[^;]*")
+_FIX = (
+    "Stop that process, or give the local server another port (Celery setting "
+    f"spark_connect_port or ${ENV_PORT})"
+)
+#: TCP tables of the network namespace (Linux); ``0A`` is the LISTEN state.
+_TCP_TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
+_LISTEN = "0A"
 
 #: Servers started by this process, by port.
 _children: dict[int, subprocess.Popen[bytes]] = {}
+
+
+class _Verified(NamedTuple):
+    """A server checked to be ours: its pid, its listening sockets as ``(fd path,
+    "socket:[inode]")``, its token."""
+
+    pid: int
+    sockets: tuple[tuple[str, str], ...]
+    token: str
+
+
+#: Servers checked to be ours in this process, by (port, state directory).
+_verified: dict[tuple[int, Path], _Verified] = {}
 
 
 def _setting(conf: Mapping[str, Any] | None, key: str, env: str | None) -> Any:
@@ -140,18 +214,71 @@ def remote_url(conf: Mapping[str, Any] | None = None) -> str | None:
     if value != "local" and not value.startswith("sc://"):
         raise ConfigurationError(
             f"spark_remote / ${ENV_REMOTE} must be a Spark Connect URL such as "
-            f"'sc://host:15002' (or 'local'), not {value!r}"
+            f"'sc://host:15002' (or 'local'), not {redact_url(value)!r}"
         )
     return value
 
 
+def redact_url(url: str) -> str:
+    """``url`` with its token hidden, for logs and output.
+
+    Shapes: ``"sc://localhost:15002/;token=abc;x=1" -> "sc://localhost:15002/;token=***;x=1"``.
+    """
+    return _TOKEN_PARAM.sub(r"\1***", url)
+
+
 def state_dir(port: int = DEFAULT_PORT) -> Path:
-    """Directory of the local server's pid file, log and lock (created on demand)."""
+    """Directory of the local server's pid file, log, token and lock (created on demand,
+    mode 0700)."""
     override = os.environ.get(ENV_DIR, "").strip()
     if override:
         return Path(override).expanduser().absolute()
     base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local/share")
     return Path(base) / "kombu_pgmq" / f"spark-connect-{port}"
+
+
+def _private_dir(directory: Path) -> Path:
+    """Create ``directory`` (mode 0700), or check an existing one is the user's and make it
+    0700: it holds the server's token.
+
+    Raises:
+        ConfigurationError: it belongs to another user.
+    """
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = directory.stat()
+    if st.st_uid != os.getuid():
+        raise ConfigurationError(
+            f"the Spark Connect server directory {directory} belongs to uid {st.st_uid}, not "
+            f"to this user (uid {os.getuid()}): it holds the server's token; set ${ENV_DIR} "
+            "to a directory of your own"
+        )
+    if st.st_mode & 0o077:
+        os.chmod(directory, 0o700)
+    return directory
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Replace ``path`` by a file of mode 0600 holding ``text`` (readers never see half)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # mode 0600
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as file:
+            file.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _read_token(directory: Path) -> str | None:
+    try:
+        return (directory / _TOKEN_FILE).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _url(port: int, token: str) -> str:
+    return f"sc://{LOCAL_HOST}:{port}/;token={token}"
 
 
 def accepting(port: int, host: str = "127.0.0.1", timeout: float = 0.5) -> bool:
@@ -163,18 +290,200 @@ def accepting(port: int, host: str = "127.0.0.1", timeout: float = 0.5) -> bool:
         return False
 
 
+def _address(hex_address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """Address of a ``/proc/net/tcp*`` row: hex of 32-bit words in host byte order."""
+    raw = bytes.fromhex(hex_address)
+    if sys.byteorder == "little":
+        raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return ipaddress.ip_address(raw)
+
+
+def _reaches_localhost(hex_address: str) -> bool:
+    """Whether a connection to ``localhost`` (127.0.0.1 or ::1) can land on a socket bound
+    to this address: loopback, a wildcard, or their IPv4-mapped IPv6 forms."""
+    address = _address(hex_address)
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback or address.is_unspecified
+
+
+def _listeners(port: int) -> list[tuple[int, int]] | None:
+    """``(uid, socket inode)`` of every TCP socket listening on ``port`` where a client of
+    ``localhost`` may connect; None where ``/proc/net/tcp*`` does not exist (not Linux)."""
+    suffix = f":{port:04X}"
+    found: list[tuple[int, int]] = []
+    tables = 0
+    for table in _TCP_TABLES:
+        try:
+            with open(table, encoding="ascii") as file:
+                lines = file.read().splitlines()[1:]
+        except OSError:
+            continue
+        tables += 1
+        for line in lines:
+            if suffix not in line:
+                continue
+            # sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode
+            fields = line.split()
+            local, state = fields[1], fields[3]
+            if state != _LISTEN or not local.endswith(suffix):
+                continue
+            if _reaches_localhost(local.partition(":")[0]):
+                found.append((int(fields[7]), int(fields[9])))
+    return found if tables else None
+
+
+def _sockets_of(pid: int) -> dict[int, str]:
+    """``{socket inode: /proc/<pid>/fd/<n>}`` of process ``pid`` (empty if it cannot be
+    inspected)."""
+    sockets: dict[int, str] = {}
+    try:
+        entries = list(os.scandir(f"/proc/{pid}/fd"))
+    except OSError:
+        return sockets
+    for entry in entries:
+        try:
+            target = os.readlink(entry.path)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            sockets[int(target[8:-1])] = entry.path
+    return sockets
+
+
+def _holder(inode: int) -> int | None:
+    """Pid of a process holding socket ``inode``, if one can be inspected (error path:
+    walks every process)."""
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and inode in _sockets_of(int(proc.name)):
+            return int(proc.name)
+    return None
+
+
+def _recorded_pid(directory: Path) -> int | None:
+    try:
+        return int((directory / "server.pid").read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _foreign(port: int, directory: Path, pid: int | None, others: Iterable[tuple[int, int]]) -> str:
+    owners = []
+    for uid, inode in others:
+        holder = _holder(inode)
+        owners.append(f"uid {uid}, pid {holder if holder is not None else 'unknown'}")
+    ours = f"pid {pid}" if pid is not None else "no server.pid"
+    return (
+        f"port {port} on this host is listened on by another process ({'; '.join(owners)}), "
+        f"not by the kombu_pgmq Spark Connect server ({ours} in {directory}): no Spark job "
+        f"or token is sent to it. {_FIX}"
+    )
+
+
+def _still(verified: _Verified, directory: Path) -> bool:
+    """Whether the checked server still holds its listening sockets (one readlink each):
+    while it does, no other process can listen on 127.0.0.1:<port>, nor on [::1]:<port>
+    (the server holds that address too, see :func:`_hold_ipv6_loopback`)."""
+    if _recorded_pid(directory) != verified.pid:
+        return False
+    for path, link in verified.sockets:
+        try:
+            if os.readlink(path) != link:
+                return False
+        except OSError:
+            return False
+    return True
+
+
+def _ours(port: int, directory: Path) -> str | None:
+    """URL (token included) of our server on ``port``, or None if nothing listens there or
+    it has no token (an older version's).
+
+    Linux: every socket listening on the port where a client of ``localhost`` may connect
+    must be the user's and held by the pid in ``server.pid``; then, in this process, only
+    that the pid file is the same and the pid still holds those sockets. Elsewhere:
+    whatever accepts connections is trusted.
+
+    Raises:
+        SparkServerError: another process listens on the port.
+    """
+    key = (port, directory)
+    cached = _verified.pop(key, None)
+    if cached is not None and _still(cached, directory):
+        _verified[key] = cached
+        return _url(port, cached.token)
+    listeners = _listeners(port)
+    if listeners is None:  # no /proc/net: the token alone protects the server
+        token = _read_token(directory)
+        return _url(port, token) if token is not None and accepting(port) else None
+    if not listeners:
+        return None
+    pid = _recorded_pid(directory)
+    held = _sockets_of(pid) if pid is not None else {}
+    uid = os.getuid()
+    others = [(u, inode) for u, inode in listeners if u != uid or inode not in held]
+    if others:
+        raise SparkServerError(_foreign(port, directory, pid, others))
+    assert pid is not None  # it holds the listeners
+    token = _read_token(directory)
+    if token is None:  # started by an older version, without authentication
+        return None
+    sockets = tuple((held[inode], f"socket:[{inode}]") for _, inode in listeners)
+    _verified[key] = _Verified(pid, sockets, token)
+    return _url(port, token)
+
+
+def _hold_ipv6_loopback(port: int) -> socket.socket | None:
+    """A socket bound (not listening) to ``[::1]:port``, for the server to inherit and keep.
+
+    A client of ``localhost`` may try ``::1`` before 127.0.0.1 (``/etc/hosts``); while the
+    server holds this address no other process can listen there, so connections to it are
+    refused and go on to 127.0.0.1. None without IPv6 (then nobody can listen there).
+
+    Raises:
+        SparkServerError: another process holds ``[::1]:port``.
+    """
+    try:
+        sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+    except OSError:
+        return None
+    try:
+        sock.bind(("::1", port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise SparkServerError(
+                f"port {port} on this host is taken on [::1] by another process (clients "
+                f"of localhost may connect there): the local Spark server is not started. "
+                f"{_FIX}"
+            ) from exc
+        return None
+    return sock
+
+
+def _listening(port: int) -> bool:
+    listeners = _listeners(port)
+    return bool(listeners) if listeners is not None else accepting(port)
+
+
 def _read_pid(path: Path) -> int | None:
+    """The pid in ``path`` if that process is alive and (Linux) a Spark Connect server: a
+    pid file may outlive its process, and the pid be reused by another one."""
     try:
         pid = int(path.read_text().strip())
         os.kill(pid, 0)
     except (OSError, ValueError):
         return None
-    return pid
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return pid  # not Linux
+    return pid if SERVER_CLASS.encode() in cmdline else None
 
 
 @contextlib.contextmanager
 def _locked(directory: Path) -> Iterator[None]:
-    directory.mkdir(parents=True, exist_ok=True)
+    _private_dir(directory)
     with open(directory / "server.lock", "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
@@ -193,9 +502,27 @@ def _spark_home() -> Path:
     return Path(pyspark.__file__).resolve().parent
 
 
-def _command(port: int, master: str, conf: Mapping[str, Any]) -> list[str]:
+def _properties(conf: Mapping[str, Any]) -> str:
+    """Java properties file text (UTF-8, as Spark reads it) of ``conf``."""
+
+    def escape(text: str, key: bool) -> str:
+        out = []
+        for i, char in enumerate(text):
+            if char in _PROPERTY_ESCAPES:
+                out.append(_PROPERTY_ESCAPES[char])
+            elif (key and char in "=: #!") or (not key and i == 0 and char == " "):
+                out.append("\\" + char)
+            else:
+                out.append(char)
+        return "".join(out)
+
+    return "".join(f"{escape(str(k), True)}={escape(str(v), False)}\n" for k, v in conf.items())
+
+
+def _command(port: int, master: str, properties: Path) -> list[str]:
+    """``spark-submit`` command line: nothing secret (``ps`` shows it to every user)."""
     spark_home = _spark_home()
-    cmd = [
+    return [
         "bash",
         str(spark_home / "bin" / "spark-submit"),
         "--class",
@@ -206,32 +533,68 @@ def _command(port: int, master: str, conf: Mapping[str, Any]) -> list[str]:
         master,
         "--conf",
         f"spark.connect.grpc.binding.port={port}",
+        "--properties-file",
+        str(properties),
+        "--load-spark-defaults",  # spark-defaults.conf as before, under these settings
     ]
-    for key, value in {**DEFAULT_CONF, **conf}.items():
-        cmd += ["--conf", f"{key}={value}"]
-    return cmd
+
+
+def _extra_conf(conf: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    extra = (conf.get("spark_local_conf") if conf is not None else None) or {}
+    if not isinstance(extra, Mapping):
+        raise ConfigurationError(
+            f"spark_local_conf must be a dict of Spark settings, not {type(extra).__name__}"
+        )
+    reserved = sorted(key for key in extra if key in _RESERVED_CONF)
+    if reserved:
+        raise ConfigurationError(
+            f"spark_local_conf cannot set {', '.join(reserved)}: the local server listens on "
+            f"{BIND_ADDRESS}, on spark_connect_port / ${ENV_PORT}, with a token of its own"
+        )
+    return extra
+
+
+def running_url(conf: Mapping[str, Any] | None = None) -> str:
+    """URL of the local server if it runs and is ours (see :func:`ensure_running`); never
+    starts it.
+
+    Raises:
+        SparkServerError: no server of ours runs on the port, or another process listens
+            there.
+    """
+    port = local_port(conf)
+    url = _ours(port, state_dir(port))
+    if url is None:
+        raise SparkServerError(f"no kombu_pgmq Spark Connect server runs on port {port}")
+    return url
 
 
 def ensure_running(conf: Mapping[str, Any] | None = None) -> str:
-    """Start the local Connect server unless one answers; return its URL.
+    """Start the local Connect server unless it runs; check it is ours; return its URL.
 
-    Shapes: ``(app.conf or None) -> "sc://127.0.0.1:15002"``. Fast path (a server answers):
-    one TCP connect, ~0.2 ms. Otherwise starts it and waits up to 120 s.
+    Shapes: ``(app.conf or None) -> "sc://localhost:15002/;token=..."`` (the token is a
+    secret: log :func:`redact_url` of it). Fast path (our server runs, checked earlier in
+    this process): the pid file, one readlink, the interpreter file, ~60 us. Otherwise
+    checks who listens on the port, and starts the server if nothing does (up to 120 s).
 
     Raises:
         SparkServerError: the server exited or did not accept connections in time (the
-            message has the tail of ``server.log``).
+            message has the tail of ``server.log``), or another process listens on the
+            port (see the module docstring).
         ConfigurationError: pyspark is missing or a setting is invalid.
     """
     port = local_port(conf)
-    url = f"sc://127.0.0.1:{port}"
     directory = state_dir(port)
-    if accepting(port) and _python_ok(directory):
+    url = _ours(port, directory)
+    if url is not None and _python_ok(directory):
         return url
+    extra = _extra_conf(conf)
+    master = str(_setting(conf, "spark_local_master", ENV_MASTER) or "local[*]")
     with _locked(directory):
-        if accepting(port):
-            if _python_ok(directory):  # another process started it while we waited
-                return url
+        url = _ours(port, directory)
+        if url is not None and _python_ok(directory):
+            return url  # another process started it while we waited
+        if url is not None:
             # Its Python workers would run an interpreter that is gone (the virtualenv
             # that started it was deleted or recreated): the pgmq data source would fail.
             _logger.warning(
@@ -240,51 +603,60 @@ def ensure_running(conf: Mapping[str, Any] | None = None) -> str:
                 port,
                 sys.executable,
             )
-            stale = _read_pid(directory / "server.pid")
-            if stale is not None:
-                _terminate(stale)
-        master = str(_setting(conf, "spark_local_master", ENV_MASTER) or "local[*]")
-        extra = (conf.get("spark_local_conf") if conf is not None else None) or {}
-        if not isinstance(extra, Mapping):
-            raise ConfigurationError(
-                f"spark_local_conf must be a dict of Spark settings, not {extra!r}"
+        elif _listening(port):  # ours (Linux: checked) but without a token
+            _logger.warning(
+                "the Spark Connect server on port %s has no authentication token (started "
+                "by an older kombu_pgmq); restarting it",
+                port,
             )
-        _start(directory, port, master, extra)
-    return url
+        return _start(directory, port, master, extra)
 
 
-def _start(directory: Path, port: int, master: str, extra: Mapping[str, Any]) -> None:
+def _start(directory: Path, port: int, master: str, extra: Mapping[str, Any]) -> str:
     stale = _read_pid(directory / "server.pid")
-    if stale is not None:  # alive but not accepting: hung; replace it
-        _logger.warning(
-            "Spark Connect server pid %s does not answer on %s: stopping it", stale, port
-        )
+    if stale is not None:  # to restart (see the caller), or alive but not listening: hung
+        _logger.warning("stopping the Spark Connect server of port %s (pid %s)", port, stale)
         _terminate(stale)
+    token = secrets.token_urlsafe(32)
+    _write_private(directory / _TOKEN_FILE, token)
+    properties = directory / _PROPERTIES_FILE
+    _write_private(
+        properties,
+        _properties({**DEFAULT_CONF, **extra, "spark.connect.grpc.binding.address": BIND_ADDRESS}),
+    )
     env = dict(os.environ)
     # The server's Python workers (Data Sources, UDFs) run our interpreter and venv.
     env.setdefault("PYSPARK_PYTHON", sys.executable)
-    env.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    env.setdefault("SPARK_LOCAL_IP", BIND_ADDRESS)
     env.pop("SPARK_REMOTE", None)
     env.pop("SPARK_CONNECT_MODE_ENABLED", None)
+    env[ENV_TOKEN] = token  # the environment of a process is readable by its user only
     log_path = directory / "server.log"
     t0 = time.monotonic()
     _logger.info("starting the local Spark Connect server on port %s (log: %s)", port, log_path)
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
-            _command(port, master, extra),
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=directory,
-            start_new_session=True,  # outlives the worker child that started it
-        )
+    ipv6 = _hold_ipv6_loopback(port)
+    try:
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                _command(port, master, properties),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=directory,
+                start_new_session=True,  # outlives the worker child that started it
+                pass_fds=() if ipv6 is None else (ipv6.fileno(),),  # the JVM keeps it
+            )
+    finally:
+        if ipv6 is not None:
+            ipv6.close()
     previous = _children.get(port)
     if previous is not None:
         previous.poll()  # a server of ours that died: reap it
     _children[port] = proc  # reaped by stop(); never "deleted while running"
-    (directory / "server.pid").write_text(str(proc.pid))
-    (directory / "server.python").write_text(env["PYSPARK_PYTHON"])
+    # spark-submit execs the launcher's java command: this pid is the JVM's.
+    _write_private(directory / "server.pid", str(proc.pid))
+    _write_private(directory / "server.python", env["PYSPARK_PYTHON"])
     deadline = t0 + START_TIMEOUT_SECONDS
     while not accepting(port, timeout=0.2):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -295,12 +667,21 @@ def _start(directory: Path, port: int, master: str, extra: Mapping[str, Any]) ->
                 f"(exit status {proc.poll()}); last lines of {log_path}:\n{_tail(log_path)}"
             )
         time.sleep(0.1)
+    try:
+        url = _ours(port, directory)
+    except SparkServerError:  # someone else took the port (or ::1 on it) meanwhile
+        if proc.poll() is None:
+            _terminate(proc.pid)
+        raise
+    if url is None:  # cannot happen: it accepts and the token was written first
+        raise SparkServerError(f"the local Spark Connect server on port {port} has no token")
     _logger.info(
         "local Spark Connect server ready on port %s in %.1f s (pid %s)",
         port,
         time.monotonic() - t0,
         proc.pid,
     )
+    return url
 
 
 def _python_ok(directory: Path) -> bool:
@@ -337,13 +718,20 @@ def _terminate(pid: int, timeout: float = 15.0) -> None:
 
 
 def status(port: int = DEFAULT_PORT) -> dict[str, Any]:
-    """Shapes: ``{"port": int, "accepting": bool, "pid": int | None, "log": Path}``."""
+    """Shapes: ``{"port": int, "accepting": bool, "pid": int | None, "log": Path,
+    "problem": str | None}`` (``problem``: another process listens on the port)."""
     directory = state_dir(port)
+    problem = None
+    try:
+        _ours(port, directory)
+    except SparkServerError as exc:
+        problem = str(exc)
     return {
         "port": port,
         "accepting": accepting(port),
         "pid": _read_pid(directory / "server.pid"),
         "log": directory / "server.log",
+        "problem": problem,
     }
 
 
@@ -357,8 +745,10 @@ def stop(port: int = DEFAULT_PORT) -> bool:
         pid = _read_pid(directory / "server.pid")
         if pid is not None:
             _terminate(pid)
+        for name in ("server.pid", _TOKEN_FILE):
             with contextlib.suppress(FileNotFoundError):
-                (directory / "server.pid").unlink()
+                (directory / name).unlink()
+        _verified.pop((port, directory), None)
         proc = _children.pop(port, None)  # ours: reap it (stopped now or by someone else)
         if proc is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):

@@ -40,15 +40,22 @@ def session_id(task_id: str, retries: int = 0, attempt: int = 0) -> str:
 def connect_url(conf: Mapping[str, Any] | None = None, *, start: bool = True) -> str:
     """Connect URL for task sessions: the configured cluster, else the local server.
 
-    With ``start=True`` the local server is started if it is not running
+    The local server's URL carries its token (``sc://localhost:15002/;token=...``): pass
+    it to pyspark, never to a log or a command line (:func:`kombu_pgmq.spark.server.
+    redact_url`). It is returned only once the server is checked to be ours. With
+    ``start=True`` the local server is started if it is not running
     (:func:`kombu_pgmq.spark.server.ensure_running`).
+
+    Raises:
+        SparkServerError: the local server did not start, or (``start=False``) does not
+            run, or another process listens on its port.
     """
     remote = server.remote_url(conf)
     if remote is not None:
         return remote
     if start:
         return server.ensure_running(conf)
-    return f"sc://127.0.0.1:{server.local_port(conf)}"
+    return server.running_url(conf)
 
 
 def _with_session_id(url: str, sid: str) -> str:

@@ -38,6 +38,7 @@ Behaviour:
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -50,6 +51,7 @@ from celery import Task, states
 from celery.worker.request import Request
 
 from ..errors import SparkError
+from . import server
 from . import session as sessions
 
 if TYPE_CHECKING:
@@ -289,19 +291,34 @@ class SparkRequest(Request):
                 self._interrupt_spark("pool process lost")
 
     def _interrupt_spark(self, reason: str, then: Callable[[], Any] | None = None) -> None:
+        conf = self.task.app.conf
         try:
-            url = sessions.connect_url(self.task.app.conf, start=False)
+            remote = server.remote_url(conf)
+            port = server.local_port(conf)
         except Exception:
             _logger.warning("cannot interrupt Spark of task %s", self.id, exc_info=True)
             return
-        if url == "local":  # a private per-process server died with the process
+        if remote == "local":  # a private per-process server died with the process
             return
+        # Where to connect goes through the environment: a URL may carry a token, and
+        # command lines are visible to every user (ps). The subprocess checks that the
+        # local server is ours and reads its token itself.
+        env = dict(os.environ)
+        if remote is not None:
+            env[server.ENV_REMOTE] = remote
+        else:
+            env.pop(server.ENV_REMOTE, None)
+            env[server.ENV_PORT] = str(port)
         retries = int(self.request_dict.get("retries") or 0)
-        cmd = [sys.executable, "-m", "kombu_pgmq.spark.interrupt", url, self.id, str(retries)]
+        cmd = [sys.executable, "-m", "kombu_pgmq.spark.interrupt", self.id, str(retries)]
         _logger.info("task %s: %s; interrupting its Spark session", self.id, reason)
         try:
             proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True
+                cmd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                start_new_session=True,
             )
         except OSError:
             _logger.warning("cannot start the Spark interrupt of task %s", self.id, exc_info=True)

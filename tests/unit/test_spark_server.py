@@ -1,0 +1,229 @@
+"""The local Spark Connect server without a JVM (issue 14, local servers): a port held by
+another process is refused before anything is sent to it; the token and settings files are
+private; no secret on the command lines the package starts."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kombu_pgmq.errors import ConfigurationError, SparkServerError
+from kombu_pgmq.spark import server
+from kombu_pgmq.spark import task as spark_task
+from kombu_pgmq.spark.task import SparkRequest
+
+SECRET = "hunter2-not-for-ps"
+
+linux_only = pytest.mark.skipif(
+    not os.path.exists("/proc/net/tcp"), reason="the ownership check reads /proc/net/tcp*"
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class _FakePopen:
+    """Records what the server would be started with; the 'server' exits at once."""
+
+    calls: list[dict[str, Any]] = []
+
+    def __init__(self, args: list[str], **kwargs: Any) -> None:
+        self.args = args
+        self.pid = 2**22 + 1  # beyond pid_max by default: names no process
+        _FakePopen.calls.append({"args": args, **kwargs})
+
+    def poll(self) -> int:
+        return 1
+
+    def wait(self, timeout: float | None = None) -> int:
+        return 1
+
+
+def _fake_subprocess() -> SimpleNamespace:
+    """The ``subprocess`` module for the module under test, with :class:`_FakePopen`."""
+    _FakePopen.calls = []
+    return SimpleNamespace(**{**vars(subprocess), "Popen": _FakePopen})
+
+
+@pytest.fixture
+def local(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[tuple[int, Path]]:
+    """(port, state directory) of a local server that never starts a JVM here (see
+    :class:`_FakePopen`)."""
+    port = _free_port()
+    directory = tmp_path / "spark"
+    monkeypatch.setenv(server.ENV_PORT, str(port))
+    monkeypatch.setenv(server.ENV_DIR, str(directory))
+    monkeypatch.delenv(server.ENV_REMOTE, raising=False)
+    monkeypatch.setattr(server, "_children", {})
+    monkeypatch.setattr(server, "_verified", {}, raising=False)  # (absent before issue 14)
+    monkeypatch.setattr(server, "subprocess", _fake_subprocess())
+    yield port, directory
+
+
+@pytest.fixture
+def elsewhere() -> Iterator[int]:
+    """Pid of a live process that is not a Spark server (what a stale pid file names)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        yield proc.pid
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@linux_only
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_a_port_held_by_another_process_is_refused(
+    local: tuple[int, Path], elsewhere: int, host: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another local user's listener on the port (first, or on ::1 where clients of
+    localhost may go first) must get neither jobs nor the token: before, any listener on
+    127.0.0.1 was taken for the server and its URL returned."""
+    port, directory = local
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.bind((host, port))
+    except OSError as exc:
+        pytest.skip(f"cannot listen on {host}: {exc}")
+    listener.listen()
+    directory.mkdir(mode=0o700)
+    (directory / "server.pid").write_text(str(elsewhere))  # a stale pid file
+    (directory / "server.token").write_text("stale-token")
+
+    def no_start(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a server was started although the port is taken")
+
+    monkeypatch.setattr(server, "_start", no_start)
+    try:
+        with pytest.raises(SparkServerError) as info:
+            server.ensure_running()  # before: "sc://127.0.0.1:<port>" for the IPv4 listener
+        message = str(info.value)
+        assert f"port {port} " in message
+        assert f"uid {os.getuid()}, pid {os.getpid()}" in message  # who listens
+        assert f"pid {elsewhere} in {directory}" in message  # what we expected
+        assert "spark_connect_port" in message and server.ENV_PORT in message
+        assert "stale-token" not in message
+        with pytest.raises(SparkServerError, match=f"port {port} "):
+            server.running_url()  # what the interrupt subprocess uses
+        problem = server.status(port)["problem"]
+        assert problem is not None and f"port {port} " in problem
+    finally:
+        listener.close()
+    os.kill(elsewhere, 0)  # the process the pid file names was left alone
+
+
+def test_server_files_are_private_and_no_secret_goes_on_its_command_line(
+    local: tuple[int, Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    port, directory = local
+    directory.mkdir(mode=0o755)
+    os.chmod(directory, 0o755)  # as an older version (or the umask) left it
+    monkeypatch.setattr(server, "_spark_home", lambda: tmp_path / "pyspark")
+    conf = {"spark_local_conf": {"spark.kombu_pgmq.test.password": SECRET, "spark.a b": " x\n"}}
+    with pytest.raises(SparkServerError, match=f"did not start on port {port}"):
+        server.ensure_running(conf)
+
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    token_file, properties = directory / "server.token", directory / "server.properties"
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    assert stat.S_IMODE(properties.stat().st_mode) == 0o600
+    token = token_file.read_text()
+    assert len(token) >= 32
+    text = properties.read_text()
+    assert f"spark.kombu_pgmq.test.password={SECRET}\n" in text
+    assert "spark.a\\ b=\\ x\\n\n" in text  # Java properties escapes
+    assert "spark.connect.grpc.binding.address=127.0.0.1\n" in text
+
+    (call,) = _FakePopen.calls
+    args = " ".join(call["args"])
+    assert token not in args and SECRET not in args
+    assert call["args"][-3:] == ["--properties-file", str(properties), "--load-spark-defaults"]
+    assert f"spark.connect.grpc.binding.port={port}" in call["args"]
+    assert call["env"][server.ENV_TOKEN] == token  # the JVM gets it from its environment
+
+
+def test_spark_local_conf_cannot_set_the_address_port_or_token(local: tuple[int, Path]) -> None:
+    for key in (
+        "spark.connect.grpc.binding.address",
+        "spark.connect.grpc.binding.port",
+        "spark.connect.authenticate.token",
+    ):
+        with pytest.raises(ConfigurationError, match=key):
+            server.ensure_running({"spark_local_conf": {key: "x"}})
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to give the directory away")
+def test_a_state_directory_of_another_user_is_refused(local: tuple[int, Path]) -> None:
+    _port, directory = local
+    directory.mkdir(mode=0o700)
+    os.chown(directory, 65534, 65534)  # nobody
+    with pytest.raises(ConfigurationError, match="belongs to uid 65534"):
+        server.ensure_running()
+
+
+def test_redact_url() -> None:
+    assert server.redact_url("sc://localhost:15002/;token=abc") == "sc://localhost:15002/;token=***"
+    assert (
+        server.redact_url("sc://h:1/;user_id=u;token=abc;session_id=s")
+        == "sc://h:1/;user_id=u;token=***;session_id=s"
+    )
+    assert server.redact_url("sc://h:1") == "sc://h:1"
+
+
+@pytest.mark.skipif(sys.byteorder != "little", reason="the samples are little-endian rows")
+@pytest.mark.parametrize(
+    ("hex_address", "reaches"),
+    [
+        ("0100007F", True),  # 127.0.0.1
+        ("0101007F", True),  # 127.0.1.1
+        ("00000000", True),  # 0.0.0.0
+        ("0100000A", False),  # 10.0.0.1
+        ("00000000000000000000000001000000", True),  # ::1
+        ("00000000000000000000000000000000", True),  # ::
+        ("0000000000000000FFFF00000100007F", True),  # ::ffff:127.0.0.1 (a JVM's bind)
+        ("0000000000000000FFFF00000100000A", False),  # ::ffff:10.0.0.1
+        ("000080FE00000000000000000100000A", False),  # fe80::...
+    ],
+)
+def test_listening_addresses_that_clients_of_localhost_reach(
+    hex_address: str, reaches: bool
+) -> None:
+    assert server._reaches_localhost(hex_address) is reaches
+
+
+@pytest.mark.parametrize("remote", [None, "sc://spark.example.com:15002/;token=cluster-" + SECRET])
+def test_the_interrupt_subprocess_gets_no_url_on_its_command_line(
+    monkeypatch: pytest.MonkeyPatch, remote: str | None
+) -> None:
+    """A killed task's Spark work is interrupted from a subprocess: where it connects (a
+    URL that may carry a token) goes through its environment, not its arguments."""
+    monkeypatch.setattr(spark_task, "subprocess", _fake_subprocess())
+    monkeypatch.delenv(server.ENV_REMOTE, raising=False)
+    conf = {"spark_remote": remote, "spark_connect_port": 15999}
+    request = SimpleNamespace(
+        task=SimpleNamespace(app=SimpleNamespace(conf=conf)),
+        id="task-1",
+        request_dict={"retries": 2},
+    )
+    SparkRequest._interrupt_spark(request, "killed")  # type: ignore[arg-type]
+    (call,) = _FakePopen.calls
+    assert call["args"][1:] == ["-m", "kombu_pgmq.spark.interrupt", "task-1", "2"]
+    assert not any("sc://" in arg or SECRET in arg for arg in call["args"])
+    env = call["env"]
+    if remote is None:
+        assert server.ENV_REMOTE not in env and env[server.ENV_PORT] == "15999"
+    else:
+        assert env[server.ENV_REMOTE] == remote
