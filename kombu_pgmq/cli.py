@@ -144,7 +144,8 @@ url_option = click.option(
     "--url",
     envvar="KOMBU_PGMQ_URL",
     help="Broker URL (postgresql://...). Default: $KOMBU_PGMQ_URL, $DATABASE_URL, "
-    "else the embedded PostgreSQL.",
+    "else the embedded PostgreSQL. Command lines are visible to every local user (ps): "
+    "give a password through $KOMBU_PGMQ_URL, $PGPASSWORD or ~/.pgpass, not here.",
 )
 
 
