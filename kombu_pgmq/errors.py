@@ -94,7 +94,9 @@ class SparkError(KombuPgmqError):
 
 
 class SparkServerError(SparkError):
-    """The local Spark Connect server could not be started or reached (see its log)."""
+    """The local Spark Connect server could not be started or reached (see its log), or
+    the port is held by a process that is not the server kombu_pgmq started (the message
+    names it and the fix: stop it, or set ``spark_connect_port``)."""
 
 
 _CONNECTION_SQLSTATE_CLASSES = ("08", "57")  # connection exception, operator intervention
