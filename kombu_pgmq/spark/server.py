@@ -73,7 +73,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import ipaddress
 import logging
 import os
 import re
@@ -89,6 +88,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..errors import ConfigurationError, SparkServerError
+from . import _sockets
 
 __all__ = [
     "DEFAULT_PORT",
@@ -143,9 +143,6 @@ _FIX = (
     "Stop that process, or give the local server another port (Celery setting "
     f"spark_connect_port or ${ENV_PORT})"
 )
-#: TCP tables of the network namespace (Linux); ``0A`` is the LISTEN state.
-_TCP_TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
-_LISTEN = "0A"
 
 #: Servers started by this process, by port.
 _children: dict[int, subprocess.Popen[bytes]] = {}
@@ -290,76 +287,6 @@ def accepting(port: int, host: str = "127.0.0.1", timeout: float = 0.5) -> bool:
         return False
 
 
-def _address(hex_address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
-    """Address of a ``/proc/net/tcp*`` row: hex of 32-bit words in host byte order."""
-    raw = bytes.fromhex(hex_address)
-    if sys.byteorder == "little":
-        raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-    return ipaddress.ip_address(raw)
-
-
-def _reaches_localhost(hex_address: str) -> bool:
-    """Whether a connection to ``localhost`` (127.0.0.1 or ::1) can land on a socket bound
-    to this address: loopback, a wildcard, or their IPv4-mapped IPv6 forms."""
-    address = _address(hex_address)
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return address.is_loopback or address.is_unspecified
-
-
-def _listeners(port: int) -> list[tuple[int, int]] | None:
-    """``(uid, socket inode)`` of every TCP socket listening on ``port`` where a client of
-    ``localhost`` may connect; None where ``/proc/net/tcp*`` does not exist (not Linux)."""
-    suffix = f":{port:04X}"
-    found: list[tuple[int, int]] = []
-    tables = 0
-    for table in _TCP_TABLES:
-        try:
-            with open(table, encoding="ascii") as file:
-                lines = file.read().splitlines()[1:]
-        except OSError:
-            continue
-        tables += 1
-        for line in lines:
-            if suffix not in line:
-                continue
-            # sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode
-            fields = line.split()
-            local, state = fields[1], fields[3]
-            if state != _LISTEN or not local.endswith(suffix):
-                continue
-            if _reaches_localhost(local.partition(":")[0]):
-                found.append((int(fields[7]), int(fields[9])))
-    return found if tables else None
-
-
-def _sockets_of(pid: int) -> dict[int, str]:
-    """``{socket inode: /proc/<pid>/fd/<n>}`` of process ``pid`` (empty if it cannot be
-    inspected)."""
-    sockets: dict[int, str] = {}
-    try:
-        entries = list(os.scandir(f"/proc/{pid}/fd"))
-    except OSError:
-        return sockets
-    for entry in entries:
-        try:
-            target = os.readlink(entry.path)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            sockets[int(target[8:-1])] = entry.path
-    return sockets
-
-
-def _holder(inode: int) -> int | None:
-    """Pid of a process holding socket ``inode``, if one can be inspected (error path:
-    walks every process)."""
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit() and inode in _sockets_of(int(proc.name)):
-            return int(proc.name)
-    return None
-
-
 def _recorded_pid(directory: Path) -> int | None:
     try:
         return int((directory / "server.pid").read_text().strip())
@@ -370,7 +297,7 @@ def _recorded_pid(directory: Path) -> int | None:
 def _foreign(port: int, directory: Path, pid: int | None, others: Iterable[tuple[int, int]]) -> str:
     owners = []
     for uid, inode in others:
-        holder = _holder(inode)
+        holder = _sockets.holder(inode)
         owners.append(f"uid {uid}, pid {holder if holder is not None else 'unknown'}")
     ours = f"pid {pid}" if pid is not None else "no server.pid"
     return (
@@ -412,14 +339,14 @@ def _ours(port: int, directory: Path) -> str | None:
     if cached is not None and _still(cached, directory):
         _verified[key] = cached
         return _url(port, cached.token)
-    listeners = _listeners(port)
+    listeners = _sockets.listeners(port)
     if listeners is None:  # no /proc/net: the token alone protects the server
         token = _read_token(directory)
         return _url(port, token) if token is not None and accepting(port) else None
     if not listeners:
         return None
     pid = _recorded_pid(directory)
-    held = _sockets_of(pid) if pid is not None else {}
+    held = _sockets.sockets_of(pid) if pid is not None else {}
     uid = os.getuid()
     others = [(u, inode) for u, inode in listeners if u != uid or inode not in held]
     if others:
@@ -462,7 +389,7 @@ def _hold_ipv6_loopback(port: int) -> socket.socket | None:
 
 
 def _listening(port: int) -> bool:
-    listeners = _listeners(port)
+    listeners = _sockets.listeners(port)
     return bool(listeners) if listeners is not None else accepting(port)
 
 

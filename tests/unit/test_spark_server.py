@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from kombu_pgmq.errors import ConfigurationError, SparkServerError
-from kombu_pgmq.spark import server
+from kombu_pgmq.spark import _sockets, server
 from kombu_pgmq.spark import task as spark_task
 from kombu_pgmq.spark.task import SparkRequest
 
@@ -201,7 +201,7 @@ def test_redact_url() -> None:
 def test_listening_addresses_that_clients_of_localhost_reach(
     hex_address: str, reaches: bool
 ) -> None:
-    assert server._reaches_localhost(hex_address) is reaches
+    assert _sockets.reaches_localhost(hex_address) is reaches
 
 
 @pytest.mark.parametrize("remote", [None, "sc://spark.example.com:15002/;token=cluster-" + SECRET])
