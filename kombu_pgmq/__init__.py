@@ -3,7 +3,9 @@
 ``import kombu_pgmq`` registers the URL schemes ``postgresql://`` and ``postgres://``
 with kombu (kombu's own ``pgmq`` alias is left alone), so Celery can use
 ``broker_url = "postgresql://user:password@host:5432/dbname"``.
-See :mod:`kombu_pgmq.transport` for behaviour and transport options.
+See :mod:`kombu_pgmq.transport` for behaviour and transport options, and
+:func:`kombu_pgmq.using` (:mod:`kombu_pgmq.transactional`) to enqueue inside the
+application's own transaction.
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ def __getattr__(name: str) -> object:
         from . import errors
 
         return errors.OperationalError  # deprecated alias of StatementError (warns)
+    if name == "using":
+        from .transactional import using
+
+        return using
     if name == "default_broker_url":
         from .embedded import default_broker_url
 
@@ -68,4 +74,5 @@ __all__ = [
     "default_broker_url",
     "pgmq_queue_name",
     "register",
+    "using",
 ]

@@ -25,6 +25,7 @@ __all__ = [
     "SparkError",
     "SparkServerError",
     "StatementError",
+    "TransactionError",
     "Unroutable",
     "UnsupportedPgmqVersion",
     "translate",
@@ -71,6 +72,13 @@ class StatementError(KombuPgmqError):
 
 class QueueNotFound(StatementError):
     """The PGMQ queue table does not exist (deleted by another process?)."""
+
+
+class TransactionError(StatementError):
+    """Publishing inside the application's transaction (:func:`kombu_pgmq.using`)
+    failed: the statement failed on the application's connection, which PostgreSQL has
+    then aborted, or that connection is closed. Not retried by kombu (the transaction is
+    the application's to roll back and repeat)."""
 
 
 class PermissionDenied(StatementError):

@@ -8,13 +8,12 @@
 -- caller reads has a name here.
 
 -- name: send
--- Publish one message (pgmq.send, vt = now) and NOTIFY the queue's channel if a consumer
--- waits on it (kombu_pgmq.publish, migration 0003).
-SELECT kombu_pgmq.publish(%(queue)s, %(message)s::jsonb, %(headers)s::jsonb) AS msg_id
-
--- name: send_delayed
--- Publish one message that becomes visible after delay_seconds (PGMQ's native delay).
-SELECT kombu_pgmq.publish(%(queue)s, %(message)s::jsonb, %(headers)s::jsonb, %(delay_seconds)s::integer) AS msg_id
+-- Publish one message (pgmq.send; visible after delay_seconds, PGMQ's native delay) and
+-- NOTIFY the queue's channel if a consumer waits on it (kombu_pgmq.publish, migrations
+-- 0003 and 0011). msg_id NULL: a duplicate within its deduplication window, not sent.
+SELECT kombu_pgmq.publish(%(queue)s, %(message)s::jsonb, %(headers)s::jsonb,
+                          %(delay_seconds)s::integer,
+                          %(deduplication_window)s::float8) AS msg_id
 
 -- name: read
 -- Deliver up to qty visible messages of one queue, hiding them for vt_seconds
@@ -22,16 +21,19 @@ SELECT kombu_pgmq.publish(%(queue)s, %(message)s::jsonb, %(headers)s::jsonb, %(d
 -- the same message). message and headers come back as text: the JSON body goes to Kombu
 -- unparsed. age_seconds (server clock) serves x-message-ttl and per-message expiration.
 SELECT queue, msg_id, read_ct, enqueued_at, message, headers, age_seconds
-FROM kombu_pgmq.read(ARRAY[%(queue)s]::text[], %(vt_seconds)s::integer, %(qty)s::integer)
+FROM kombu_pgmq.read(ARRAY[%(queue)s]::text[], %(vt_seconds)s::integer, %(qty)s::integer,
+                     fifo_queues => %(fifo_queues)s::text[])
 
 -- name: read_many
 -- Archive acked messages (receipt handles: queue, msg_id, read_ct, enqueued_at; a stale
 -- one is not applied, migration 0007), then read up to qty messages from several queues,
--- in one round trip (kombu_pgmq.read). Rows carry their PGMQ queue name.
+-- in one round trip (kombu_pgmq.read). Rows carry their PGMQ queue name. FIFO queues
+-- (fifo_queues) are read one message per group at a time (migration 0011).
 SELECT queue, msg_id, read_ct, enqueued_at, message, headers, age_seconds
 FROM kombu_pgmq.read(%(queues)s::text[], %(vt_seconds)s::integer, %(qty)s::integer,
                      %(ack_queues)s::text[], %(ack_ids)s::bigint[], %(ack_cts)s::integer[],
-                     %(ack_enqueued)s::timestamptz[], %(durable_acks)s::boolean)
+                     %(ack_enqueued)s::timestamptz[], %(durable_acks)s::boolean,
+                     %(fifo_queues)s::text[])
 
 -- name: wait_for
 -- This connection found the queues empty and sleeps on their NOTIFY channels (see
@@ -103,14 +105,18 @@ FROM kombu_pgmq.requeue(%(queues)s::text[], %(msg_ids)s::bigint[], %(read_cts)s:
 -- declaration's arguments stay (a redeclare without them, as plain consumers do, must
 -- not turn a TTL off); a redeclare counts as use (x-expires). Returns the arguments in
 -- force.
-SELECT message_ttl_ms, expires_ms, max_priority, priority_bands, band_queues
+SELECT message_ttl_ms, expires_ms, max_priority, priority_bands, band_queues, fifo_groups,
+       deduplicate_task_id
 FROM kombu_pgmq.declare_queue(%(kombu_queue)s, %(queue)s, %(durable)s, %(auto_delete)s,
                               %(expires_ms)s, %(message_ttl_ms)s, %(max_priority)s,
-                              %(priority_bands)s::smallint[], %(band_queues)s::text[])
+                              %(priority_bands)s::smallint[], %(band_queues)s::text[],
+                              %(fifo_groups)s, %(deduplicate_task_id)s)
 
 -- name: queue_bands
--- Priority bands of a Kombu queue (NULL arrays: no priorities); no row: unknown queue.
-SELECT max_priority, priority_bands, band_queues FROM kombu_pgmq.queues
+-- Priority bands of a Kombu queue (NULL arrays: no priorities) and whether it is a FIFO
+-- queue; no row: unknown queue.
+SELECT max_priority, priority_bands, band_queues, fifo_groups, deduplicate_task_id
+FROM kombu_pgmq.queues
 WHERE queue = %(kombu_queue)s
 
 -- name: drop_queue
@@ -231,6 +237,11 @@ SELECT EXISTS (SELECT 1 FROM kombu_pgmq.bindings
                WHERE exchange = %(exchange)s AND routing_key = %(routing_key)s
                  AND queue = %(kombu_queue)s) AS found
 
+-- name: database_identity
+-- Which database a connection reaches (kombu_pgmq.using: the application's connection and
+-- the broker's must be to the same one).
+SELECT current_database() AS name, pg_postmaster_start_time() AS started
+
 -- name: pgmq_sql_version
 SELECT value AS version FROM kombu_pgmq.settings WHERE key = 'pgmq_sql_version'
 
@@ -300,7 +311,8 @@ SELECT version FROM kombu_pgmq.routing_version
 -- uses PGMQ's native delay (migration 0004).
 SELECT version, msg_ids
 FROM kombu_pgmq.publish_routed(%(queues)s::text[], %(message)s::jsonb, %(headers)s::jsonb,
-                               %(version)s::bigint, %(delay_seconds)s::integer)
+                               %(version)s::bigint, %(delay_seconds)s::integer,
+                               %(deduplication_window)s::float8)
 
 -- name: register_consumer
 WITH used AS (
@@ -340,11 +352,14 @@ WHERE queue IN (SELECT queue FROM beat)
 -- name: reap
 -- Also forgets the waiting rows (migration 0003) of connections without consumers; a
 -- data-modifying WITH runs even though nothing reads it.
+-- Expired deduplication claims go too (migration 0011), in a bounded batch.
 WITH forgotten AS (
     DELETE FROM kombu_pgmq.waiting w
     WHERE NOT EXISTS (SELECT 1 FROM kombu_pgmq.consumers c WHERE c.owner = w.owner)
+), expired AS (
+    SELECT kombu_pgmq.forget_deduplications() AS n
 )
-SELECT kombu_pgmq.reap() AS queue
+SELECT kombu_pgmq.reap() AS queue FROM expired
 
 -- name: dead_letters
 -- Dead letters of a dead-letter queue ({queue_table}), oldest first, filtered by

@@ -73,13 +73,16 @@ class QueueInfo(NamedTuple):
     """A queue's arguments in force (as first declared): ``message_ttl_ms`` (None:
     unlimited), ``max_priority`` (None: no priorities), the priority band ``floors`` and
     the PGMQ queue of each band (None, None without priorities), ``expires_ms``
-    (x-expires; None: never)."""
+    (x-expires; None: never), ``fifo_groups`` (x-fifo-groups) and
+    ``deduplicate_task_id`` (x-deduplicate-task-id)."""
 
     message_ttl_ms: int | None
     max_priority: int | None
     floors: list[int] | None
     band_queues: list[str] | None
     expires_ms: int | None = None
+    fifo_groups: bool = False
+    deduplicate_task_id: bool = False
 
 
 class _QueueArgs(NamedTuple):
@@ -88,6 +91,8 @@ class _QueueArgs(NamedTuple):
     max_priority: int | None = None
     priority_bands: list[int] | None = None
     band_queues: list[str] | None = None
+    fifo_groups: bool = False
+    deduplicate_task_id: bool = False
 
 
 class _Routing(NamedTuple):
@@ -98,7 +103,7 @@ class _Routing(NamedTuple):
 
 class _Version(NamedTuple):
     version: int
-    msg_ids: list[int]
+    msg_ids: list[int | None]
 
 
 class _DeadTuples(NamedTuple):
@@ -118,6 +123,8 @@ def _info(args: _QueueArgs) -> QueueInfo:
         None if args.priority_bands is None else [int(f) for f in args.priority_bands],
         None if args.band_queues is None else [str(q) for q in args.band_queues],
         None if args.expires_ms is None else int(args.expires_ms),
+        bool(args.fifo_groups),
+        bool(args.deduplicate_task_id),
     )
 
 
@@ -129,22 +136,43 @@ class Broker:
 
     # -- messages --------------------------------------------------------------------
 
-    def send(self, queue: str, message: str, headers: str, delay_seconds: int = 0) -> int:
-        """Publish one message (``message``/``headers`` are JSON text); return its msg_id.
+    def send(
+        self,
+        queue: str,
+        message: str,
+        headers: str,
+        delay_seconds: int = 0,
+        *,
+        deduplication_window: float = 300.0,
+    ) -> int | None:
+        """Publish one message (``message``/``headers`` are JSON text); return its msg_id,
+        or None when it carries a deduplication id already used within
+        ``deduplication_window`` seconds (nothing was sent).
 
         Raises:
             QueueNotFound: the queue does not exist.
             InvalidJsonBody: PostgreSQL rejected ``message`` as JSON.
         """
-        params: dict[str, Any] = {"queue": queue, "message": message, "headers": headers}
-        if delay_seconds > 0:
-            params["delay_seconds"] = delay_seconds
-            return int(self.db.scalar("send_delayed", params))
-        return int(self.db.scalar("send", params))
+        params = {
+            "queue": queue,
+            "message": message,
+            "headers": headers,
+            "delay_seconds": max(delay_seconds, 0),
+            "deduplication_window": deduplication_window,
+        }
+        msg_id = self.db.scalar("send", params)
+        return None if msg_id is None else int(msg_id)
 
-    def read(self, queue: str, vt_seconds: int, qty: int) -> list[Row]:
-        """Deliver up to ``qty`` visible messages, invisible for ``vt_seconds`` afterwards."""
-        return self.db.fetch("read", {"queue": queue, "vt_seconds": vt_seconds, "qty": qty}, Row)
+    def read(self, queue: str, vt_seconds: int, qty: int, *, fifo: bool = False) -> list[Row]:
+        """Deliver up to ``qty`` visible messages, invisible for ``vt_seconds`` afterwards
+        (a FIFO queue: one message per group at a time)."""
+        params = {
+            "queue": queue,
+            "vt_seconds": vt_seconds,
+            "qty": qty,
+            "fifo_queues": [queue] if fifo else [],
+        }
+        return self.db.fetch("read", params, Row)
 
     def read_many(
         self,
@@ -154,6 +182,7 @@ class Broker:
         acks: Sequence[Receipt] = (),
         *,
         durable_acks: bool = True,
+        fifo_queues: Sequence[str] = (),
     ) -> list[Row]:
         """Archive ``acks`` (receipts; a stale one is not applied and the server's notice
         is logged), then deliver up to ``qty`` messages
@@ -176,6 +205,7 @@ class Broker:
             "ack_cts": [a.read_ct for a in acks],
             "ack_enqueued": [a.enqueued_at for a in acks],
             "durable_acks": durable_acks,
+            "fifo_queues": list(fifo_queues),
         }
         return self.db.fetch("read_many", params, Row)
 
@@ -291,6 +321,8 @@ class Broker:
         max_priority: int | None = None,
         floors: Sequence[int] | None = None,
         band_queues: Sequence[str] | None = None,
+        fifo_groups: bool = False,
+        deduplicate_task_id: bool = False,
     ) -> QueueInfo:
         """Create the PGMQ queue (idempotent; UNLOGGED if not durable) and record its Kombu
         name and arguments in ``kombu_pgmq.queues`` (the first declaration's arguments
@@ -306,6 +338,8 @@ class Broker:
             "max_priority": max_priority,
             "priority_bands": list(floors) if max_priority is not None and floors else None,
             "band_queues": list(band_queues) if max_priority is not None and band_queues else None,
+            "fifo_groups": fifo_groups,
+            "deduplicate_task_id": deduplicate_task_id,
         }
         return _info(self.db.fetch("declare_queue", params, _QueueArgs)[0])
 
@@ -408,7 +442,8 @@ class Broker:
         *,
         version: int,
         delay_seconds: int = 0,
-    ) -> tuple[int, list[int]]:
+        deduplication_window: float = 300.0,
+    ) -> tuple[int, list[int | None]]:
         """Send one message to several PGMQ queues in one statement, if the routing version
         is still ``version``. Returns ``(current_version, msg_ids)``; when the versions
         differ nothing was sent. ``delay_seconds > 0``: visible only after that long.
@@ -422,6 +457,7 @@ class Broker:
             "headers": headers,
             "version": version,
             "delay_seconds": delay_seconds,
+            "deduplication_window": deduplication_window,
         }
         row = self.db.fetch("send_routed", params, _Version)[0]
         return int(row.version), list(row.msg_ids)

@@ -37,10 +37,16 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import RowFactory, class_row
 
-from ..errors import BrokerConnectionError, KombuPgmqError, StatementError, translate
+from ..errors import (
+    BrokerConnectionError,
+    KombuPgmqError,
+    StatementError,
+    TransactionError,
+    translate,
+)
 from .queries import queries
 
-__all__ = ["Connector", "Query"]
+__all__ = ["Connector", "ExternalConnector", "Query"]
 
 logger = logging.getLogger(__name__)
 
@@ -320,3 +326,46 @@ class Connector:
                     self._on_notify(notify.relname.decode())
         except psycopg.Error as exc:
             raise self._fail(exc) from exc
+
+
+class ExternalConnector(Connector):
+    """Statements on a connection the application owns, inside its transaction
+    (:func:`kombu_pgmq.using`): never connects, reconnects, commits, closes or changes
+    its settings; a failure is a :class:`~kombu_pgmq.errors.TransactionError` (the
+    application's transaction is what failed: kombu must not retry it elsewhere).
+
+    Arguments:
+        connection: an open psycopg 3 connection of the application.
+    """
+
+    def __init__(self, connection: psycopg.Connection[Any]) -> None:
+        super().__init__("")
+        self._conn = connection
+        _LIVE.discard(self)  # the application's: a fork leaves it to the application
+
+    def __repr__(self) -> str:
+        state = "closed" if self._conn is None or self._conn.closed else "open"
+        return f"<ExternalConnector {state}>"
+
+    @property
+    def connection(self) -> psycopg.Connection[Any]:
+        conn = self._conn
+        if conn is None or conn.closed or self._pid != os.getpid():
+            raise TransactionError(
+                "the application's connection given to kombu_pgmq.using() is closed (or "
+                "belongs to another process): publish through an open connection"
+            )
+        return conn
+
+    def _connect(self) -> psycopg.Connection[Any]:  # pragma: no cover - never connects
+        return self.connection
+
+    def close(self) -> None:
+        """Forget the application's connection (it stays open: it is not ours)."""
+        self._conn = None
+
+    def _fail(self, exc: psycopg.Error) -> KombuPgmqError:
+        return TransactionError(
+            f"publishing in the application's transaction failed: {translate(exc)}; the "
+            "transaction is aborted (PostgreSQL rolls it back): roll back and try it again"
+        )

@@ -226,6 +226,11 @@ Transport Options
   anything is sent (jsonb's limit is 255 MiB).
 * ``consumer_stale_after`` (seconds, default 30): a consumer without a heartbeat for this
   long counts as gone (its process died); its ``auto_delete`` queues are dropped.
+* ``deduplication_window`` (seconds, default 300): a message whose
+  ``x-deduplication-id`` header (or, on a queue declared with ``x-deduplicate-task-id``,
+  Celery task id) was published to the same queue less than this long ago is not
+  enqueued again (SQS FIFO's ``MessageDeduplicationId``); the publish returns as if it
+  had, and logs at debug level.
 * ``connection_options`` (dict): extra libpq parameters, merged over the URL's.
 """
 

@@ -56,6 +56,14 @@ def _note_delay(message: dict[str, Any], lead_seconds: float) -> int:
     return delay
 
 
+def _log_duplicates(queues: list[str]) -> None:
+    logger.debug(
+        "message not enqueued to PGMQ queue(s) %s: its deduplication id was published there "
+        "within the deduplication window",
+        ", ".join(queues),
+    )
+
+
 class Publishing:
     """Exchanges, bindings and publish of a channel (see the module docstring)."""
 
@@ -271,8 +279,13 @@ class Publishing:
             else:
                 names = [pgmq for _, pgmq in targets]
             try:
-                version, _ = self.pgmq.send_routed(
-                    names, body, headers, version=routes.version, delay_seconds=delay
+                version, msg_ids = transport.publisher().send_routed(
+                    names,
+                    body,
+                    headers,
+                    version=routes.version,
+                    delay_seconds=delay,
+                    deduplication_window=self.options.deduplication_window,
                 )
             except errors.QueueNotFound as exc:
                 # A bound queue was dropped meanwhile (its bindings normally go with it):
@@ -286,6 +299,14 @@ class Publishing:
                     ) from exc
                 version = -1
             if version == routes.version:
+                if None in msg_ids:
+                    _log_duplicates(
+                        [
+                            name
+                            for name, msg_id in zip(names, msg_ids, strict=False)
+                            if msg_id is None
+                        ]
+                    )
                 return
             transport.reload_routes()
             fresh = True
@@ -314,8 +335,16 @@ class Publishing:
             name = self.connection.bands(queue).queue_for(priority)
         else:
             name = pgmq_queue_name(queue)
+        window = self.options.deduplication_window
+        publisher = self.connection.publisher()
+        if publisher is not self.pgmq and pgmq_queue_name(queue) not in self._known_queues:
+            # In the application's transaction a failed statement aborts that transaction:
+            # make sure the queue exists first (declared on our own connection).
+            self._new_queue(queue)
+            if priority:
+                name = self.connection.bands(queue).queue_for(priority)
         try:
-            self.pgmq.send(name, body, headers, delay)
+            msg_id = publisher.send(name, body, headers, delay, deduplication_window=window)
         except errors.QueueNotFound:
             # Dropped by another process (or never declared): AMQP would drop the
             # message; we create the queue so nothing is lost.
@@ -324,4 +353,6 @@ class Publishing:
             self._new_queue(queue)
             if priority:
                 name = self.connection.bands(queue).queue_for(priority)
-            self.pgmq.send(name, body, headers, delay)
+            msg_id = publisher.send(name, body, headers, delay, deduplication_window=window)
+        if msg_id is None:
+            _log_duplicates([name])

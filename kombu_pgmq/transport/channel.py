@@ -46,6 +46,22 @@ def _milliseconds(arguments: dict[str, Any], key: str) -> int | None:
     return ms
 
 
+#: Queue argument: messages with the same ``x-group-id`` header are delivered one at a
+#: time, in publish order (SQS FIFO message groups).
+FIFO_ARGUMENT = "x-fifo-groups"
+#: Queue argument: a Celery task id counts as a deduplication id.
+DEDUPLICATE_TASK_ID_ARGUMENT = "x-deduplicate-task-id"
+
+
+def _flag(arguments: dict[str, Any], key: str) -> bool:
+    value = arguments.get(key, False)
+    if not isinstance(value, bool):
+        raise errors.ConfigurationError(
+            f"queue argument {key}={value!r} is invalid: expected True or False"
+        )
+    return value
+
+
 def _expired(payload: dict[str, Any], row: Row, ttl_seconds: float | None) -> bool:
     """x-message-ttl of the queue, or the message's own ``expiration`` (ms), has passed
     since the message became visible (a delayed message's TTL starts after its delay)."""
@@ -221,6 +237,12 @@ class Channel(Publishing, virtual.Channel):
         expires = _milliseconds(args, "x-expires")
         ttl = _milliseconds(args, "x-message-ttl")
         max_priority = priorities.max_priority_argument(args, queue)
+        fifo = _flag(args, FIFO_ARGUMENT)
+        if fifo and max_priority is not None:
+            raise errors.ConfigurationError(
+                f"queue {queue!r} has both {FIFO_ARGUMENT} and x-max-priority: a FIFO queue "
+                "delivers each group in publish order, so it has no priorities; drop one"
+            )
         bands = priorities.make_bands(queue, max_priority, self.options.priority_steps)
         try:
             info = self.pgmq.create_queue(
@@ -233,11 +255,15 @@ class Channel(Publishing, virtual.Channel):
                 max_priority=max_priority,
                 floors=bands.floors,
                 band_queues=bands.queues,
+                fifo_groups=fifo,
+                deduplicate_task_id=_flag(args, DEDUPLICATE_TASK_ID_ARGUMENT),
             )
         except errors.PermissionDenied as exc:
             info = self._passive_declare(queue, exc)
         self._lifetimes[queue] = (info.message_ttl_ms, info.expires_ms)
-        self.connection.set_bands(queue, priorities.stored(name, info.floors, info.band_queues))
+        self.connection.set_bands(
+            queue, priorities.stored(name, info.floors, info.band_queues), fifo=info.fifo_groups
+        )
         if max_priority is not None and info.max_priority != max_priority:
             raise ChannelError(
                 f"PRECONDITION_FAILED - inequivalent arg 'x-max-priority' for queue {queue!r}: "
@@ -406,12 +432,14 @@ class Channel(Publishing, virtual.Channel):
         if acked and remaining > 0:
             try:
                 durable = self.connection.options.durable_acks
+                names = [name for _, name in acked]
                 rows = self.pgmq.read_many(
-                    [name for _, name in acked],
+                    names,
                     self._vt_seconds,
                     remaining,
                     acks,
                     durable_acks=durable,
+                    fifo_queues=self.connection.fifo_queues(names),
                 )
                 acks_sent = True
             except errors.QueueNotFound:
@@ -482,7 +510,9 @@ class Channel(Publishing, virtual.Channel):
         names = self.connection.bands(queue).read_order
         if len(names) > 1 and not no_ack:
             try:
-                rows = self.pgmq.read_many(names, self._vt_seconds, qty)
+                rows = self.pgmq.read_many(
+                    names, self._vt_seconds, qty, fifo_queues=self.connection.fifo_queues(names)
+                )
             except errors.QueueNotFound:
                 pass  # one is gone: band by band below (recreates a consumed queue)
             else:
@@ -509,7 +539,9 @@ class Channel(Publishing, virtual.Channel):
         try:
             if no_ack:
                 return self.pgmq.pop(name, qty)
-            return self.pgmq.read(name, self._vt_seconds, qty)
+            return self.pgmq.read(
+                name, self._vt_seconds, qty, fifo=bool(self.connection.fifo_queues([name]))
+            )
         except errors.QueueNotFound:
             if queue in self._active_queues:
                 self._recreate(queue)

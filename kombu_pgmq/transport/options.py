@@ -82,6 +82,10 @@ class TransportOptions:
     consumer_stale_after: float = field(
         default=30.0, metadata=_doc("seconds", "a consumer without heartbeat counts as gone")
     )
+    deduplication_window: float = field(
+        default=300.0,
+        metadata=_doc("seconds", "a deduplication id is accepted once within this window"),
+    )
 
     @property
     def vt_seconds(self) -> int:
@@ -153,7 +157,7 @@ class TransportOptions:
         if not isinstance(conn_opts, Mapping):
             raise bad("connection_options", "a dict of libpq parameters")
         timing = {}
-        for name in ("consumer_heartbeat_interval", "consumer_stale_after"):
+        for name in ("consumer_heartbeat_interval", "consumer_stale_after", "deduplication_window"):
             number = _number(values[name])
             if number is None or number <= 0:
                 raise bad(name, "seconds > 0")

@@ -24,6 +24,7 @@ import socket
 import threading
 import uuid
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import psycopg
@@ -38,6 +39,9 @@ from .._db.connector import Connector
 from .._naming import pgmq_queue_name
 from .._priorities import Bands
 from ..schema import ensure_schema, verify
+
+# Imported last: kombu_pgmq.transactional imports this module's package lazily.
+from ..transactional import BINDING_OPTION, current_binding
 from ._leases import LeaseKeeper, held_by
 from ._maintenance import Maintainer
 from ._routing import Routes
@@ -94,13 +98,16 @@ class Transport(virtual.Transport):
         self.options = TransportOptions.parse(client.transport_options)
         super().__init__(client, **kwargs)
         self.polling_interval = self.options.polling_interval
+        #: An application's connection publishes go through (:func:`kombu_pgmq.using`).
+        self.binding: Any = client.transport_options.get(BINDING_OPTION)
         #: libpq connection string of the broker database (holds the password).
-        self.dsn = self._make_dsn(client)
+        self.dsn = self.binding.dsn if self.binding is not None else self._make_dsn(client)
         self._pid = os.getpid()
         self._statements: Connector | None = None
         self._broker: Broker | None = None  # operations on _statements
         self._routes: Routes | None = None
         self._bands: dict[str, Bands] = {}  # Kombu queue -> priority bands, as stored
+        self._fifo: set[str] = set()  # PGMQ names of FIFO queues (x-fifo-groups), as stored
         #: Identifies this connection's consumers in kombu_pgmq.consumers.
         self.owner = self._new_owner()
         self._consumers: set[tuple[str, str]] = set()
@@ -171,6 +178,10 @@ class Transport(virtual.Transport):
         if broker is not None:
             return broker
         connector = self._statements
+        if connector is None and self.binding is not None:
+            # A bound connection (kombu_pgmq.using) declares through the process's shared
+            # connection to that database: no connection of its own, no reaper run.
+            connector = self._statements = self.binding.statements()
         if connector is None:
             connector = Connector(self.dsn)
             try:
@@ -191,6 +202,17 @@ class Transport(virtual.Transport):
                 logger.warning("reaping abandoned queues failed: %s", exc)
         broker = self._broker = Broker(connector)
         return broker
+
+    def publisher(self) -> Broker:
+        """Where this transport's publishes are written: the application's connection of
+        a bound connection or of the innermost ``with kombu_pgmq.using(conn):`` block
+        (:mod:`kombu_pgmq.transactional`), else the statement connection."""
+        if self.binding is not None:
+            return self.binding.publisher
+        binding = current_binding()
+        if binding is not None:
+            return binding.publisher_for(self)
+        return self.broker()
 
     def broker_if_connected(self) -> Broker | None:
         """:meth:`broker` without connecting (None when closed): for cleanup paths."""
@@ -217,6 +239,8 @@ class Transport(virtual.Transport):
             if info is None:  # not declared yet: ask again next time
                 return priorities.single(name)
             bands = self._bands[queue] = priorities.stored(name, info.floors, info.band_queues)
+            if info.fifo_groups:
+                self._fifo.add(name)
         return bands
 
     def known_bands(self, queue: str) -> Bands:
@@ -224,8 +248,17 @@ class Transport(virtual.Transport):
         closed connection)."""
         return self._bands.get(queue) or priorities.single(pgmq_queue_name(queue))
 
-    def set_bands(self, queue: str, bands: Bands) -> None:
+    def set_bands(self, queue: str, bands: Bands, *, fifo: bool = False) -> None:
         self._bands[queue] = bands
+        if fifo:
+            self._fifo.update(bands.queues)
+        else:
+            self._fifo.difference_update(bands.queues)
+
+    def fifo_queues(self, names: Iterable[str]) -> list[str]:
+        """The FIFO queues (``x-fifo-groups``, as stored) among PGMQ queue ``names``."""
+        fifo = self._fifo
+        return [n for n in names if n in fifo] if fifo else []
 
     def forget_bands(self, queue: str) -> None:
         self._bands.pop(queue, None)
@@ -372,7 +405,7 @@ class Transport(virtual.Transport):
             self.poller.close(broker)
         finally:
             self._statements = self._broker = None
-            if statements is not None:
+            if statements is not None and self.binding is None:  # a bound one's is shared
                 statements.close()
 
     def _collect(self, connection: Any) -> None:
@@ -421,3 +454,25 @@ class Transport(virtual.Transport):
     @property
     def default_connection_params(self) -> dict[str, Any]:
         return {"port": self.default_port, "hostname": "localhost"}
+
+
+class BoundTransport(Transport):
+    """The transport of :func:`kombu_pgmq.using`'s connections: publishes only, on the
+    application's connection. Nothing it does is retried by kombu (a failed statement
+    aborted the application's transaction; another try in it would fail too)."""
+
+    recoverable_connection_errors = ()
+    recoverable_channel_errors = ()
+
+    def __init__(self, client: Any, **kwargs: Any) -> None:
+        super().__init__(client, **kwargs)
+        if self.binding is None:
+            raise errors.ConfigurationError(
+                "BoundTransport is made by kombu_pgmq.using(conn), not by a broker URL"
+            )
+
+    def register_consumer(self, queue: str, consumer_tag: str) -> None:
+        raise errors.ConfigurationError(
+            "a kombu_pgmq.using() connection only publishes (in the application's "
+            "transaction): consume from a connection to the broker URL"
+        )

@@ -17,7 +17,8 @@ Environment
     ``KPT_LEASE_RENEWAL_INTERVAL``, ``KPT_ETA_LEAD_SECONDS`` (seconds, optional) and
     ``KPT_MAX_DELIVERIES`` (int, optional): the transport options of those names.
     ``KPT_MAX_PRIORITY`` (int, optional): queue ``celery`` is declared with
-    ``x-max-priority``. ``KPT_PREFETCH_MULTIPLIER`` (int, optional):
+    ``x-max-priority``. ``KPT_FIFO_QUEUE`` (optional): a queue ``fifo`` with
+    ``x-fifo-groups`` besides ``celery``. ``KPT_PREFETCH_MULTIPLIER`` (int, optional):
     ``worker_prefetch_multiplier``.
 """
 
@@ -119,6 +120,16 @@ def create_app(env: Mapping[str, str] = os.environ) -> Celery:
         app.conf.task_queues = [
             Queue("celery", Exchange("celery"), routing_key="celery", queue_arguments=arguments)
         ]
+    if env.get("KPT_FIFO_QUEUE"):  # a FIFO queue (x-fifo-groups) besides celery
+        app.conf.task_queues = [
+            Queue("celery", Exchange("celery"), routing_key="celery"),
+            Queue(
+                "fifo",
+                Exchange("fifo"),
+                routing_key="fifo",
+                queue_arguments={"x-fifo-groups": True},
+            ),
+        ]
     if env.get("KPT_PREFETCH_MULTIPLIER"):
         app.conf.worker_prefetch_multiplier = int(env["KPT_PREFETCH_MULTIPLIER"])
 
@@ -129,6 +140,25 @@ def create_app(env: Mapping[str, str] = os.environ) -> Celery:
     @app.task(shared=False, name="e2e.add")
     def add(x: float, y: float) -> float:
         return x + y
+
+    @app.task(shared=False, name="e2e.record", bind=True)
+    def record(self: Any, label: str) -> str:
+        """Record the execution (``e2e_runs``, name ``e2e.record``); return the label."""
+        record_run(broker_url, self)
+        return label
+
+    @app.task(shared=False, name="e2e.fifo_step", bind=True, acks_late=True)
+    def fifo_step(self: Any, group: str, seq: int, seconds: float = 0.03) -> None:
+        """Record (group, seq) with its start and end (table ``e2e_fifo``): the test checks
+        that a group's steps never overlap and run in order."""
+        with psycopg.connect(broker_url, autocommit=True, application_name="kpt_e2e_task") as c:
+            started = c.execute("SELECT clock_timestamp()").fetchone()[0]
+            time.sleep(seconds)
+            c.execute(
+                "INSERT INTO e2e_fifo (grp, seq, pid, started_at, finished_at)"
+                " VALUES (%s, %s, %s, %s, clock_timestamp())",
+                (group, seq, os.getpid(), started),
+            )
 
     @app.task(shared=False, name="e2e.xsum")
     def xsum(numbers: list[float]) -> float:

@@ -72,8 +72,8 @@ def start_worker(
     request: pytest.FixtureRequest, tmp_path: Path, e2e_env: dict[str, str], app: Celery
 ) -> Iterator[Callable[..., Worker]]:
     """``start_worker(wait=True, *, extra_args=(), without=DEFAULT_WITHOUT, own_queue=True,
-    **env_overrides) -> Worker`` (keywords as :class:`Worker`'s); every worker is stopped at
-    teardown."""
+    queues=("celery",), concurrency=2, **env_overrides) -> Worker`` (keywords as
+    :class:`Worker`'s); every worker is stopped at teardown."""
     workers: list[Worker] = []
     request.node.stash[_WORKERS_KEY] = workers
 
@@ -83,6 +83,8 @@ def start_worker(
         extra_args: Sequence[str] = (),
         without: Sequence[str] = DEFAULT_WITHOUT,
         own_queue: bool = True,
+        queues: Sequence[str] = ("celery",),
+        concurrency: int = 2,
         **env_overrides: str,
     ) -> Worker:
         name = f"w{len(workers) + 1}_{uuid.uuid4().hex[:6]}"
@@ -93,6 +95,8 @@ def start_worker(
             extra_args=extra_args,
             without=without,
             own_queue=own_queue,
+            queues=queues,
+            concurrency=concurrency,
         )
         workers.append(worker)
         worker.start()

@@ -46,7 +46,9 @@ LATENCY_REPORT = Path("/tmp/kombu_pgmq_e2e_ping_latency.json")
 E2E_TASKS = [
     "e2e.add",
     "e2e.crash",
+    "e2e.fifo_step",
     "e2e.ping",
+    "e2e.record",
     "e2e.record_and_sleep",
     "e2e.retry_once",
     "e2e.spark_sleep",

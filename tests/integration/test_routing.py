@@ -51,9 +51,9 @@ def test_fanout_reaches_every_bound_queue_in_one_statement(db_dsn):
         calls = []
         original = channel.pgmq.send_routed
 
-        def spy(queues, message, headers, *, version, delay_seconds=0):
+        def spy(queues, message, headers, **kwargs):
             calls.append(sorted(queues))
-            return original(queues, message, headers, version=version, delay_seconds=delay_seconds)
+            return original(queues, message, headers, **kwargs)
 
         channel.pgmq.send_routed = spy
         Producer(channel, exchange=broadcast).publish({"hello": 1}, routing_key="ignored")

@@ -1,0 +1,150 @@
+"""``kombu_pgmq.using(conn)`` at the Kombu level (issue 15, item 1): a publish is part of
+the application's transaction (invisible until it commits, gone if it or its savepoint
+rolls back, never committed by us), declarations stay outside it, failures are not
+retried, and bad input gets a clear error."""
+
+from __future__ import annotations
+
+import threading
+
+import psycopg
+import pytest
+from kombu import Connection, Consumer, Producer, Queue
+
+import kombu_pgmq
+from kombu_pgmq import errors
+from kombu_pgmq.transactional import BoundConnection, driver_connection
+
+from .helpers import connect, drain, sql
+
+
+class Rollback(Exception):
+    pass
+
+
+def _count(url: str, queue: str) -> int:
+    return int(sql(url, f"SELECT count(*) FROM pgmq.q_{queue}")[0][0])
+
+
+def test_visible_at_commit_gone_at_rollback_and_with_a_rolled_back_savepoint(db_dsn):
+    with psycopg.connect(db_dsn) as pg:
+        with pg.transaction():
+            Producer(kombu_pgmq.using(pg)).publish(
+                {"n": 1}, routing_key="tx", declare=[Queue("tx")]
+            )
+            assert _count(db_dsn, "tx") == 0  # another session: not yet
+            with pytest.raises(Rollback), pg.transaction():
+                Producer(kombu_pgmq.using(pg)).publish({"n": 2}, routing_key="tx")
+                raise Rollback
+            Producer(kombu_pgmq.using(pg)).publish({"n": 3}, routing_key="tx")
+        assert _count(db_dsn, "tx") == 2
+        with pytest.raises(Rollback), pg.transaction():
+            Producer(kombu_pgmq.using(pg)).publish({"n": 4}, routing_key="tx")
+            raise Rollback
+        assert not pg.info.transaction_status  # idle: we never left a transaction open
+    with connect(db_dsn) as conn:
+        assert sorted(m.payload["n"] for m in drain(conn, "tx", expect=2)) == [1, 3]
+
+
+def test_the_queue_is_declared_outside_the_application_transaction(db_dsn):
+    # A queue first declared by a publish in a transaction that rolls back stays declared,
+    # and no row of kombu_pgmq's tables is locked by the application meanwhile.
+    with psycopg.connect(db_dsn) as pg, pytest.raises(Rollback), pg.transaction():
+        Producer(kombu_pgmq.using(pg)).publish({}, routing_key="fresh", declare=[Queue("fresh")])
+        locks = sql(
+            db_dsn,
+            "SELECT c.relname FROM pg_locks l JOIN pg_class c ON c.oid = l.relation "
+            "JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = 'kombu_pgmq' AND l.pid = %s AND l.mode <> 'AccessShareLock'",
+            (pg.info.backend_pid,),
+        )
+        assert locks == []
+        raise Rollback
+    assert sql(db_dsn, "SELECT queue FROM kombu_pgmq.queues WHERE queue = 'fresh'") == [("fresh",)]
+    assert _count(db_dsn, "fresh") == 0
+
+
+def test_every_publish_of_a_with_block_joins_the_transaction(db_dsn):
+    with connect(db_dsn) as broker, psycopg.connect(db_dsn) as pg:
+        queue = Queue("ambient")
+        Producer(broker).publish({"n": 0}, routing_key="ambient", declare=[queue])
+        with pytest.raises(Rollback), pg.transaction(), kombu_pgmq.using(pg):
+            Producer(broker).publish({"n": 1}, routing_key="ambient")  # the app's own producer
+            raise Rollback
+        with pg.transaction(), kombu_pgmq.using(pg):
+            Producer(broker).publish({"n": 2}, routing_key="ambient")
+            assert _count(db_dsn, "ambient") == 1
+        Producer(broker).publish({"n": 3}, routing_key="ambient")  # outside: its own commit
+        assert sorted(m.payload["n"] for m in drain(broker, "ambient", expect=3)) == [0, 2, 3]
+
+
+def test_a_failure_in_the_application_transaction_is_not_retried(db_dsn):
+    with psycopg.connect(db_dsn) as pg:
+        bound = kombu_pgmq.using(pg)
+        producer = Producer(bound)
+        producer.publish({}, routing_key="fail", declare=[Queue("fail")])
+        pg.commit()
+        with pg.transaction():
+            with pytest.raises(psycopg.errors.DivisionByZero):
+                pg.execute("SELECT 1 / 0")  # the application's transaction is aborted
+            with pytest.raises(errors.TransactionError, match="roll back and try it again"):
+                producer.publish({}, routing_key="fail", retry=True)
+            raise psycopg.Rollback
+    assert _count(db_dsn, "fail") == 1
+    pg_closed = psycopg.connect(db_dsn)
+    bound = kombu_pgmq.using(pg_closed)
+    producer = Producer(bound)
+    pg_closed.close()
+    with pytest.raises(errors.TransactionError, match="is closed"):
+        producer.publish({}, routing_key="fail")
+
+
+def test_one_bound_connection_per_application_connection(db_dsn):
+    with psycopg.connect(db_dsn) as pg, psycopg.connect(db_dsn) as other:
+        assert kombu_pgmq.using(pg) is kombu_pgmq.using(pg)
+        assert kombu_pgmq.using(pg) is not kombu_pgmq.using(other)
+        assert isinstance(kombu_pgmq.using(pg), Connection)
+        assert driver_connection(kombu_pgmq.using(pg)) is pg
+
+
+def test_a_bound_connection_only_publishes(db_dsn):
+    with psycopg.connect(db_dsn) as pg:
+        bound: BoundConnection = kombu_pgmq.using(pg)
+        with pytest.raises(errors.ConfigurationError, match="only publishes"):
+            Consumer(bound, [Queue("x")], callbacks=[lambda body, message: None]).consume()
+
+
+def test_unsupported_connections_are_clear_errors(db_dsn):
+    with pytest.raises(errors.ConfigurationError, match="not a psycopg 3 connection"):
+        kombu_pgmq.using(object())
+    with pytest.raises(errors.ConfigurationError, match="is closed"):
+        closed = psycopg.connect(db_dsn)
+        closed.close()
+        kombu_pgmq.using(closed)
+
+
+def test_an_application_connection_to_another_database_is_refused(db_dsn, empty_db_dsn):
+    with (
+        connect(db_dsn) as broker,
+        psycopg.connect(empty_db_dsn) as elsewhere,
+        kombu_pgmq.using(elsewhere),
+        pytest.raises(errors.ConfigurationError, match="another database"),
+    ):
+        Producer(broker).publish({}, routing_key="x", declare=[Queue("x")])
+
+
+def test_threads_bind_independently(db_dsn):
+    """The ``with using(conn):`` binding is per thread: another thread's publishes commit
+    on their own."""
+    with connect(db_dsn) as broker, psycopg.connect(db_dsn) as pg:
+        Producer(broker).publish({}, routing_key="threads", declare=[Queue("threads")])
+        with pg.transaction(), kombu_pgmq.using(pg):
+
+            def publish_elsewhere() -> None:
+                with connect(db_dsn) as conn:
+                    Producer(conn).publish({}, routing_key="threads")
+
+            thread = threading.Thread(target=publish_elsewhere)
+            thread.start()
+            thread.join(30)
+            assert _count(db_dsn, "threads") == 2  # the other thread's is committed
