@@ -205,12 +205,61 @@ BEGIN
 END
 $$;
 
+-- -- wake-ups at commit ----------------------------------------------------------------------
+
+-- A publish inside an application's transaction (kombu_pgmq.using, send_task from a
+-- trigger) commits later, perhaps much later. Its NOTIFY is delivered at commit anyway,
+-- but a consumer that went to sleep between the publish and the commit was not waiting
+-- when the publish looked, and would only find the message at its fallback poll. So such
+-- a publish records the queue here, and a deferred constraint trigger looks for waiting
+-- consumers at the commit itself (and notifies, delivered as the commit completes). One
+-- row per transaction and queue, deleted by the trigger; UNLOGGED: nothing to keep.
+CREATE UNLOGGED TABLE kombu_pgmq.commit_wakeups (
+    xid xid8 NOT NULL DEFAULT pg_current_xact_id(),
+    pgmq_queue text NOT NULL,
+    PRIMARY KEY (xid, pgmq_queue)
+);
+
+CREATE FUNCTION kombu_pgmq.wake_at_commit() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF EXISTS (SELECT 1 FROM kombu_pgmq.waiting w WHERE w.pgmq_queue = NEW.pgmq_queue) THEN
+        PERFORM pg_notify('kombu_pgmq.' || NEW.pgmq_queue, '');
+    END IF;
+    DELETE FROM kombu_pgmq.commit_wakeups
+    WHERE xid = NEW.xid AND pgmq_queue = NEW.pgmq_queue;
+    RETURN NULL;
+END
+$$;
+
+CREATE CONSTRAINT TRIGGER commit_wakeup AFTER INSERT ON kombu_pgmq.commit_wakeups
+    DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION kombu_pgmq.wake_at_commit();
+
+-- Wake the consumers waiting on a queue a message was just sent to: now, if this
+-- statement is its own transaction (it commits right after), else at the commit of the
+-- transaction it is part of (statement_timestamp() differs from transaction_timestamp()
+-- from the second statement of a transaction block on).
+CREATE FUNCTION kombu_pgmq.wake(pgmq_name text) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF statement_timestamp() = transaction_timestamp() THEN
+        IF EXISTS (SELECT 1 FROM kombu_pgmq.waiting w WHERE w.pgmq_queue = pgmq_name) THEN
+            PERFORM pg_notify('kombu_pgmq.' || pgmq_name, '');
+        END IF;
+    ELSE
+        INSERT INTO kombu_pgmq.commit_wakeups (pgmq_queue) VALUES (pgmq_name)
+        ON CONFLICT DO NOTHING;
+    END IF;
+END
+$$;
+
 -- -- publish ------------------------------------------------------------------------------
 
--- Publish one message (migration 0003's protocol: shared advisory lock, pgmq.send, NOTIFY
+-- Publish one message (migration 0003's protocol: shared advisory lock, pgmq.send, wake
 -- a waiting consumer), unless it is a duplicate within its deduplication window: then
--- nothing is sent and NULL is returned. Inside an application's transaction the NOTIFY is
--- delivered at its commit, and a rollback takes the message and the claim back.
+-- nothing is sent and NULL is returned. Inside an application's transaction the waiting
+-- consumers are looked for at its commit (kombu_pgmq.wake), and a rollback takes the
+-- message and the claim back.
 DROP FUNCTION kombu_pgmq.publish(text, jsonb, jsonb, integer);
 CREATE FUNCTION kombu_pgmq.publish(
     queue text, message jsonb, headers jsonb, delay_seconds integer DEFAULT 0,
@@ -228,9 +277,8 @@ BEGIN
     END IF;
     PERFORM pg_advisory_xact_lock_shared(1802530161, hashtext(queue));
     sent := pgmq.send(queue, message, headers, delay_seconds);
-    IF delay_seconds <= 0
-       AND EXISTS (SELECT 1 FROM kombu_pgmq.waiting w WHERE w.pgmq_queue = queue) THEN
-        PERFORM pg_notify('kombu_pgmq.' || queue, '');
+    IF delay_seconds <= 0 THEN
+        PERFORM kombu_pgmq.wake(queue);
     END IF;
     RETURN sent;
 END
@@ -270,9 +318,9 @@ BEGIN
         END IF;
     END LOOP;
     IF delay_seconds <= 0 THEN
-        FOR q IN SELECT DISTINCT w.pgmq_queue FROM kombu_pgmq.waiting w
-                 WHERE w.pgmq_queue = ANY(queues) AND NOT w.pgmq_queue = ANY(duplicate) LOOP
-            PERFORM pg_notify('kombu_pgmq.' || q, '');
+        FOR q IN SELECT DISTINCT u FROM unnest(queues) AS u
+                 WHERE NOT u = ANY(duplicate) ORDER BY u LOOP
+            PERFORM kombu_pgmq.wake(q);
         END LOOP;
     END IF;
     RETURN msg_ids;
@@ -637,6 +685,8 @@ INSERT INTO kombu_pgmq.grantable (function, kind, definer) VALUES
     ('kombu_pgmq.dead_letter(text, bigint[], integer[], timestamptz[], text[], text, text, text)', 'worker', true),
     ('kombu_pgmq.forget_deduplications(integer)', 'worker', true),
     ('kombu_pgmq.send_to(text[], jsonb, jsonb, integer, double precision)', 'owner', true),
+    ('kombu_pgmq.wake(text)', 'owner', true),
+    ('kombu_pgmq.wake_at_commit()', 'owner', true),
     ('kombu_pgmq.drop_queue(text)', 'owner', true),
     ('kombu_pgmq.bump_routing_version()', 'owner', true),
     ('kombu_pgmq.read_grouped(text, integer, integer)', 'owner', true),

@@ -5,7 +5,10 @@ retried, and bad input gets a clear error."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
+from typing import Any
 
 import psycopg
 import pytest
@@ -55,7 +58,9 @@ def test_the_queue_is_declared_outside_the_application_transaction(db_dsn):
             db_dsn,
             "SELECT c.relname FROM pg_locks l JOIN pg_class c ON c.oid = l.relation "
             "JOIN pg_namespace n ON n.oid = c.relnamespace "
-            "WHERE n.nspname = 'kombu_pgmq' AND l.pid = %s AND l.mode <> 'AccessShareLock'",
+            "WHERE n.nspname = 'kombu_pgmq' AND l.pid = %s AND l.mode <> 'AccessShareLock'"
+            # its own row there, keyed by its transaction id (the wake-up at its commit)
+            " AND c.relname NOT LIKE 'commit_wakeups%%'",
             (pg.info.backend_pid,),
         )
         assert locks == []
@@ -148,3 +153,36 @@ def test_threads_bind_independently(db_dsn):
             thread.start()
             thread.join(30)
             assert _count(db_dsn, "threads") == 2  # the other thread's is committed
+
+
+def test_a_consumer_that_waits_after_the_publish_is_woken_at_the_commit(db_dsn):
+    """The consumer goes to sleep between the application's publish and its commit: the
+    waiting consumers are looked for at the commit (a deferred trigger), so it is woken
+    then, not by its fallback poll (5 s here)."""
+    queue = Queue("late_waiter")
+    got: list[float] = []
+    with connect(db_dsn, polling_interval=5) as consumer_conn, psycopg.connect(db_dsn) as pg:
+        Producer(consumer_conn).publish({}, routing_key="warm", declare=[Queue("warm")])
+        Producer(kombu_pgmq.using(pg)).publish({"n": 1}, routing_key="late_waiter", declare=[queue])
+        assert pg.info.transaction_status  # the application's transaction is open
+
+        def on_message(message: Any) -> None:
+            got.append(time.monotonic())
+            message.ack()
+
+        with Consumer(consumer_conn, [queue], on_message=on_message):
+            with contextlib.suppress(TimeoutError):
+                consumer_conn.drain_events(timeout=1.0)  # found nothing: asleep now
+            assert got == []
+            committed: list[float] = []
+
+            def commit() -> None:
+                pg.commit()
+                committed.append(time.monotonic())
+
+            committer = threading.Timer(0.5, commit)
+            committer.start()
+            with contextlib.suppress(TimeoutError):
+                consumer_conn.drain_events(timeout=4.0)
+            committer.join()
+    assert len(got) == 1 and got[0] - committed[0] < 1.0, (got, committed)
