@@ -3,15 +3,17 @@ consumes and renews leases (issue 13: one connection per concern).
 
 Timeline, all against one database:
 
-1. the "application" opens a transaction and enqueues one message to the queue (it
-   stays uncommitted for ``--hold`` seconds, 60 by default);
+1. the "application" opens a transaction and enqueues one message to the queue through
+   ``kombu_pgmq.using(conn)`` (it stays uncommitted for ``--hold`` seconds, 60 by
+   default);
 2. a Kombu consumer connects and starts consuming that queue (time to ready measured);
 3. a producer publishes ``--messages`` messages one by one, every ``--gap-ms``; the
    consumer acks each (publish -> delivery latency measured);
 4. the consumer also holds one message unacked the whole time with a visibility timeout
    of ``--vt`` seconds: it must never be delivered again (its read_ct in the archive is
    1; lease renewal rounds counted);
-5. the application commits: its message arrives (by the fallback poll).
+5. the application commits: its message arrives (woken by the NOTIFY delivered at the
+   commit when the consumer waited at publish time, else by the fallback poll).
 
     python benchmarks/open_transaction.py --url postgresql://postgres@127.0.0.1/kpb_ours \
         --hold 60 --json benchmarks/results/open_transaction.json
@@ -31,7 +33,7 @@ import psycopg
 from brokers import ensure_database
 from kombu import Connection, Consumer, Producer, Queue
 
-import kombu_pgmq  # noqa: F401  (registers postgresql://)
+import kombu_pgmq
 
 QUEUE = "kpb_open_tx"
 
@@ -54,7 +56,8 @@ def main() -> None:
         setup.default_channel.queue_purge(QUEUE)
 
     app = psycopg.connect(args.url)
-    app.execute(f"SELECT kombu_pgmq.publish('{QUEUE}', '{{\"from\": \"app\"}}', '{{}}')")
+    # the application enqueues in its own transaction (kombu_pgmq.using, issue 15)
+    Producer(kombu_pgmq.using(app)).publish({"from": "app"}, routing_key=QUEUE)
     opened = time.monotonic()
 
     latencies: list[float] = []
