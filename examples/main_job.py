@@ -42,8 +42,18 @@ TOTAL_FLIGHTS = 336_776
 WIDTH = 64
 
 
+ORDERS_DDL = (
+    "CREATE TABLE IF NOT EXISTS example_orders ("
+    "id bigserial PRIMARY KEY, item text NOT NULL, total numeric NOT NULL)"
+)
+
+
 class WorkerDied(RuntimeError):
     pass
+
+
+class Rollback(Exception):
+    """Rolls the example's application transaction back."""
 
 
 class SetupError(RuntimeError):
@@ -219,6 +229,13 @@ def pandas_delay_by_carrier() -> dict[str, tuple[int, float]]:
     return {c: (int(n), round(float(m), 1)) for c, (n, m) in stats.iterrows()}
 
 
+def sql_count(url: str, query: str, params: dict[str, Any]) -> int:
+    import psycopg
+
+    with psycopg.connect(url) as conn:
+        return int(conn.execute(query, params).fetchone()[0])
+
+
 def fmt_s(seconds: float) -> str:
     return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.1f} s"
 
@@ -303,12 +320,61 @@ def run(job: Job) -> None:
             (r["origin"], r["dest"], r["flights"]) == ("JFK", "LAX", 11_262),
         )
 
+    def in_transaction(commit: bool) -> tuple[str, bool]:
+        """An order row and its confirm_order task, in one application transaction."""
+        import psycopg
+
+        import kombu_pgmq
+
+        with psycopg.connect(broker_url) as conn:
+            conn.execute(ORDERS_DDL)
+            conn.commit()
+            with contextlib.suppress(Rollback), conn.transaction():
+                order_id = conn.execute(
+                    "INSERT INTO example_orders (item, total) VALUES (%s, %s) RETURNING id",
+                    ("JFK->LAX", 389.0 if commit else 129.5),
+                ).fetchone()[0]
+                result = tasks.confirm_order.apply_async(
+                    (order_id,), connection=kombu_pgmq.using(conn)
+                )
+                if not commit:
+                    raise Rollback
+        if commit:
+            value = job.get(result)
+            job.tasks += 1
+            return f"ran once, order {order_id} found", value["found"]
+        queued = sql_count(
+            broker_url,
+            "SELECT (SELECT count(*) FROM pgmq.q_examples WHERE headers->>'id' = %(id)s)"
+            " + (SELECT count(*) FROM pgmq.a_examples WHERE headers->>'id' = %(id)s)",
+            {"id": result.id},
+        )
+        return "never queued, never ran", queued == 0 and result.state == "PENDING"
+
+    def from_sql() -> tuple[str, bool]:
+        """A task enqueued by SQL in the transaction of an INSERT (as a trigger would)."""
+        import psycopg
+
+        with psycopg.connect(broker_url) as conn, conn.transaction():
+            conn.execute(ORDERS_DDL)
+            task_id = conn.execute(
+                "WITH o AS (INSERT INTO example_orders (item, total) VALUES ('EWR->SFO', 412)"
+                " RETURNING id) SELECT kombu_pgmq.send_task('examples.tasks.confirm_order',"
+                " jsonb_build_array(o.id), '{}', 'examples') FROM o"
+            ).fetchone()[0]
+        value = job.get(app.AsyncResult(str(task_id)))
+        job.tasks += 1
+        return f"ran, order {value['order']} found", value["found"]
+
     job.step("add(2, 3)", add_one)
     job.step("20 x add(i, i), sent at once:", add_many)
     job.step("flaky(fail_times=2)", flaky)
     job.step("chain add(2, 3) | mul(4) | add(1)", chained)
     job.step("group(12 x flights_in_month), then xsum", grouped)
     job.step("busiest_routes(1)", routes)
+    job.step("order + its task in one transaction, committed:", lambda: in_transaction(True))
+    job.step("order + its task in one transaction, rolled back:", lambda: in_transaction(False))
+    job.step("task enqueued in SQL (kombu_pgmq.send_task):", from_sql)
 
     shown: dict[str, Any] = {}
 

@@ -7,7 +7,7 @@ import functools
 from typing import Any
 
 from . import spark_flights
-from .celeryapp import app
+from .celeryapp import app, broker_url
 
 
 @app.task
@@ -23,6 +23,21 @@ def mul(x: float, y: float) -> float:
 @app.task
 def xsum(numbers: list[float]) -> float:
     return sum(numbers)
+
+
+@app.task
+def confirm_order(order_id: int) -> dict[str, Any]:
+    """Confirm an order of ``example_orders``: enqueued in the transaction that saved it
+    (``kombu_pgmq.using`` or ``kombu_pgmq.send_task`` in SQL), so the row is there."""
+    import psycopg
+
+    with psycopg.connect(broker_url) as conn:
+        row = conn.execute(
+            "SELECT item, total FROM example_orders WHERE id = %s", (order_id,)
+        ).fetchone()
+    if row is None:
+        return {"order": order_id, "found": False}
+    return {"order": order_id, "found": True, "item": row[0], "total": float(row[1])}
 
 
 class TransientError(Exception):

@@ -156,6 +156,16 @@ message became visible (a countdown's TTL starts after its delay). A publish wit
 a database restart every consumer gets a full ``consumer_stale_after`` before the reaper
 judges it (heartbeats could not be sent while the server was down).
 
+Enqueue in the application's transaction: :func:`kombu_pgmq.using` (a psycopg 3,
+SQLAlchemy or Django connection) makes publishes part of the application's transaction
+(:mod:`kombu_pgmq.transactional`); ``kombu_pgmq.send_task(...)`` does it from SQL.
+Deduplication: a message with an ``x-deduplication-id`` header (or, on a queue declared
+with ``x-deduplicate-task-id``, a Celery task id) is enqueued once per queue within
+``deduplication_window`` seconds. FIFO groups: on a queue declared with
+``x-fifo-groups`` (no priorities), messages with the same ``x-group-id`` header are
+delivered one at a time in publish order, the next once the previous is acked (use
+``task_acks_late``); different groups in parallel.
+
 Headers any Python value can hold round-trip exactly: one PostgreSQL's jsonb cannot store
 (a NUL character, NaN, a lone surrogate, bytes; Celery puts task arguments in
 ``argsrepr``) travels as base64 of kombu's JSON in the envelope, the others stay readable

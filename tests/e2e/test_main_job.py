@@ -35,6 +35,9 @@ def test_main_job_runs_every_task_and_the_spark_pipeline(db_dsn, spark_server):
     assert "add(2, 3) = 5" in out
     assert "chain add(2, 3) | mul(4) | add(1) = 21" in out
     assert "xsum = 336,776" in out
+    assert re.search(r"in one transaction, committed: ran once, order \d+ found", out), out
+    assert "in one transaction, rolled back: never queued, never ran" in out
+    assert re.search(r"enqueued in SQL \(kombu_pgmq.send_task\): ran, order \d+ found", out)
     assert "same as pandas" in out
     assert "Frontier Airlines Inc." in out
     assert "flights pipeline (15 Spark tasks) = 16 carriers" in out
