@@ -96,13 +96,14 @@ class Binding:
     """An application's psycopg connection that publishes go through.
 
     Attributes:
-        connection: the application's psycopg 3 connection.
+        connection: the application's psycopg 3 connection (held weakly).
         dsn: libpq connection string of its database (its password included), for
             kombu_pgmq's own statement connection.
     """
 
     def __init__(self, connection: psycopg.Connection[Any]) -> None:
-        self.connection = connection
+        # Weak: a binding (cached per connection) must not keep the connection alive.
+        self._ref = weakref.ref(connection)
         info = connection.info
         params = {k: v for k, v in info.get_parameters().items() if k != "hostaddr"}
         if info.password:
@@ -114,6 +115,18 @@ class Binding:
 
     def __repr__(self) -> str:
         return f"<kombu_pgmq.Binding {redact(self.dsn)}>"
+
+    @property
+    def connection(self) -> psycopg.Connection[Any]:
+        """The application's connection.
+
+        Raises:
+            ConfigurationError: it was garbage-collected.
+        """
+        conn = self._ref()
+        if conn is None:
+            raise errors.ConfigurationError("kombu_pgmq.using(): the connection is gone")
+        return conn
 
     def statements(self) -> Connector:
         """kombu_pgmq's own connection to the same database (shared by the process),

@@ -340,16 +340,17 @@ class ExternalConnector(Connector):
 
     def __init__(self, connection: psycopg.Connection[Any]) -> None:
         super().__init__("")
-        self._conn = connection
+        # Weak: kombu_pgmq must not keep the application's connection alive.
+        self._ref: Callable[[], psycopg.Connection[Any] | None] = weakref.ref(connection)
         _LIVE.discard(self)  # the application's: a fork leaves it to the application
 
     def __repr__(self) -> str:
-        state = "closed" if self._conn is None or self._conn.closed else "open"
-        return f"<ExternalConnector {state}>"
+        conn = self._ref()
+        return f"<ExternalConnector {'closed' if conn is None or conn.closed else 'open'}>"
 
     @property
     def connection(self) -> psycopg.Connection[Any]:
-        conn = self._conn
+        conn = self._ref()
         if conn is None or conn.closed or self._pid != os.getpid():
             raise TransactionError(
                 "the application's connection given to kombu_pgmq.using() is closed (or "
@@ -362,7 +363,7 @@ class ExternalConnector(Connector):
 
     def close(self) -> None:
         """Forget the application's connection (it stays open: it is not ours)."""
-        self._conn = None
+        self._ref = lambda: None
 
     def _fail(self, exc: psycopg.Error) -> KombuPgmqError:
         return TransactionError(

@@ -186,3 +186,17 @@ def test_a_consumer_that_waits_after_the_publish_is_woken_at_the_commit(db_dsn):
                 consumer_conn.drain_events(timeout=4.0)
             committer.join()
     assert len(got) == 1 and got[0] - committed[0] < 1.0, (got, committed)
+
+
+def test_a_binding_does_not_keep_the_application_connection_alive(db_dsn):
+    import gc
+    import weakref
+
+    pg = psycopg.connect(db_dsn)
+    ref = weakref.ref(pg)
+    Producer(kombu_pgmq.using(pg)).publish({}, routing_key="gone", declare=[Queue("gone")])
+    pg.commit()
+    pg.close()
+    del pg
+    gc.collect()
+    assert ref() is None  # kombu_pgmq's caches hold it weakly
