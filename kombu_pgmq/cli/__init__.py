@@ -35,10 +35,10 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from . import errors, schema
-from ._conninfo import redact, to_dsn
-from .dlq import DEFAULT_DEAD_LETTER_QUEUE, DeadLetterInfo, DeadLetterQueue
-from .retention import prune_archives
+from .. import errors, schema
+from .._conninfo import redact, to_dsn
+from ..dlq import DEFAULT_DEAD_LETTER_QUEUE, DeadLetterInfo, DeadLetterQueue
+from ..retention import prune_archives
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
@@ -64,7 +64,7 @@ def parse_duration(text: str) -> float:
 def _url(url: str | None) -> str:
     if url:
         return url
-    from .embedded import default_broker_url
+    from ..embedded import default_broker_url
 
     return default_broker_url()
 
@@ -540,7 +540,7 @@ def embedded_group() -> None:
 def embedded_url() -> None:
     """Print the broker URL to use: $KOMBU_PGMQ_URL, else a PostgreSQL $DATABASE_URL,
     else the embedded server's (started if needed)."""
-    from .embedded import default_broker_url
+    from ..embedded import default_broker_url
 
     click.echo(default_broker_url())
 
@@ -549,7 +549,7 @@ def embedded_url() -> None:
 def embedded_start() -> None:
     """Start the embedded server unless it is running; print its URL (it keeps running
     after this command: stop it with 'kombu-pgmq embedded stop')."""
-    from .embedded import start
+    from ..embedded import start
 
     click.echo(start())
 
@@ -557,7 +557,7 @@ def embedded_start() -> None:
 @embedded_group.command("stop", epilog=_examples("kombu-pgmq embedded stop"))
 def embedded_stop() -> None:
     """Stop the embedded server (connected clients are cut off)."""
-    from .embedded import data_dir, stop
+    from ..embedded import data_dir, stop
 
     click.echo("stopped" if stop() else f"not running ({data_dir()})")
 
@@ -571,7 +571,7 @@ def embedded_status() -> None:
 
     Exit status 0 when the server is running, 1 when it is not.
     """
-    from .embedded import status
+    from ..embedded import status
 
     info = status()
     click.echo(f"data_dir: {info['data_dir']}")
@@ -619,7 +619,7 @@ def _port_option(func: F) -> F:
 @_port_option
 def spark_server_start(port: int | None) -> None:
     """Start the server unless it is running (it keeps running after this command)."""
-    from .spark import server
+    from ..spark import server
 
     conf = {"spark_connect_port": port} if port else None
     url = server.ensure_running(conf)
@@ -631,7 +631,7 @@ def spark_server_start(port: int | None) -> None:
 @_port_option
 def spark_server_stop(port: int | None) -> None:
     """Stop the server started by kombu_pgmq (running Spark jobs are cancelled)."""
-    from .spark import server
+    from ..spark import server
 
     port = port or server.local_port()
     click.echo("stopped" if server.stop(port) else f"no kombu_pgmq Spark server on port {port}")
@@ -641,14 +641,10 @@ def spark_server_stop(port: int | None) -> None:
 @_port_option
 def spark_server_status(port: int | None) -> None:
     """Whether the server answers, its pid and log file."""
-    from .spark import server
+    from ..spark import server
 
     info = server.status(port or server.local_port())
     if info["problem"] is not None:  # another process listens on the port
         _fail(info["problem"])
     state = "running" if info["accepting"] else "not running"
     click.echo(f"{state}: port {info['port']}, pid {info['pid']}, log {info['log']}")
-
-
-if __name__ == "__main__":  # pragma: no cover
-    main()
