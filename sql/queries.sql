@@ -462,3 +462,36 @@ SELECT kombu_pgmq.stream_horizon(%(queue)s, %(after_id)s, %(max_rows)s,
 SELECT count(*) AS archived
 FROM pgmq.archive(%(queue)s, ARRAY(SELECT msg_id FROM {queue_table}
                                    WHERE msg_id > %(lo)s AND msg_id <= %(hi)s))
+
+-- name: queue_stats
+-- Per PGMQ queue (priority band) of every queue: ready, in_flight, delayed, oldest age,
+-- archive size, consumers, dead letters, paused (migration 0012). One statement.
+SELECT queue, pgmq_queue, band, ready, in_flight, delayed, oldest_age_seconds, archived,
+       archived_estimated, consumers, dead_letters, paused
+FROM kombu_pgmq.queue_stats(%(dead_letter_queue)s, %(exact_archive_below)s::bigint)
+
+-- name: pause_queue
+-- Consumers stop receiving from the Kombu queue (every band); publishes still land.
+SELECT q AS pgmq_queue FROM kombu_pgmq.pause(%(kombu_queue)s) AS q
+
+-- name: resume_queue
+SELECT q AS pgmq_queue FROM kombu_pgmq.resume(%(kombu_queue)s) AS q
+
+-- name: peek
+-- Messages of a Kombu queue without consuming them (migration 0012).
+SELECT pgmq_queue, band, state, msg_id, read_ct, enqueued_at, visible_at, message, headers
+FROM kombu_pgmq.peek(%(kombu_queue)s, %(qty)s::integer)
+
+-- name: find_task
+-- A Celery task's messages by task id, in queues and (archives) archives.
+SELECT queue, pgmq_queue, state, msg_id, read_ct, enqueued_at, visible_at, archived_at,
+       reason, headers
+FROM kombu_pgmq.find_task(%(task_id)s, %(archives)s)
+
+-- name: cancel_task
+-- Durable revoke: remove the task's undelivered messages, archived with reason cancelled.
+SELECT queue, pgmq_queue, msg_id FROM kombu_pgmq.cancel_task(%(task_id)s)
+
+-- name: operations_installed
+-- Migration 0012 (statistics, pause, cancel) is installed in this database.
+SELECT to_regprocedure('kombu_pgmq.queue_stats(text, bigint)') IS NOT NULL AS installed

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 from .connector import Connector
 
-__all__ = ["Admin", "DeadLetter"]
+__all__ = ["Admin", "BandStats", "DeadLetter", "PeekedRow", "TaskRow"]
 
 
 class DeadLetter(NamedTuple):
@@ -22,6 +22,58 @@ class DeadLetter(NamedTuple):
     enqueued_at: Any  # datetime (timezone-aware)
     message: str
     headers: str | None
+
+
+class BandStats(NamedTuple):
+    """A row of ``kombu_pgmq.queue_stats()``: one PGMQ queue (priority band)."""
+
+    queue: str
+    pgmq_queue: str
+    band: int
+    ready: int
+    in_flight: int
+    delayed: int
+    oldest_age_seconds: float | None
+    archived: int | None
+    archived_estimated: bool
+    consumers: int
+    dead_letters: int
+    paused: bool
+
+
+class PeekedRow(NamedTuple):
+    """A row of ``kombu_pgmq.peek()``: ``message``/``headers`` are JSON text."""
+
+    pgmq_queue: str
+    band: int
+    state: str
+    msg_id: int
+    read_ct: int
+    enqueued_at: Any  # datetime (timezone-aware)
+    visible_at: Any
+    message: str
+    headers: str | None
+
+
+class TaskRow(NamedTuple):
+    """A row of ``kombu_pgmq.find_task()``."""
+
+    queue: str
+    pgmq_queue: str
+    state: str
+    msg_id: int
+    read_ct: int
+    enqueued_at: Any
+    visible_at: Any
+    archived_at: Any
+    reason: str | None
+    headers: str | None
+
+
+class _Cancelled(NamedTuple):
+    queue: str
+    pgmq_queue: str
+    msg_id: int
 
 
 class _QueueTable(NamedTuple):
@@ -84,6 +136,54 @@ class Admin:
         statement = self.db.compose("prune_archive", archive_table=("pgmq", f"a_{queue}"))
         params = {"older_than_seconds": older_than_seconds, "batch_size": batch_size}
         return int(self.db.scalar(statement, params))
+
+    # -- statistics and steering (kombu_pgmq.management, migration 0012) -----------------
+
+    def operations_installed(self) -> bool:
+        """Migration 0012 (statistics, pause, cancel) is in this database."""
+        return bool(self.db.scalar("operations_installed"))
+
+    def queue_stats(self, dead_letter_queue: str, exact_archive_below: int) -> list[BandStats]:
+        """One row per PGMQ queue (priority band) of every queue, in one statement."""
+        params = {
+            "dead_letter_queue": dead_letter_queue,
+            "exact_archive_below": exact_archive_below,
+        }
+        return self.db.fetch("queue_stats", params, BandStats)
+
+    def pause(self, queue: str) -> list[str]:
+        """Pause Kombu queue ``queue``; its PGMQ queues.
+
+        Raises:
+            QueueNotFound: the queue was never declared.
+        """
+        return [str(q) for q in self.db.column("pause_queue", {"kombu_queue": queue})]
+
+    def resume(self, queue: str) -> list[str]:
+        """Resume Kombu queue ``queue``; the PGMQ queues that were paused.
+
+        Raises:
+            QueueNotFound: the queue was never declared.
+        """
+        return [str(q) for q in self.db.column("resume_queue", {"kombu_queue": queue})]
+
+    def peek(self, queue: str, limit: int) -> list[PeekedRow]:
+        """Up to ``limit`` messages per band of Kombu queue ``queue``, unconsumed.
+
+        Raises:
+            QueueNotFound: no such queue.
+        """
+        return self.db.fetch("peek", {"kombu_queue": queue, "qty": limit}, PeekedRow)
+
+    def find_task(self, task_id: str, *, archives: bool) -> list[TaskRow]:
+        """Messages whose ``id`` header is ``task_id``, in queues (and archives)."""
+        return self.db.fetch("find_task", {"task_id": task_id, "archives": archives}, TaskRow)
+
+    def cancel_task(self, task_id: str) -> list[tuple[str, str, int]]:
+        """Remove and archive (reason ``cancelled``) the task's undelivered messages;
+        ``(queue, pgmq_queue, msg_id)`` of each."""
+        rows = self.db.fetch("cancel_task", {"task_id": task_id}, _Cancelled)
+        return [(r.queue, r.pgmq_queue, r.msg_id) for r in rows]
 
     # -- server and schema (kombu_pgmq.embedded, kombu_pgmq.schema) --------------------
 

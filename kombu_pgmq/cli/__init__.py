@@ -11,6 +11,11 @@ The commands that talk to the database take ``--url`` (default: ``$KOMBU_PGMQ_UR
     kombu-pgmq dlq replay (--all | --id N ... | --queue Q | --reason R | --task T)
     kombu-pgmq dlq purge  (--all | --id N ... | --queue Q | --reason R | --task T) [--yes]
     kombu-pgmq archive prune --older-than 7d [--queue Q ...] [--batch-size 5000]
+    kombu-pgmq queues [--all] [--json]        # ready, in flight, delayed, oldest, consumers
+    kombu-pgmq messages QUEUE [--limit 20] [--json]   # peek, nothing consumed
+    kombu-pgmq queue pause|resume QUEUE       # consumers stop/start receiving from QUEUE
+    kombu-pgmq task find|cancel TASK_ID       # where a task is; durable revoke
+    kombu-pgmq metrics serve [--port 9808]    # Prometheus /metrics
     kombu-pgmq embedded start|status|url|stop  # the embedded PostgreSQL (no --url)
     kombu-pgmq spark server start|stop|status [--port 15002]
 
@@ -648,3 +653,7 @@ def spark_server_status(port: int | None) -> None:
         _fail(info["problem"])
     state = "running" if info["accepting"] else "not running"
     click.echo(f"{state}: port {info['port']}, pid {info['pid']}, log {info['log']}")
+
+
+# The commands of the other modules register themselves on ``main``.
+from . import operations  # noqa: E402,F401

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 from .._db.broker import Broker, Receipt
+from .._stats import STATS
 from ._service import Service
 
 logger = logging.getLogger(__name__)
@@ -159,11 +160,13 @@ class LeaseKeeper(Service):
             for vt, group in by_vt.items():
                 renewed |= broker.renew([h.receipt for h in group], vt)
         self.statements += len(by_vt)
+        STATS.lease_renewals += len(renewed)
         lost = [
             (h.queue, h.msg_id)
             for h in held
             if (h.queue, h.msg_id) not in renewed and self._still_held(h.queue, h.msg_id)
         ]
+        STATS.lost_leases += len(lost)
         for queue, msg_id in lost:
             self._lost.add((queue, msg_id))
             logger.warning(

@@ -14,6 +14,7 @@ from kombu.transport import virtual
 from .. import _encoding as encoding
 from .. import errors
 from .._naming import pgmq_queue_name
+from .._stats import STATS
 from ._delays import delay_seconds
 from ._routing import EXCHANGE_TYPES
 
@@ -219,6 +220,16 @@ class Publishing:
                 message; nothing was sent).
             ConfigurationError: an ``x-delay`` or ETA PGMQ cannot take.
         """
+        try:
+            self._basic_publish(message, exchange, routing_key, **kwargs)
+        except BaseException:
+            STATS.publish_errors += 1
+            raise
+        STATS.publishes += 1
+
+    def _basic_publish(
+        self, message: dict[str, Any], exchange: str, routing_key: str, **kwargs: Any
+    ) -> None:
         self._inplace_augment_message(message, exchange, routing_key)
         if not exchange:
             return self._put(routing_key, message, **kwargs)

@@ -20,6 +20,7 @@ from .. import _priorities as priorities
 from .. import errors
 from .._db.broker import Broker, QueueInfo, Receipt, Row
 from .._naming import pgmq_queue_name
+from .._stats import STATS
 from ._publishing import DELAY_PROPERTY, Publishing
 from .options import TransportOptions
 
@@ -120,6 +121,7 @@ class QoS(virtual.QoS):
         if message is None:
             return
         held = receipt(message.delivery_info)
+        STATS.acks += 1
         transport = self.channel.connection
         if transport.poller.defers_acks:
             super().ack(delivery_tag)
@@ -135,8 +137,10 @@ class QoS(virtual.QoS):
         if message is None:
             return
         held = receipt(message.delivery_info)
+        STATS.rejects += 1
         with self.channel.connection.leases.lock:
             if requeue:
+                STATS.requeues += 1
                 _log_stale("requeue", [held], self.channel.pgmq.requeue([held], 0))
             else:
                 kombu_queue = message.delivery_info["kombu_queue"]
@@ -580,6 +584,8 @@ class Channel(Publishing, virtual.Channel):
                 self.pgmq.discard([receipt(p["properties"]["delivery_info"]) for p in expired])
             gone = {id(p) for p in expired}
             payloads = [p for p in payloads if id(p) not in gone]
+        STATS.deliveries += len(payloads)
+        STATS.redeliveries += sum(1 for row in rows if row.read_ct > 1)
         return payloads
 
     def _lifetime(self, queue: str) -> tuple[int | None, int | None]:
@@ -657,6 +663,7 @@ class Channel(Publishing, virtual.Channel):
         except errors.QueueNotFound:
             self._new_queue(dlq_kombu)
             moved = self.pgmq.dead_letter(name, receipts, **kwargs)
+        STATS.dead_lettered += len(moved)
         logger.warning(
             "dead-lettered %d message(s) of queue %r to %r (reason: %s)",
             len(moved),

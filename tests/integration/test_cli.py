@@ -109,6 +109,13 @@ def test_url_defaults_to_kombu_pgmq_url_then_database_url(db_dsn: str) -> None:
         ["dlq", "replay", "--all"],
         ["dlq", "purge", "--all", "--yes"],
         ["archive", "prune", "--older-than", "7d"],
+        ["queues"],
+        ["messages", "celery"],
+        ["queue", "pause", "celery"],
+        ["queue", "resume", "celery"],
+        ["task", "find", "0b5c4a9e"],
+        ["task", "cancel", "0b5c4a9e"],
+        ["metrics", "serve", "--port", "0"],
     ],
     ids=" ".join,
 )
@@ -133,6 +140,9 @@ def test_an_invalid_url_is_one_line() -> None:
         ["archive", "prune"],  # --older-than is required
         ["embedded", "restart"],
         ["dlq", "list", "--reason", "bored"],
+        ["messages"],  # QUEUE is required
+        ["queue", "stop", "celery"],
+        ["task", "cancel"],
     ],
     ids=" ".join,
 )

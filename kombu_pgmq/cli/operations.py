@@ -1,0 +1,382 @@
+"""``kombu-pgmq queues|messages|queue|task|metrics``: see and steer the broker
+(:mod:`kombu_pgmq.management`, :mod:`kombu_pgmq.metrics`).
+
+Every command takes ``--url`` (default ``$KOMBU_PGMQ_URL``, ``$DATABASE_URL``, then the
+embedded PostgreSQL) and ``--json`` where it prints rows (one JSON object per line).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+from collections.abc import Callable
+from datetime import datetime, timezone
+from typing import Any, TypeVar
+
+import click
+from rich.table import Table
+
+from ..dlq import DEFAULT_DEAD_LETTER_QUEUE
+from ..management import Management, QueueStats
+from . import _console, _examples, _fail, _Group, _run, main, url_option
+
+T = TypeVar("T")
+
+dlq_option = click.option(
+    "--dlq",
+    "dlq_name",
+    default=DEFAULT_DEAD_LETTER_QUEUE,
+    show_default=True,
+    help="Kombu name of the dead-letter queue (transport option dead_letter_queue).",
+)
+json_option = click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+
+
+def _with_management(
+    url: str | None, action: Callable[[Management], T], dlq_name: str = DEFAULT_DEAD_LETTER_QUEUE
+) -> T:
+    def run(resolved: str) -> T:
+        with Management(resolved, dead_letter_queue=dlq_name) as management:
+            return action(management)
+
+    return _run(url, run)
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f}m"
+    if seconds < 86400:
+        return f"{seconds / 3600:.1f}h"
+    return f"{seconds / 86400:.1f}d"
+
+
+def _when(value: datetime | None) -> str:
+    if value is None:
+        return "-"
+    return value.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _table(title: str, columns: list[tuple[str, str]]) -> Table:
+    table = Table(title=title, title_justify="left")
+    for name, justify in columns:
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    return table
+
+
+# -- queues -----------------------------------------------------------------------------
+
+
+@main.command(
+    "queues",
+    epilog=_examples(
+        "kombu-pgmq queues",
+        "kombu-pgmq queues --all          # also Celery's pidbox and reply queues",
+        "kombu-pgmq queues --json | jq 'select(.ready > 1000)'",
+    ),
+)
+@url_option
+@dlq_option
+@click.option("--all", "everything", is_flag=True, help="Include Celery's pidbox/reply queues.")
+@json_option
+def queues(url: str | None, dlq_name: str, everything: bool, as_json: bool) -> None:
+    """Every queue: ready, in flight, delayed, oldest age, consumers, archive, DLQ.
+
+    ready: visible now; in flight: delivered, held by a consumer's visibility timeout;
+    delayed: countdown/ETA not due yet. Oldest: age since publish of the oldest ready or
+    in-flight message. Archive: acked messages (an estimate above 100,000, marked ~).
+    DLQ: dead letters that came from the queue.
+    """
+    stats = _with_management(url, lambda m: m.queues(), dlq_name)
+    if not everything:
+        stats = [q for q in stats if not _is_celery_internal(q)]
+    if as_json:
+        for q in stats:
+            click.echo(json.dumps(q.as_dict()))
+        return
+    console = _console()
+    if not stats:
+        console.print("no queues (a worker or a publish declares them)")
+        return
+    table = _table(
+        "queues",
+        [
+            ("queue", "left"),
+            ("ready", "right"),
+            ("in flight", "right"),
+            ("delayed", "right"),
+            ("oldest", "right"),
+            ("consumers", "right"),
+            ("archive", "right"),
+            ("DLQ", "right"),
+            ("state", "left"),
+        ],
+    )
+    for q in stats:
+        archive = (
+            "?" if q.archived is None else f"{'~' if q.archived_estimated else ''}{q.archived:,}"
+        )
+        table.add_row(
+            q.name,
+            f"{q.ready:,}",
+            f"{q.in_flight:,}",
+            f"{q.delayed:,}",
+            _age(q.oldest_age_seconds),
+            str(q.consumers),
+            archive,
+            f"{q.dead_letters:,}",
+            "[yellow]paused[/yellow]" if q.paused else "",
+        )
+    console.print(table)
+
+
+def _is_celery_internal(q: QueueStats) -> bool:
+    """Celery's remote-control and reply queues (``*.pidbox``, ``*.reply.celery.pidbox``)."""
+    return q.name.endswith(".pidbox") or ".reply." in q.name
+
+
+# -- messages ---------------------------------------------------------------------------
+
+
+@main.command(
+    "messages",
+    epilog=_examples(
+        "kombu-pgmq messages celery",
+        "kombu-pgmq messages celery --limit 100 --json",
+    ),
+)
+@url_option
+@click.argument("queue")
+@click.option("--limit", default=20, show_default=True, help="Most messages shown.")
+@json_option
+def messages(url: str | None, queue: str, limit: int, as_json: bool) -> None:
+    """Peek at QUEUE's messages without consuming them (nothing changes: no visibility
+    timeout, no read_ct). Higher priorities first, then publish order."""
+    if limit < 1:
+        raise click.BadParameter("show at least 1 message", param_hint="--limit")
+    found = _with_management(url, lambda m: m.messages(queue, limit))
+    if as_json:
+        for message in found:
+            click.echo(json.dumps(message.as_dict()))
+        return
+    console = _console()
+    if not found:
+        console.print(f"queue {queue} is empty")
+        return
+    table = _table(
+        f"messages in {queue}",
+        [
+            ("msg_id", "right"),
+            ("state", "left"),
+            ("task", "left"),
+            ("task id", "left"),
+            ("args", "left"),
+            ("read_ct", "right"),
+            ("enqueued (UTC)", "left"),
+            ("visible at (UTC)", "left"),
+        ],
+    )
+    for m in found:
+        table.add_row(
+            str(m.msg_id) if m.band == 0 else f"{m.msg_id} (p{m.band})",
+            m.state,
+            m.task or "-",
+            m.task_id or "-",
+            m.args,
+            str(m.read_ct),
+            _when(m.enqueued_at),
+            _when(m.visible_at),
+        )
+    console.print(table)
+
+
+# -- queue pause|resume -----------------------------------------------------------------
+
+
+@main.group("queue", cls=_Group, epilog=_examples("kombu-pgmq queue pause celery"))
+def queue_group() -> None:
+    """Steer one queue: pause or resume its consumers."""
+
+
+@queue_group.command(
+    "pause",
+    epilog=_examples("kombu-pgmq queue pause reports", "kombu-pgmq queue resume reports"),
+)
+@url_option
+@click.argument("queue")
+def queue_pause(url: str | None, queue: str) -> None:
+    """Stop consumers receiving from QUEUE (within one polling interval); publishes still
+    land, running tasks finish and ack. Survives restarts; resume undoes it."""
+    _with_management(url, lambda m: m.pause(queue))
+    click.echo(
+        f"paused {queue}: consumers receive nothing from it until 'kombu-pgmq queue resume {queue}'"
+    )
+
+
+@queue_group.command("resume", epilog=_examples("kombu-pgmq queue resume reports"))
+@url_option
+@click.argument("queue")
+def queue_resume(url: str | None, queue: str) -> None:
+    """Let consumers receive from QUEUE again (waiting consumers are woken at once)."""
+    bands = _with_management(url, lambda m: m.resume(queue))
+    click.echo(f"resumed {queue}" if bands else f"{queue} was not paused")
+
+
+# -- task find|cancel -------------------------------------------------------------------
+
+
+@main.group(
+    "task",
+    cls=_Group,
+    epilog=_examples("kombu-pgmq task find 5d0f7c1e-...", "kombu-pgmq task cancel 5d0f7c1e-..."),
+)
+def task_group() -> None:
+    """Find or cancel one Celery task by its id."""
+
+
+@task_group.command(
+    "find",
+    epilog=_examples(
+        "kombu-pgmq task find 0b5c4a9e-8f7f-4a55-9d4c-0a3f1c0e2b11",
+        "kombu-pgmq task find 0b5c4a9e-8f7f-4a55-9d4c-0a3f1c0e2b11 --no-archive --json",
+    ),
+)
+@url_option
+@click.argument("task_id")
+@click.option("--no-archive", is_flag=True, help="Search the queues only (archives can be big).")
+@json_option
+def task_find(url: str | None, task_id: str, no_archive: bool, as_json: bool) -> None:
+    """Where TASK_ID's messages are: queued (ready, in flight, delayed), archived (done,
+    or cancelled) or dead-lettered. Exit status 1 if it is nowhere."""
+    found = _with_management(url, lambda m: m.find_task(task_id, archives=not no_archive))
+    if as_json:
+        for loc in found:
+            click.echo(json.dumps(loc.as_dict()))
+    elif found:
+        table = _table(
+            f"task {task_id}",
+            [
+                ("queue", "left"),
+                ("state", "left"),
+                ("reason", "left"),
+                ("task", "left"),
+                ("msg_id", "right"),
+                ("read_ct", "right"),
+                ("enqueued (UTC)", "left"),
+                ("visible at / archived (UTC)", "left"),
+            ],
+        )
+        for loc in found:
+            table.add_row(
+                loc.queue,
+                loc.state,
+                loc.reason or "-",
+                loc.task or "-",
+                str(loc.msg_id),
+                str(loc.read_ct),
+                _when(loc.enqueued_at),
+                _when(loc.archived_at or loc.visible_at),
+            )
+        _console().print(table)
+    if not found:
+        _fail(
+            f"task {task_id} is in no queue{'' if no_archive else ' and no archive'} of this "
+            "database (a task published to another broker, or its archive rows were pruned)"
+        )
+
+
+@task_group.command(
+    "cancel",
+    epilog=_examples(
+        "kombu-pgmq task cancel 0b5c4a9e-8f7f-4a55-9d4c-0a3f1c0e2b11",
+        "kombu-pgmq task cancel 0b5c4a9e-8f7f-4a55-9d4c-0a3f1c0e2b11 --no-revoke",
+    ),
+)
+@url_option
+@click.argument("task_id")
+@click.option(
+    "--no-revoke",
+    is_flag=True,
+    help="Do not ask the workers (Celery's revoke) to skip a task already delivered.",
+)
+@click.option(
+    "--terminate",
+    is_flag=True,
+    help="With the revoke: also terminate a running task (Celery's revoke --terminate).",
+)
+@json_option
+def task_cancel(
+    url: str | None, task_id: str, no_revoke: bool, terminate: bool, as_json: bool
+) -> None:
+    """Cancel TASK_ID: a queued or delayed message is removed and archived with reason
+    'cancelled' (durable: no worker will receive it, even after restarts); one already
+    delivered to a worker is revoked through Celery's remote control."""
+
+    def run(resolved: str) -> Any:
+        with Management(resolved) as management:
+            return management.cancel_task(task_id, revoke=not no_revoke, terminate=terminate)
+
+    result = _run(url, run)
+    if as_json:
+        click.echo(json.dumps(result.as_dict()))
+        return
+    for queue, msg_id in result.cancelled:
+        click.echo(f"cancelled {task_id}: message {msg_id} of {queue} archived (reason cancelled)")
+    for loc in result.in_flight:
+        how = "revoked (Celery's remote control)" if result.revoked else "not revoked (--no-revoke)"
+        click.echo(f"{task_id} is being processed from {loc.queue} (message {loc.msg_id}): {how}")
+    if not result.cancelled and not result.in_flight:
+        _fail(
+            f"task {task_id} is not queued in this database (see 'kombu-pgmq task find "
+            f"{task_id}': it may have run already)"
+        )
+
+
+# -- metrics ----------------------------------------------------------------------------
+
+
+@main.group("metrics", cls=_Group, epilog=_examples("kombu-pgmq metrics serve --port 9808"))
+def metrics_group() -> None:
+    """Prometheus metrics of every queue."""
+
+
+@metrics_group.command(
+    "serve",
+    epilog=_examples(
+        "kombu-pgmq metrics serve --url postgresql://monitor@db/app --port 9808",
+        "curl -s localhost:9808/metrics | grep kombu_pgmq_queue_messages",
+    ),
+)
+@url_option
+@dlq_option
+@click.option("--port", default=9808, show_default=True, help="HTTP port of /metrics.")
+@click.option("--addr", default="0.0.0.0", show_default=True, help="Address to listen on.")
+def metrics_serve(url: str | None, dlq_name: str, port: int, addr: str) -> None:
+    """Serve Prometheus metrics on http://ADDR:PORT/metrics until stopped (Ctrl-C,
+    SIGTERM): per queue ready/in-flight/delayed messages, oldest age, consumers,
+    archive and dead letters, from one statement per scrape."""
+    from ..metrics import serve
+
+    def check(resolved: str) -> str:
+        with Management(resolved, dead_letter_queue=dlq_name) as management:
+            management.queues()  # fail now, with one line, not at the first scrape
+        return resolved
+
+    resolved = _run(url, check)
+    try:
+        server, _thread, _registry = serve(
+            resolved, port=port, addr=addr, dead_letter_queue=dlq_name
+        )
+    except OSError as exc:
+        _fail(f"cannot listen on {addr}:{port} ({exc.strerror}): choose another --port")
+    click.echo(f"serving kombu_pgmq metrics on http://{addr}:{port}/metrics (Ctrl-C stops)")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(1.0):
+        pass
+    server.shutdown()

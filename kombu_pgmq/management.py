@@ -1,0 +1,421 @@
+"""See and steer the broker: queue statistics, messages peeked without consuming them,
+paused queues, Celery tasks found and cancelled by id (what RabbitMQ's management API
+and ``rabbitmqctl`` give an operator; migration 0012).
+
+:class:`Management` is the Python API; ``kombu-pgmq queues|messages|queue|task`` the
+command line (:mod:`kombu_pgmq.cli`), :mod:`kombu_pgmq.metrics` the Prometheus exporter and
+:mod:`kombu_pgmq.flower` Flower's Broker page are built on :meth:`Management.queues`.
+
+States of a message (columns of ``pgmq.q_<queue>``):
+
+* ``ready``: visible now (``vt <= now()``), what a consumer reads next; AMQP's
+  ``message_count`` and ``celery inspect``'s view of a queue's length count these;
+* ``in_flight``: delivered and held by a consumer's visibility timeout (``read_ct > 0``);
+* ``delayed``: not visible yet and never delivered (Celery countdown/ETA, ``x-delay``).
+
+Pausing (:meth:`Management.pause`) is durable (a row of ``kombu_pgmq.paused``, survives
+restarts of workers and of PostgreSQL): kombu_pgmq consumers read nothing from a paused
+queue from their next read on (at most ``polling_interval`` seconds), publishes still
+land, messages already delivered are acked or renewed as usual, and Celery's view
+(``celery inspect active_queues``) does not change. PGMQ's own functions and clients do
+not know about it.
+
+Cancelling (:meth:`Management.cancel_task`) is a durable revoke: the task's messages no
+consumer holds (ready, delayed, or whose lease lapsed) are removed from their queue and
+archived with the headers ``x-archive-reason: cancelled``, ``x-cancelled-at`` and
+``x-cancelled-by``, so no worker ever receives them (unlike Celery's revoke, kept in the
+workers' memory). A message already delivered is revoked as ``celery control revoke``
+does (a broadcast on Celery's remote-control exchange).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from . import _conninfo as conninfo
+from . import errors
+from ._db.admin import Admin, BandStats, PeekedRow, TaskRow
+from ._db.connector import Connector
+from .dlq import DEFAULT_DEAD_LETTER_QUEUE
+
+__all__ = [
+    "CancelResult",
+    "Management",
+    "PeekedMessage",
+    "QueueStats",
+    "TaskLocation",
+    "queue_stats",
+]
+
+#: Above this many archived rows a queue's archive size is PostgreSQL's estimate
+#: (``pg_class.reltuples``, kept fresh by autovacuum) instead of ``count(*)``.
+EXACT_ARCHIVE_BELOW = 100_000
+_PREVIEW_CHARS = 80
+
+
+@dataclass(frozen=True)
+class QueueStats:
+    """One Kombu queue, its priority bands summed.
+
+    Counts are messages; ``oldest_age_seconds`` is the age since publish of the oldest
+    ready or in-flight message (None: there is none); ``archived`` is exact unless
+    ``archived_estimated`` (see :data:`EXACT_ARCHIVE_BELOW`; None: the archive was
+    locked); ``dead_letters`` counts the dead-letter queue's messages from this queue;
+    ``bands`` has one entry per PGMQ queue (band floor ``band``; one entry without
+    priorities).
+    """
+
+    name: str
+    ready: int
+    in_flight: int
+    delayed: int
+    oldest_age_seconds: float | None
+    archived: int | None
+    archived_estimated: bool
+    consumers: int
+    dead_letters: int
+    paused: bool
+    bands: tuple[BandStats, ...]
+
+    @property
+    def messages(self) -> int:
+        """Every message in the queue: ready + in flight + delayed."""
+        return self.ready + self.in_flight + self.delayed
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready: the fields, ``messages``, and ``bands`` as a list of dicts."""
+        return {
+            "queue": self.name,
+            "messages": self.messages,
+            "ready": self.ready,
+            "in_flight": self.in_flight,
+            "delayed": self.delayed,
+            "oldest_age_seconds": self.oldest_age_seconds,
+            "archived": self.archived,
+            "archived_estimated": self.archived_estimated,
+            "consumers": self.consumers,
+            "dead_letters": self.dead_letters,
+            "paused": self.paused,
+            "bands": [
+                {
+                    "band": b.band,
+                    "pgmq_queue": b.pgmq_queue,
+                    "ready": b.ready,
+                    "in_flight": b.in_flight,
+                    "delayed": b.delayed,
+                }
+                for b in self.bands
+            ],
+        }
+
+
+def queue_stats(rows: Iterable[BandStats]) -> list[QueueStats]:
+    """Sum band rows (``kombu_pgmq.queue_stats()``, ordered by queue) per Kombu queue."""
+    grouped: dict[str, list[BandStats]] = {}
+    for row in rows:
+        grouped.setdefault(row.queue, []).append(row)
+    result = []
+    for name, bands in grouped.items():
+        ages = [b.oldest_age_seconds for b in bands if b.oldest_age_seconds is not None]
+        archived = [b.archived for b in bands]
+        result.append(
+            QueueStats(
+                name=name,
+                ready=sum(b.ready for b in bands),
+                in_flight=sum(b.in_flight for b in bands),
+                delayed=sum(b.delayed for b in bands),
+                oldest_age_seconds=max(ages) if ages else None,
+                archived=None if None in archived else sum(a or 0 for a in archived),
+                archived_estimated=any(b.archived_estimated for b in bands),
+                consumers=max(b.consumers for b in bands),
+                dead_letters=max(b.dead_letters for b in bands),
+                paused=any(b.paused for b in bands),
+                bands=tuple(bands),
+            )
+        )
+    return result
+
+
+def _headers(text: str | None) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _preview(text: str, limit: int = _PREVIEW_CHARS) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+@dataclass(frozen=True)
+class PeekedMessage:
+    """A message seen without consuming it.
+
+    ``task``/``task_id``: Celery's ``task`` and ``id`` headers (None for other messages);
+    ``args``: a preview (Celery's ``argsrepr`` and ``kwargsrepr``, else the body's
+    first characters); ``visible_at``: when it is (or was) visible; ``body``: the stored
+    JSON text of the body; ``headers``: the stored headers.
+    """
+
+    queue: str
+    band: int
+    state: str
+    msg_id: int
+    read_ct: int
+    enqueued_at: datetime
+    visible_at: datetime
+    task: str | None
+    task_id: str | None
+    args: str
+    body: str
+    headers: dict[str, Any]
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready (times as ISO 8601)."""
+        return {
+            "queue": self.queue,
+            "band": self.band,
+            "state": self.state,
+            "msg_id": self.msg_id,
+            "read_ct": self.read_ct,
+            "enqueued_at": self.enqueued_at.isoformat(),
+            "visible_at": self.visible_at.isoformat(),
+            "task": self.task,
+            "task_id": self.task_id,
+            "args": self.args,
+        }
+
+    @classmethod
+    def from_row(cls, queue: str, row: PeekedRow) -> PeekedMessage:
+        headers = _headers(row.headers)
+        if "argsrepr" in headers or "kwargsrepr" in headers:
+            args = _preview(f"{headers.get('argsrepr', '')} {headers.get('kwargsrepr', '')}")
+        else:
+            args = _preview(row.message)
+        return cls(
+            queue=queue,
+            band=row.band,
+            state=row.state,
+            msg_id=row.msg_id,
+            read_ct=row.read_ct,
+            enqueued_at=row.enqueued_at,
+            visible_at=row.visible_at,
+            task=headers.get("task"),
+            task_id=headers.get("id"),
+            args=args,
+            body=row.message,
+            headers=headers,
+        )
+
+
+@dataclass(frozen=True)
+class TaskLocation:
+    """Where one message of a Celery task is: ``state`` is ``ready``, ``in_flight``,
+    ``delayed`` (in ``queue``) or ``archived`` (in its archive; ``reason`` e.g.
+    ``cancelled``, None for an ack). A dead letter is a message of the dead-letter queue
+    (``reason``: why it was dead-lettered)."""
+
+    queue: str
+    pgmq_queue: str
+    state: str
+    msg_id: int
+    read_ct: int
+    enqueued_at: datetime
+    visible_at: datetime
+    archived_at: datetime | None
+    reason: str | None
+    task: str | None
+
+    @classmethod
+    def from_row(cls, row: TaskRow) -> TaskLocation:
+        return cls(
+            queue=row.queue,
+            pgmq_queue=row.pgmq_queue,
+            state=row.state,
+            msg_id=row.msg_id,
+            read_ct=row.read_ct,
+            enqueued_at=row.enqueued_at,
+            visible_at=row.visible_at,
+            archived_at=row.archived_at,
+            reason=row.reason,
+            task=_headers(row.headers).get("task"),
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready (times as ISO 8601)."""
+        return {
+            "queue": self.queue,
+            "pgmq_queue": self.pgmq_queue,
+            "state": self.state,
+            "msg_id": self.msg_id,
+            "read_ct": self.read_ct,
+            "enqueued_at": self.enqueued_at.isoformat(),
+            "visible_at": self.visible_at.isoformat(),
+            "archived_at": self.archived_at.isoformat() if self.archived_at else None,
+            "reason": self.reason,
+            "task": self.task,
+        }
+
+
+@dataclass(frozen=True)
+class CancelResult:
+    """What :meth:`Management.cancel_task` did: ``cancelled`` messages (queue, msg_id)
+    were removed and archived (reason ``cancelled``); ``in_flight`` ones were already
+    delivered, and ``revoked`` tells whether the workers were told to revoke the task."""
+
+    task_id: str
+    cancelled: tuple[tuple[str, int], ...]
+    in_flight: tuple[TaskLocation, ...]
+    revoked: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "task_id": self.task_id,
+            "cancelled": [{"queue": q, "msg_id": m} for q, m in self.cancelled],
+            "in_flight": [loc.as_dict() for loc in self.in_flight],
+            "revoked": self.revoked,
+        }
+
+
+class Management:
+    """Operations on every queue of one database.
+
+    Arguments:
+        url: the broker URL (``postgresql://...``) or a libpq connection string.
+        dead_letter_queue: Kombu name of the dead-letter queue (the transport option
+            ``dead_letter_queue``), for the per-queue dead-letter counts.
+
+    Raises (every method):
+        BrokerConnectionError: the database cannot be reached.
+        PermissionDenied: the role may not (statistics need a role granted ``producer``
+            or ``worker``, or the owner; the rest the owner).
+        ConfigurationError: the kombu_pgmq schema is missing or older than version 12
+            (the message says how to install it).
+    """
+
+    def __init__(self, url: str, *, dead_letter_queue: str = DEFAULT_DEAD_LETTER_QUEUE) -> None:
+        if not url:
+            raise errors.ConfigurationError("Management needs a broker url (postgresql://...)")
+        self.dead_letter_queue = dead_letter_queue
+        self._url = url
+        self._db = Connector(conninfo.to_dsn(url))
+        self._checked = False
+        self._admin_ops = Admin(self._db)
+
+    @property
+    def _admin(self) -> Admin:
+        if not self._checked:
+            if not self._admin_ops.operations_installed():
+                raise errors.ConfigurationError(
+                    "this database has no kombu_pgmq schema of version 12 or later (queue "
+                    "statistics, pause, cancel): run 'kombu-pgmq schema install' with the same "
+                    "URL, or start a worker on it once (it installs what is missing)"
+                )
+            self._checked = True
+        return self._admin_ops
+
+    def close(self) -> None:
+        self._db.close()
+
+    def __enter__(self) -> Management:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def queues(self, *, exact_archive_below: int = EXACT_ARCHIVE_BELOW) -> list[QueueStats]:
+        """Every queue's statistics (one statement: one scan of each queue table), sorted
+        by name."""
+        from ._naming import pgmq_queue_name
+
+        rows = self._admin.queue_stats(pgmq_queue_name(self.dead_letter_queue), exact_archive_below)
+        return queue_stats(rows)
+
+    def messages(self, queue: str, limit: int = 20) -> list[PeekedMessage]:
+        """Up to ``limit`` messages of Kombu queue ``queue`` (higher priority bands first,
+        then publish order), without consuming them.
+
+        Raises:
+            QueueNotFound: there is no such queue.
+            ConfigurationError: ``limit`` is not positive.
+        """
+        if limit < 1:
+            raise errors.ConfigurationError(f"limit={limit}: show at least 1 message")
+        rows = self._admin.peek(queue, limit)
+        return [PeekedMessage.from_row(queue, r) for r in rows[:limit]]
+
+    def pause(self, queue: str) -> list[str]:
+        """Pause Kombu queue ``queue`` (see the module docstring); returns its PGMQ queues.
+        Pausing a paused queue changes nothing.
+
+        Raises:
+            QueueNotFound: the queue was never declared.
+        """
+        with self._db.transaction():
+            return self._admin.pause(queue)
+
+    def resume(self, queue: str) -> list[str]:
+        """Resume Kombu queue ``queue`` and wake its waiting consumers; returns the PGMQ
+        queues that were paused (empty: it was not paused).
+
+        Raises:
+            QueueNotFound: the queue was never declared.
+        """
+        with self._db.transaction():
+            return self._admin.resume(queue)
+
+    def find_task(self, task_id: str, *, archives: bool = True) -> list[TaskLocation]:
+        """Every message of Celery task ``task_id`` (its ``id`` header) in the queues
+        and, with ``archives``, the archives. Scans every queue table: an operator's
+        lookup, not for a hot path."""
+        return [TaskLocation.from_row(r) for r in self._admin.find_task(task_id, archives=archives)]
+
+    def cancel_task(
+        self,
+        task_id: str,
+        *,
+        revoke: bool = True,
+        terminate: bool = False,
+        control_exchange: str = "celery",
+    ) -> CancelResult:
+        """Cancel Celery task ``task_id``: its messages no consumer holds are removed and
+        archived with reason ``cancelled`` (a durable revoke). If a message is already
+        delivered and ``revoke``, the task is revoked as ``celery control revoke`` does
+        (``terminate``: the running task is killed too): a ``revoke`` broadcast on Celery's
+        remote-control exchange (``control_exchange``, Celery's ``control_exchange``
+        setting), which every worker keeps in memory (and its ``--statedb``)."""
+        with self._db.transaction():
+            cancelled = self._admin.cancel_task(task_id)
+        in_flight = tuple(
+            loc for loc in self.find_task(task_id, archives=False) if loc.state == "in_flight"
+        )
+        revoked = False
+        if in_flight and revoke:
+            self._broadcast_revoke(task_id, terminate, control_exchange)
+            revoked = True
+        return CancelResult(
+            task_id=task_id,
+            cancelled=tuple((q, m) for q, _pgmq, m in cancelled),
+            in_flight=in_flight,
+            revoked=revoked,
+        )
+
+    def _broadcast_revoke(self, task_id: str, terminate: bool, control_exchange: str) -> None:
+        """Celery's ``revoke`` remote-control command (kombu's pidbox, as Celery's
+        ``app.control.revoke`` sends it), on this database's broker."""
+        from kombu import Connection
+        from kombu.pidbox import Mailbox
+
+        mailbox = Mailbox(control_exchange, type="fanout", accept=["json"], serializer="json")
+        with Connection(self._url) as connection:
+            mailbox(connection)._broadcast(
+                "revoke", {"task_id": task_id, "terminate": terminate, "signal": "SIGTERM"}
+            )

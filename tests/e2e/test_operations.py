@@ -1,0 +1,86 @@
+"""Steering a running Celery worker from the command line (issue 16): ``kombu-pgmq queue
+pause|resume`` (the worker stops receiving, publishes land, ``celery inspect
+active_queues`` is unchanged, resume delivers at once) and ``kombu-pgmq task cancel`` (a
+queued countdown task never runs, even for a worker started afterwards; a task already
+delivered, held by the worker until its ETA, is revoked through Celery's remote control).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+from tests.e2e.helpers import REPO_ROOT, celery_cli, runs, wait_for
+
+
+def kombu_pgmq(db_dsn: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kombu_pgmq.cli", *args, "--url", db_dsn],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def find(db_dsn: str, task_id: str) -> list[dict]:
+    done = kombu_pgmq(db_dsn, "task", "find", task_id, "--json")
+    return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+def test_pause_stops_delivery_and_resume_delivers(start_worker, app, db, db_dsn, e2e_env):
+    worker = start_worker(KPT_POLLING_INTERVAL="0.5")
+    record = app.tasks["e2e.record"]
+    assert record.delay("before").get(timeout=60) == "before"
+
+    paused = kombu_pgmq(db_dsn, "queue", "pause", "celery")
+    assert paused.returncode == 0, paused.stderr
+    held = record.delay("while paused")
+    time.sleep(3.0)  # six polling intervals: the worker would have run it long ago
+    assert runs(db, held.id) == []
+    assert [f["state"] for f in find(db_dsn, held.id)] == ["ready"]
+    listed = kombu_pgmq(db_dsn, "queues", "--json").stdout.splitlines()
+    queues = next(q for q in map(json.loads, listed) if q["queue"] == "celery")
+    assert queues["paused"] and queues["ready"] == 1 and queues["consumers"] >= 1
+    active = celery_cli(e2e_env, "inspect", "active_queues", "-d", worker.node, "-j")
+    assert active.returncode == 0, active.stderr
+    assert "celery" in {q["name"] for q in json.loads(active.stdout)[worker.node]}
+    assert worker.alive
+
+    resumed = kombu_pgmq(db_dsn, "queue", "resume", "celery")
+    assert resumed.returncode == 0, resumed.stderr
+    assert held.get(timeout=30) == "while paused"
+    assert len(runs(db, held.id)) == 1
+
+
+def test_cancel_is_durable_and_revokes_a_delivered_task(start_worker, app, db, db_dsn):
+    record = app.tasks["e2e.record"]
+    # Queued with a countdown, no worker yet: cancelled in the table, so a worker started
+    # afterwards never receives it (Celery's revoke lives in workers' memory only).
+    queued = record.apply_async(("cancelled while queued",), countdown=4)
+    assert [f["state"] for f in find(db_dsn, queued.id)] == ["delayed"]
+    cancelled = kombu_pgmq(db_dsn, "task", "cancel", queued.id)
+    assert cancelled.returncode == 0 and "reason cancelled" in cancelled.stdout, cancelled.stderr
+
+    start_worker(KPT_ETA_LEAD_SECONDS="3", KPT_POLLING_INTERVAL="0.5")
+    # Delivered 3 s before its ETA, then held by the worker: revoked through Celery.
+    delivered = record.apply_async(("revoked while held",), countdown=6)
+    wait_for(
+        lambda: [f["state"] for f in find(db_dsn, delivered.id)] == ["in_flight"],
+        20,
+        "the worker to receive the ETA task",
+        interval=0.2,
+    )
+    revoked = kombu_pgmq(db_dsn, "task", "cancel", delivered.id)
+    assert revoked.returncode == 0, revoked.stderr
+    assert "revoked (Celery's remote control)" in revoked.stdout
+
+    time.sleep(8)  # past both ETAs
+    assert record.delay("sentinel").get(timeout=60) == "sentinel"
+    assert runs(db, queued.id) == [] and runs(db, delivered.id) == []
+    assert delivered.state == "REVOKED"
+    assert [(f["state"], f["reason"]) for f in find(db_dsn, queued.id)] == [
+        ("archived", "cancelled")
+    ]
