@@ -137,17 +137,25 @@ def group_files(group: str) -> list[Path]:
         return sorted(
             p
             for p in PACKAGE.rglob("*.py")
-            if p.relative_to(PACKAGE).parts[0] not in ("spark", "embedded.py")
+            if p.relative_to(PACKAGE).parts[0] not in ("spark", "embedded.py", "flower.py")
         )
     if group == "embedded":
         return [PACKAGE / "embedded.py"]
     if group == "spark":
         return sorted((PACKAGE / "spark").rglob("*.py"))
+    if group == "flower":
+        return [PACKAGE / "flower.py"]
     return sorted(EXAMPLES.glob("*.py"))
 
 
 #: Module group -> the extra installed for it (None: the base dependencies only).
-GROUPS = {"base": None, "embedded": "embedded", "spark": "spark", "examples": "examples"}
+GROUPS = {
+    "base": None,
+    "embedded": "embedded",
+    "spark": "spark",
+    "flower": "flower",
+    "examples": "examples",
+}
 
 
 def unrequired_imports(group: str, proj: dict[str, Any]) -> list[str]:
