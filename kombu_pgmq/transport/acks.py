@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from time import monotonic
 
 from .._db.broker import Broker, Receipt
 from ..errors import BrokerConnectionError
@@ -32,6 +33,8 @@ class AckBatch:
     def __init__(self) -> None:
         self._acks: list[Receipt] = []
         self._lock = threading.Lock()
+        #: ``monotonic()`` when the oldest pending ack was made (0.0: none pending).
+        self.since = 0.0
 
     def __len__(self) -> int:
         return len(self._acks)
@@ -41,6 +44,8 @@ class AckBatch:
 
     def add(self, held: Receipt) -> None:
         with self._lock:
+            if not self._acks:
+                self.since = monotonic()
             self._acks.append(held)
 
     def take(self) -> list[Receipt]:
@@ -50,9 +55,14 @@ class AckBatch:
             acks, self._acks = self._acks, []
         return acks
 
-    def put_back(self, acks: list[Receipt]) -> None:
-        """Return acks that could not be archived (archived with the next batch)."""
+    def put_back(self, acks: list[Receipt], since: float | None = None) -> None:
+        """Return acks that were not archived (archived with the next batch); ``since``:
+        when the oldest of them was made (default: now)."""
+        if not acks:
+            return
         with self._lock:
+            oldest = monotonic() if since is None else since
+            self.since = min(self.since, oldest) if self._acks else oldest
             self._acks[:0] = acks
 
     def clear(self) -> None:

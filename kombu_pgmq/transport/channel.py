@@ -191,6 +191,11 @@ class Channel(Publishing, virtual.Channel):
         #: The connection's validated transport options.
         self.options: TransportOptions = connection.options
         self._tags = count(1)
+        #: Smallest read while this channel holds messages (half the prefetch window).
+        self._read_floor = 1
+        self._base_prefetch: int | None = None
+        #: Reads put off until the prefetch window was half free (statistics).
+        self.deferred_reads = 0
         self._turns = count()
         self._no_ack_queues: set[str] = set()
         self._vt_seconds = self.options.vt_seconds
@@ -345,6 +350,25 @@ class Channel(Publishing, virtual.Channel):
 
     # -- consume ---------------------------------------------------------------------
 
+    def basic_qos(
+        self, prefetch_size: int = 0, prefetch_count: int = 0, apply_global: bool = False
+    ) -> None:
+        """Set the prefetch window (``prefetch_count`` unacked messages; 0: unlimited).
+
+        Reads are coalesced: while the channel holds messages, it reads again only once
+        half of the window is free (at least 1), so a consumer draining a backlog reads
+        several messages per round trip instead of one per ack; with nothing held it
+        reads at once. The half is of the first window set (Celery's
+        ``worker_prefetch_multiplier`` times concurrency): Celery widens the window for
+        each ETA/countdown task it holds, which must not hold back reads.
+        """
+        super().basic_qos(prefetch_size, prefetch_count, apply_global)
+        count_ = int(prefetch_count or 0)
+        if count_ and self._base_prefetch is None:
+            self._base_prefetch = count_
+        base = min(self._base_prefetch or 0, count_) if count_ else 0
+        self._read_floor = max(1, min(base, self.options.read_batch_size) // 2)
+
     def basic_consume(
         self, queue: str, no_ack: bool, callback: Any, consumer_tag: str, **kwargs: Any
     ) -> Any:
@@ -408,6 +432,12 @@ class Channel(Publishing, virtual.Channel):
             else min(free, self.options.read_batch_size)
         )
         if remaining <= 0:
+            return 0, set(), set(), False
+        if remaining < self._read_floor and free != self.qos.prefetch_count:
+            # Messages are still held (the application has work): wait until half the
+            # prefetch window is free, so a backlog is read in batches, not one message
+            # per ack (see the ``Channel.basic_qos`` note).
+            self.deferred_reads += 1
             return 0, set(), set(), False
         drained: set[str] = set()
         full: set[str] = set()

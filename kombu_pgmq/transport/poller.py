@@ -45,6 +45,11 @@ class Poller:
     #: it (a backlog: publishers stop notifying until it is drained again).
     busy_after_full_reads = 3
 
+    #: Seconds an ack may wait for the next read to ride along with while a channel's
+    #: read is put off (its prefetch window not yet half free, see
+    #: ``Channel.basic_qos``); then it is archived alone.
+    ack_hold_seconds = 0.1
+
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
         self.acks = AckBatch()
@@ -60,6 +65,7 @@ class Poller:
         self._hub_timer: Any = None
         self._connection_lost_at: float | None = None
         self._retry_pending = False  # a reconnection attempt is scheduled in the event loop
+        self._ack_timer_pending = False  # held acks are archived by a timer of the loop
 
     @property
     def polling_interval(self) -> float:
@@ -204,22 +210,31 @@ class Poller:
         once (queues that just went to sleep get their final read, see migration 0003).
         """
         transport = self.transport
+        since = self.acks.since
         acks = self.acks.take()
         delivered = 0
         drained: set[str] = set()
         full: set[str] = set()
         ready = set(self._ready)
+        deferred = False
         try:
             for channel in list(transport.channels):
                 if not channel._active_queues or not ready:
                     continue
+                reads_put_off = channel.deferred_reads
                 n, empty, filled, sent = channel._consume(ready, acks)
                 if sent:
                     acks = []
+                deferred = deferred or channel.deferred_reads != reads_put_off
                 delivered += n
                 drained |= empty
                 full |= filled
         finally:
+            if acks and deferred and monotonic() - since < self.ack_hold_seconds:
+                # a read follows soon (half the prefetch window): the acks ride along
+                self.acks.put_back(acks, since)
+                self._hold_acks(since)
+                acks = []
             if acks:
                 # archived at the next round if the connection is gone
                 archive(
@@ -256,6 +271,24 @@ class Poller:
         if full and self._hub is not None:
             self.wake()  # more may wait: read again after the loop's other work
         return delivered, bool(to_wait)
+
+    def _hold_acks(self, since: float) -> None:
+        """Acks wait for a read: archive them at ``since + ack_hold_seconds`` at the
+        latest (a timer in Celery's event loop; ``drain_events`` shortens its wait)."""
+        if self._hub is not None and not self._ack_timer_pending:
+            self._ack_timer_pending = True
+            delay = max(0.0, since + self.ack_hold_seconds - monotonic())
+            self._hub.call_later(delay, self._on_ack_timer)
+
+    def _on_ack_timer(self) -> None:
+        self._ack_timer_pending = False
+        if self.acks and monotonic() - self.acks.since >= self.ack_hold_seconds:
+            try:
+                self.flush_acks()
+            except errors.BrokerConnectionError as exc:
+                self._connection_lost(exc)
+                return
+        self._on_hub_event()
 
     def drain_events(self, timeout: float | None = None) -> None:
         """See :meth:`kombu_pgmq.transport.Transport.drain_events`."""
@@ -294,6 +327,8 @@ class Poller:
                 if timeout is not None and now - start >= timeout:
                     raise TimeoutError()
                 wait = self._next_fallback - now
+                if self.acks:  # archived at the latest ack_hold_seconds after the oldest
+                    wait = min(wait, self.acks.since + self.ack_hold_seconds - now)
                 if timeout is not None:
                     wait = min(wait, timeout - (now - start))
                 if wait > 0:
@@ -392,6 +427,7 @@ class Poller:
         self._hub = None
         self._hub_fds = []
         self._hub_timer = None
+        self._ack_timer_pending = False
         self._draining = 0
         listener, self._listener = self._listener, None
         if listener is not None:
