@@ -35,6 +35,63 @@ FROM kombu_pgmq.read(%(queues)s::text[], %(vt_seconds)s::integer, %(qty)s::integ
                      %(ack_enqueued)s::timestamptz[], %(durable_acks)s::boolean,
                      %(fifo_queues)s::text[])
 
+-- name: read_queue
+-- The read of one queue straight on PGMQ's tables (issue 17): what read_many does for a
+-- single non-FIFO queue, as one plan-cached statement instead of kombu_pgmq.read ->
+-- pgmq.read/ack (format + EXECUTE, planned on every call). The tables stay PGMQ's: the
+-- same columns written as pgmq.read (vt, read_ct, last_read_at) and pgmq.archive (the
+-- row moved to the archive) write them. acked: archive the rows the ack receipts still
+-- hold (msg_id, read_ct, enqueued_at, migration 0007); read: up to qty visible rows in
+-- msg_id order, FOR UPDATE SKIP LOCKED, never one being acked here, nothing from a
+-- paused queue (migration 0012). Rows with acked = true are the acks applied.
+-- {queue_table}/{archive_table}: pgmq.q_<name>/pgmq.a_<name>; {archive_columns}: the
+-- queue table's columns the archive has; {touch}: read_touch_last_read_at, or nothing
+-- for PGMQ < 1.11 (no last_read_at).
+WITH acked AS (
+    DELETE FROM {queue_table} AS t
+    USING unnest(%(ack_ids)s::bigint[], %(ack_cts)s::integer[],
+                 %(ack_enqueued)s::timestamptz[]) AS h(id, ct, at)
+    WHERE t.msg_id = h.id AND t.read_ct = h.ct AND t.enqueued_at = h.at
+    RETURNING t.*
+), archived AS (
+    INSERT INTO {archive_table} ({archive_columns})
+    SELECT {archive_columns} FROM acked
+    ON CONFLICT DO NOTHING
+), picked AS (
+    SELECT msg_id FROM {queue_table}
+    WHERE vt <= clock_timestamp() AND msg_id <> ALL(%(ack_ids)s::bigint[])
+      AND NOT EXISTS (SELECT 1 FROM kombu_pgmq.paused p WHERE p.pgmq_queue = %(queue)s)
+    ORDER BY msg_id
+    LIMIT %(qty)s
+    FOR UPDATE SKIP LOCKED
+), delivered AS (
+    UPDATE {queue_table} AS m
+    SET vt = clock_timestamp() + make_interval(secs => %(vt_seconds)s::integer),
+        read_ct = m.read_ct + 1{touch}
+    FROM picked
+    WHERE m.msg_id = picked.msg_id
+    RETURNING m.msg_id, m.read_ct, m.enqueued_at, m.message, m.headers
+)
+SELECT msg_id, read_ct, enqueued_at, message::text AS message, headers::text AS headers,
+       extract(epoch FROM clock_timestamp() - enqueued_at)::float8 AS age_seconds,
+       false AS acked
+FROM delivered
+UNION ALL
+SELECT msg_id, read_ct, enqueued_at, NULL, NULL, NULL, true FROM acked
+ORDER BY acked, msg_id
+
+-- name: read_touch_last_read_at
+, last_read_at = clock_timestamp()
+
+-- name: synchronous_commit_off
+-- Session setting of the statement connection for reads and acks that need no WAL flush
+-- (a crash redelivers them; see Broker.read_many); RESET restores the session default
+-- (connection_options may set it).
+SET synchronous_commit = off
+
+-- name: synchronous_commit_reset
+RESET synchronous_commit
+
 -- name: wait_for
 -- This connection found the queues empty and sleeps on their NOTIFY channels (see
 -- migration 0003 for why no wake-up is lost). Read the queues once more afterwards.

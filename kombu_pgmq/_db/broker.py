@@ -9,11 +9,17 @@ reconnects) or :class:`~kombu_pgmq.errors.StatementError` (the statement failed)
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any, NamedTuple
 
+from psycopg import sql
+
+from ..errors import PermissionDenied, QueueNotFound
 from .connector import Connector
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Broker", "QueueInfo", "Receipt", "RoutingTable", "Row"]
 
@@ -111,6 +117,21 @@ class _DeadTuples(NamedTuple):
     n_dead_tup: int
 
 
+class _ReadRow(NamedTuple):
+    msg_id: int
+    read_ct: int
+    enqueued_at: datetime
+    message: str | None
+    headers: str | None
+    age_seconds: float | None
+    acked: bool
+
+
+#: Columns pgmq.archive moves to the archive (those the tables have: PGMQ < 1.11 has no
+#: last_read_at; archived_at takes its default).
+_ARCHIVE_COLUMNS = ("msg_id", "read_ct", "enqueued_at", "last_read_at", "vt", "message", "headers")
+
+
 class _Renewed(NamedTuple):
     queue: str
     msg_id: int
@@ -133,6 +154,10 @@ class Broker:
 
     def __init__(self, db: Connector) -> None:
         self.db = db
+        self._read_statements: dict[str, Any] = {}  # PGMQ queue -> composed read_queue
+        #: Reads of one queue go straight to PGMQ's tables (statement ``read_queue``);
+        #: False once the role turned out not to have the privileges for it.
+        self.direct_reads = True
 
     # -- messages --------------------------------------------------------------------
 
@@ -196,6 +221,18 @@ class Broker:
         Raises:
             QueueNotFound: one of the queues is gone (nothing was archived or read).
         """
+        if (
+            self.direct_reads
+            and len(queues) == 1
+            and not fifo_queues
+            and all(a.queue == queues[0] for a in acks)
+        ):
+            try:
+                return self._read_queue(queues[0], vt_seconds, qty, acks, durable_acks)
+            except PermissionDenied:
+                # A least-privilege role (kombu-pgmq schema grant worker) may use PGMQ's
+                # tables only through kombu_pgmq's functions: read through them from now on.
+                self.direct_reads = False
         params = {
             "queues": list(queues),
             "vt_seconds": vt_seconds,
@@ -208,6 +245,74 @@ class Broker:
             "fifo_queues": list(fifo_queues),
         }
         return self.db.fetch("read_many", params, Row)
+
+    def _read_queue(
+        self, queue: str, vt_seconds: int, qty: int, acks: Sequence[Receipt], durable_acks: bool
+    ) -> list[Row]:
+        """:meth:`read_many` of one non-FIFO queue: statement ``read_queue`` on PGMQ's
+        tables (one plan-cached statement; see sql/queries.sql)."""
+        params = {
+            "queue": queue,
+            "vt_seconds": vt_seconds,
+            "qty": qty,
+            "ack_ids": [a.msg_id for a in acks],
+            "ack_cts": [a.read_ct for a in acks],
+            "ack_enqueued": [a.enqueued_at for a in acks],
+        }
+        try:
+            rows = self.db.fetch(
+                self._read_statement(queue),
+                params,
+                _ReadRow,
+                synchronous=bool(acks) and durable_acks,
+            )
+        except QueueNotFound:
+            self._read_statements.pop(queue, None)  # composed again if it comes back
+            raise
+        delivered = [
+            Row(
+                r.msg_id,
+                r.read_ct,
+                r.message or "",
+                r.headers,
+                r.age_seconds or 0.0,
+                queue,
+                r.enqueued_at,
+            )
+            for r in rows
+            if not r.acked
+        ]
+        if len(rows) - len(delivered) < len(acks):
+            logger.warning(
+                "kombu_pgmq: %d stale ack(s) not applied (the message was delivered again "
+                "after its visibility timeout, or is gone)",
+                len(acks) - (len(rows) - len(delivered)),
+            )
+        return delivered
+
+    def _read_statement(self, queue: str) -> Any:
+        """Statement ``read_queue`` for ``queue``'s tables (composed once per queue: the
+        columns differ between PGMQ versions)."""
+        statement = self._read_statements.get(queue)
+        if statement is None:
+            queue_table, archive_table = f"q_{queue}", f"a_{queue}"
+            present = set(self.db.column("table_columns", {"table": f"pgmq.{queue_table}"}))
+            archived = set(self.db.column("table_columns", {"table": f"pgmq.{archive_table}"}))
+            columns = [c for c in _ARCHIVE_COLUMNS if c in present and c in archived]
+            statement = sql.SQL(self.db.statement("read_queue")).format(
+                queue_table=sql.Identifier("pgmq", queue_table),
+                archive_table=sql.Identifier("pgmq", archive_table),
+                archive_columns=sql.SQL(", ").join(map(sql.Identifier, columns)),
+                touch=sql.SQL(
+                    self.db.statement("read_touch_last_read_at")
+                    if "last_read_at" in present
+                    else ""
+                ),
+            )
+            # as bytes: composed once, not at every execution
+            statement = statement.as_bytes(self.db.connection)
+            self._read_statements[queue] = statement
+        return statement
 
     def pop(self, queue: str, qty: int) -> list[Row]:
         """Deliver and delete up to ``qty`` visible messages (no ack will follow)."""

@@ -51,7 +51,7 @@ __all__ = ["Connector", "ExternalConnector", "Query"]
 logger = logging.getLogger(__name__)
 
 #: A statement: the name of a block of ``sql/queries.sql``, or SQL composed from one.
-Query = str | sql.Composable
+Query = str | bytes | sql.Composable
 T = TypeVar("T")
 
 #: Connections inherited from a parent process: kept referenced (never closed, never
@@ -129,6 +129,7 @@ class Connector:
         self._settings = dict(settings or {})
         self._on_notify = on_notify
         self._conn: psycopg.Connection[Any] | None = None
+        self._synchronous = True  # synchronous_commit is the session's default
         self._pid = os.getpid()
         self._closed = False
         self._lock = threading.Lock()
@@ -164,6 +165,7 @@ class Connector:
     def _connect(self) -> psycopg.Connection[Any]:
         try:
             conn = psycopg.connect(self._dsn, autocommit=True)
+            self._synchronous = True
             for name, value in self._settings.items():
                 conn.execute("SELECT set_config(%s, %s, false)", (name, value))
         except psycopg.Error as exc:
@@ -227,22 +229,40 @@ class Connector:
     def _query(self, query: Query) -> Any:
         return self._q[query] if isinstance(query, str) else query
 
+    def _commit_mode(self, conn: psycopg.Connection[Any], synchronous: bool) -> None:
+        """Put the session's ``synchronous_commit`` in the state the next statement needs:
+        off for reads and acks a crash may forget (they are redelivered), the session's
+        default (``RESET``) for everything else. One extra round trip when it changes,
+        none in a run of reads."""
+        if synchronous == self._synchronous:
+            return
+        name = "synchronous_commit_reset" if synchronous else "synchronous_commit_off"
+        conn.execute(self._q[name])
+        self._synchronous = synchronous
+
     def fetch(
-        self, query: Query, params: Any = None, row: RowFactory[T] | type[T] | None = None
+        self,
+        query: Query,
+        params: Any = None,
+        row: RowFactory[T] | type[T] | None = None,
+        *,
+        synchronous: bool = True,
     ) -> list[T]:
         """Run a statement; return its rows, each built by column name.
 
         ``row``: a class (NamedTuple, dataclass) whose fields are the statement's column
-        names, or a psycopg row factory; None: plain tuples.
+        names, or a psycopg row factory; None: plain tuples. ``synchronous=False``: the
+        commit does not wait for the WAL flush (a server crash may forget the statement's
+        effect: only for reads and acks, which are then delivered again).
         """
         factory: Any = row
         if isinstance(row, type):
             kind: Any = row
             factory = _named_row(kind) if hasattr(kind, "_fields") else class_row(row)
         try:
-            cur = (
-                self.connection.cursor(row_factory=factory) if factory else self.connection.cursor()
-            )
+            conn = self.connection
+            self._commit_mode(conn, synchronous)
+            cur = conn.cursor(row_factory=factory) if factory else conn.cursor()
             with cur:
                 cur.execute(self._query(query), params)
                 return cur.fetchall() if cur.description is not None else []
@@ -360,6 +380,9 @@ class ExternalConnector(Connector):
 
     def _connect(self) -> psycopg.Connection[Any]:  # pragma: no cover - never connects
         return self.connection
+
+    def _commit_mode(self, conn: psycopg.Connection[Any], synchronous: bool) -> None:
+        """The application's transaction commits as the application says: no change."""
 
     def close(self) -> None:
         """Forget the application's connection (it stays open: it is not ours)."""
