@@ -6,7 +6,7 @@ Usage::
         [--options JSON] [--rate 250] [--folded PATH] [--json PATH]
 
 Publishes ``--backlog`` noop tasks (``celery_bench_app``) with no worker running, resets
-``pg_stat_statements``, starts the worker of ``celery_bench.py`` (prefork × 2) and records
+``pg_stat_statements``, starts the worker of ``celery_bench.py`` (prefork, 2 processes) and records
 its **main process** (the one that reads, acks and dispatches) with ``py-spy record``
 until the last task ran. Prints:
 
@@ -35,18 +35,16 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import celery_bench_app  # noqa: E402
 import psycopg  # noqa: E402
 from brokers import ensure_database, pg_dsn  # noqa: E402
 from celery_bench import READY_TIMEOUT_S, Worker, count, wait_log  # noqa: E402
-
-import celery_bench_app  # noqa: E402
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
