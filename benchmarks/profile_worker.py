@@ -150,8 +150,19 @@ def main() -> None:
     main_pid = worker.proc.pid
     raw = workdir / "main.raw"
     spy = subprocess.Popen(
-        [pyspy, "record", "--pid", str(main_pid), "--rate", str(args.rate), "--format", "raw",
-         "--output", str(raw), "--nonblocking"],
+        [
+            pyspy,
+            "record",
+            "--pid",
+            str(main_pid),
+            "--rate",
+            str(args.rate),
+            "--format",
+            "raw",
+            "--output",
+            str(raw),
+            "--nonblocking",
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -211,8 +222,10 @@ def main() -> None:
             print(f"  {share:5.1f}  {frame}")
     print("\ntop statements (pg_stat_statements):")
     for s in result["statements"]:
-        print(f"  {s['calls']:>7} calls {s['total_ms']:>9.1f} ms {s['mean_ms']:>8.3f} ms/call "
-              f"{s['rows']:>7} rows  {s['query']}")
+        print(
+            f"  {s['calls']:>7} calls {s['total_ms']:>9.1f} ms {s['mean_ms']:>8.3f} ms/call "
+            f"{s['rows']:>7} rows  {s['query']}"
+        )
     if args.folded and raw.exists():
         shutil.copy(raw, args.folded)  # flamegraph.pl / speedscope input
     if args.json:
