@@ -15,6 +15,27 @@ SELECT kombu_pgmq.publish(%(queue)s, %(message)s::jsonb, %(headers)s::jsonb,
                           %(delay_seconds)s::integer,
                           %(deduplication_window)s::float8) AS msg_id
 
+-- name: send_queue
+-- Publish one message straight into a PGMQ queue table (issue 17): what kombu_pgmq.publish
+-- does for a message without deduplication, as one plan-cached statement instead of
+-- pgmq.send's format + EXECUTE. The row is the one pgmq.send writes (vt = now +
+-- delay_seconds, message, headers; msg_id and enqueued_at from the table's defaults).
+-- Migration 0003's shared advisory lock is taken before the row is written, and consumers
+-- waiting on the queue are notified after it (kombu_pgmq.notify_waiting, migration 0013).
+WITH locked AS (
+    SELECT pg_advisory_xact_lock_shared(1802530161, hashtext(%(queue)s))
+), sent AS (
+    INSERT INTO {queue_table} (vt, message, headers)
+    SELECT clock_timestamp() + make_interval(secs => %(delay_seconds)s::integer),
+           %(message)s::jsonb, %(headers)s::jsonb
+    FROM locked
+    RETURNING msg_id
+)
+SELECT msg_id,
+       CASE WHEN %(delay_seconds)s::integer <= 0
+            THEN kombu_pgmq.notify_waiting(%(queue)s)::text END AS notified
+FROM sent
+
 -- name: read
 -- Deliver up to qty visible messages of one queue, hiding them for vt_seconds
 -- (kombu_pgmq.read: pgmq.read, FOR UPDATE SKIP LOCKED; concurrent consumers never get

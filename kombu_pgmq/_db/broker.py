@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 from psycopg import sql
 
 from ..errors import PermissionDenied, QueueNotFound
-from .connector import Connector
+from .connector import Connector, ExternalConnector
 
 logger = logging.getLogger(__name__)
 
@@ -154,10 +154,16 @@ class Broker:
 
     def __init__(self, db: Connector) -> None:
         self.db = db
-        self._read_statements: dict[str, Any] = {}  # PGMQ queue -> composed read_queue
+        #: (statement, PGMQ queue) -> the statement composed for that queue's tables
+        self._statements: dict[tuple[str, str], bytes] = {}
         #: Reads of one queue go straight to PGMQ's tables (statement ``read_queue``);
         #: False once the role turned out not to have the privileges for it.
         self.direct_reads = True
+        #: Publishes without deduplication go straight into PGMQ's queue tables
+        #: (statement ``send_queue``): on the transport's own connection only (in the
+        #: application's transaction the wake-up waits for its commit), and until the
+        #: role turns out not to have the privileges for it.
+        self.direct_writes = not isinstance(db, ExternalConnector)
 
     # -- messages --------------------------------------------------------------------
 
@@ -169,15 +175,27 @@ class Broker:
         delay_seconds: int = 0,
         *,
         deduplication_window: float = 300.0,
+        deduplicated: bool = True,
     ) -> int | None:
         """Publish one message (``message``/``headers`` are JSON text); return its msg_id,
         or None when it carries a deduplication id already used within
         ``deduplication_window`` seconds (nothing was sent).
 
+        ``deduplicated=False``: the caller knows the message has no deduplication id
+        (no ``x-deduplication-id`` header, the queue has no ``x-deduplicate-task-id``);
+        on the transport's own connection it is then written straight into the queue
+        table (statement ``send_queue``, plan-cached).
+
         Raises:
             QueueNotFound: the queue does not exist.
             InvalidJsonBody: PostgreSQL rejected ``message`` as JSON.
         """
+        if not deduplicated and self.direct_writes:
+            try:
+                return self._send_queue(queue, message, headers, max(delay_seconds, 0))
+            except PermissionDenied:
+                # a least-privilege role publishes through kombu_pgmq.publish from now on
+                self.direct_writes = False
         params = {
             "queue": queue,
             "message": message,
@@ -197,7 +215,7 @@ class Broker:
             "qty": qty,
             "fifo_queues": [queue] if fifo else [],
         }
-        return self.db.fetch("read", params, Row)
+        return self.db.fetch("read", params, Row, synchronous=None)
 
     def read_many(
         self,
@@ -244,13 +262,53 @@ class Broker:
             "durable_acks": durable_acks,
             "fifo_queues": list(fifo_queues),
         }
-        return self.db.fetch("read_many", params, Row)
+        # kombu_pgmq.read sets synchronous_commit itself
+        return self.db.fetch("read_many", params, Row, synchronous=None)
+
+    def _send_queue(self, queue: str, message: str, headers: str, delay_seconds: int) -> int:
+        params = {
+            "queue": queue,
+            "message": message,
+            "headers": headers,
+            "delay_seconds": delay_seconds,
+        }
+        statement = self._statements.get(("send_queue", queue))
+        if statement is None:
+            statement = self._statements[("send_queue", queue)] = self.db.compose(
+                "send_queue", queue_table=("pgmq", f"q_{queue}")
+            ).as_bytes(self.db.connection)
+        try:
+            return int(self.db.scalar(statement, params))
+        except QueueNotFound:
+            self._statements.pop(("send_queue", queue), None)
+            raise
 
     def _read_queue(
         self, queue: str, vt_seconds: int, qty: int, acks: Sequence[Receipt], durable_acks: bool
     ) -> list[Row]:
         """:meth:`read_many` of one non-FIFO queue: statement ``read_queue`` on PGMQ's
         tables (one plan-cached statement; see sql/queries.sql)."""
+        delivered, settled = self._read_queue_settled(
+            queue, vt_seconds, qty, acks, durable_acks=durable_acks
+        )
+        if len(settled) < len(acks):
+            logger.warning(
+                "kombu_pgmq: %d stale ack(s) not applied (the message was delivered again "
+                "after its visibility timeout, or is gone)",
+                len(acks) - len(settled),
+            )
+        return delivered
+
+    def _read_queue_settled(
+        self,
+        queue: str,
+        vt_seconds: int,
+        qty: int,
+        acks: Sequence[Receipt],
+        *,
+        durable_acks: bool,
+    ) -> tuple[list[Row], list[int]]:
+        """Statement ``read_queue``: (rows delivered, msg_ids of the acks applied)."""
         params = {
             "queue": queue,
             "vt_seconds": vt_seconds,
@@ -267,7 +325,7 @@ class Broker:
                 synchronous=bool(acks) and durable_acks,
             )
         except QueueNotFound:
-            self._read_statements.pop(queue, None)  # composed again if it comes back
+            self._statements.pop(("read_queue", queue), None)  # composed again if it comes back
             raise
         delivered = [
             Row(
@@ -282,24 +340,18 @@ class Broker:
             for r in rows
             if not r.acked
         ]
-        if len(rows) - len(delivered) < len(acks):
-            logger.warning(
-                "kombu_pgmq: %d stale ack(s) not applied (the message was delivered again "
-                "after its visibility timeout, or is gone)",
-                len(acks) - (len(rows) - len(delivered)),
-            )
-        return delivered
+        return delivered, [int(r.msg_id) for r in rows if r.acked]
 
     def _read_statement(self, queue: str) -> Any:
         """Statement ``read_queue`` for ``queue``'s tables (composed once per queue: the
         columns differ between PGMQ versions)."""
-        statement = self._read_statements.get(queue)
+        statement = self._statements.get(("read_queue", queue))
         if statement is None:
             queue_table, archive_table = f"q_{queue}", f"a_{queue}"
             present = set(self.db.column("table_columns", {"table": f"pgmq.{queue_table}"}))
             archived = set(self.db.column("table_columns", {"table": f"pgmq.{archive_table}"}))
             columns = [c for c in _ARCHIVE_COLUMNS if c in present and c in archived]
-            statement = sql.SQL(self.db.statement("read_queue")).format(
+            composed = sql.SQL(self.db.statement("read_queue")).format(
                 queue_table=sql.Identifier("pgmq", queue_table),
                 archive_table=sql.Identifier("pgmq", archive_table),
                 archive_columns=sql.SQL(", ").join(map(sql.Identifier, columns)),
@@ -310,8 +362,8 @@ class Broker:
                 ),
             )
             # as bytes: composed once, not at every execution
-            statement = statement.as_bytes(self.db.connection)
-            self._read_statements[queue] = statement
+            statement = composed.as_bytes(self.db.connection)
+            self._statements[("read_queue", queue)] = statement
         return statement
 
     def pop(self, queue: str, qty: int) -> list[Row]:
@@ -322,7 +374,21 @@ class Broker:
         """Archive the messages these deliveries still hold; return the ``(queue, msg_id)``
         settled (a stale receipt is left out, nothing is applied for it).
         ``durable=False`` commits asynchronously (a server crash may forget the ack)."""
-        rows = self.db.fetch("ack" if durable else "ack_async", _handles(receipts), _Renewed)
+        if self.direct_reads and receipts and all(r.queue == receipts[0].queue for r in receipts):
+            # one queue: statement read_queue reading nothing (plan-cached, no EXECUTE)
+            try:
+                _, settled = self._read_queue_settled(
+                    receipts[0].queue, 0, 0, receipts, durable_acks=durable
+                )
+                return {(receipts[0].queue, msg_id) for msg_id in settled}
+            except PermissionDenied:
+                self.direct_reads = False
+        rows = self.db.fetch(
+            "ack" if durable else "ack_async",
+            _handles(receipts),
+            _Renewed,
+            synchronous=True if durable else None,  # ack_async sets it off itself
+        )
         return {(r.queue, int(r.msg_id)) for r in rows}
 
     def requeue(

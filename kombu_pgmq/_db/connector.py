@@ -229,12 +229,12 @@ class Connector:
     def _query(self, query: Query) -> Any:
         return self._q[query] if isinstance(query, str) else query
 
-    def _commit_mode(self, conn: psycopg.Connection[Any], synchronous: bool) -> None:
+    def _commit_mode(self, conn: psycopg.Connection[Any], synchronous: bool | None) -> None:
         """Put the session's ``synchronous_commit`` in the state the next statement needs:
         off for reads and acks a crash may forget (they are redelivered), the session's
-        default (``RESET``) for everything else. One extra round trip when it changes,
-        none in a run of reads."""
-        if synchronous == self._synchronous:
+        default (``RESET``) for everything else; None: either (the statement sets it
+        itself). One extra round trip when it changes, none in a run of reads."""
+        if synchronous is None or synchronous == self._synchronous:
             return
         name = "synchronous_commit_reset" if synchronous else "synchronous_commit_off"
         conn.execute(self._q[name])
@@ -246,14 +246,15 @@ class Connector:
         params: Any = None,
         row: RowFactory[T] | type[T] | None = None,
         *,
-        synchronous: bool = True,
+        synchronous: bool | None = True,
     ) -> list[T]:
         """Run a statement; return its rows, each built by column name.
 
         ``row``: a class (NamedTuple, dataclass) whose fields are the statement's column
         names, or a psycopg row factory; None: plain tuples. ``synchronous=False``: the
         commit does not wait for the WAL flush (a server crash may forget the statement's
-        effect: only for reads and acks, which are then delivered again).
+        effect: only for reads and acks, which are then delivered again); None: the
+        statement sets ``synchronous_commit`` itself (``set_config(..., true)``).
         """
         factory: Any = row
         if isinstance(row, type):
@@ -381,7 +382,7 @@ class ExternalConnector(Connector):
     def _connect(self) -> psycopg.Connection[Any]:  # pragma: no cover - never connects
         return self.connection
 
-    def _commit_mode(self, conn: psycopg.Connection[Any], synchronous: bool) -> None:
+    def _commit_mode(self, conn: psycopg.Connection[Any], synchronous: bool | None) -> None:
         """The application's transaction commits as the application says: no change."""
 
     def close(self) -> None:

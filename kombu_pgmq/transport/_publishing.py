@@ -73,6 +73,7 @@ class Publishing:
     exchange_types: dict[str, Any]
     _bound: dict[str, set[tuple[str, str]]]
     _known_queues: set[str]
+    _plain_queues: set[str]
 
     if TYPE_CHECKING:
         deadletter_queue: Any
@@ -347,6 +348,9 @@ class Publishing:
         else:
             name = pgmq_queue_name(queue)
         window = self.options.deduplication_window
+        # No deduplication id: the header is absent (a substring test, conservative) and
+        # this channel declared the queue without x-deduplicate-task-id.
+        plain = queue in self._plain_queues and '"x-deduplication-id"' not in headers
         publisher = self.connection.publisher()
         if publisher is not self.pgmq and pgmq_queue_name(queue) not in self._known_queues:
             # In the application's transaction a failed statement aborts that transaction:
@@ -355,7 +359,9 @@ class Publishing:
             if priority:
                 name = self.connection.bands(queue).queue_for(priority)
         try:
-            msg_id = publisher.send(name, body, headers, delay, deduplication_window=window)
+            msg_id = publisher.send(
+                name, body, headers, delay, deduplication_window=window, deduplicated=not plain
+            )
         except errors.QueueNotFound:
             # Dropped by another process (or never declared): AMQP would drop the
             # message; we create the queue so nothing is lost.

@@ -200,6 +200,8 @@ class Channel(Publishing, virtual.Channel):
         self._no_ack_queues: set[str] = set()
         self._vt_seconds = self.options.vt_seconds
         self._known_queues: set[str] = set()
+        #: Kombu queues this channel declared without x-deduplicate-task-id.
+        self._plain_queues: set[str] = set()
         #: Kombu queue -> (x-message-ttl, x-expires) in ms, as stored (first declaration).
         self._lifetimes: dict[str, tuple[int | None, int | None]] = {}
         # What this channel declared and bound, to recreate a consumed queue that was
@@ -283,6 +285,10 @@ class Channel(Publishing, virtual.Channel):
                 "406",
             )
         self._known_queues.add(name)
+        if info.deduplicate_task_id:
+            self._plain_queues.discard(queue)
+        else:
+            self._plain_queues.add(queue)
 
     def _passive_declare(self, queue: str, refused: errors.PermissionDenied) -> QueueInfo:
         """A role that may not declare queues (a producer) may still use one that exists:
@@ -326,6 +332,7 @@ class Channel(Publishing, virtual.Channel):
     def _delete(self, queue: str, *args: Any, **kwargs: Any) -> None:
         name = pgmq_queue_name(queue)
         self._known_queues.discard(name)
+        self._plain_queues.discard(queue)
         try:
             self.pgmq.drop_queue(name, queue)  # every band with it
         except errors.PermissionDenied as exc:

@@ -1,0 +1,188 @@
+"""Direct statements on PGMQ's tables (issue 17): the transport publishes (``send_queue``)
+and reads/acks (``read_queue``) with its own plan-cached statements instead of
+``pgmq.send/read/archive``. The tables must stay exactly PGMQ's: what the transport
+writes, PGMQ's functions read, and the other way round; the rows it archives are the
+rows ``pgmq.archive`` would write. Run on PGMQ's SQL-only install, on the extension, and
+on the table shape of PGMQ < 1.11 (no ``last_read_at``; emulated by dropping the column,
+the oldest version we accept, 1.5, is not installable here).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kombu import Connection, Queue
+
+import kombu_pgmq  # noqa: F401
+from kombu_pgmq import schema
+from kombu_pgmq._db.broker import Broker
+from tests.integration.helpers import connect, drain, publish, sql
+
+QUEUE = "direct"
+PGMQ = "direct"  # the PGMQ name of QUEUE
+
+
+@pytest.fixture(params=["sql_only", "extension", "before_1_11"])
+def url(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A database with kombu_pgmq installed: SQL-only PGMQ, the extension, or SQL-only
+    with queue tables shaped as PGMQ < 1.11 made them."""
+    if request.param == "extension":
+        dsn = request.getfixturevalue("extension_db_dsn")
+        assert schema.bootstrap(dsn).method != "install_sql"
+    else:
+        dsn = request.getfixturevalue("db_dsn")
+    request.node.shape = request.param
+    yield dsn
+
+
+def declare(url: str, request: pytest.FixtureRequest) -> None:
+    """Declare QUEUE through the transport (and reshape it for PGMQ < 1.11)."""
+    with connect(url) as conn, conn.channel() as channel:
+        Queue(QUEUE, routing_key=QUEUE)(channel).declare()
+    if request.node.shape == "before_1_11":
+        sql(url, f"ALTER TABLE pgmq.q_{PGMQ} DROP COLUMN last_read_at")
+        sql(url, f"ALTER TABLE pgmq.a_{PGMQ} DROP COLUMN last_read_at")
+
+
+def broker_of(conn: Connection) -> Broker:
+    return conn.transport.broker()
+
+
+def columns(url: str, table: str) -> set[str]:
+    rows = sql(
+        url,
+        "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0 "
+        "AND NOT attisdropped",
+        (table,),
+    )
+    return {r[0] for r in rows}
+
+
+def test_published_directly_read_by_pgmq(url: str, request: pytest.FixtureRequest) -> None:
+    declare(url, request)
+    with connect(url) as conn:
+        publish(conn, QUEUE, [{"n": i} for i in range(3)])
+        assert ("send_queue", PGMQ) in broker_of(conn)._statements  # the direct path ran
+    assert sql(url, "SELECT queue_length FROM pgmq.metrics(%s)", (PGMQ,)) == [(3,)]
+    if request.node.shape == "before_1_11":
+        # PGMQ 1.13's functions need last_read_at: check the rows as stored instead
+        rows = sql(url, f"SELECT msg_id, read_ct, message, headers, vt <= now() FROM pgmq.q_{PGMQ}")
+        assert [(r[1], r[4]) for r in rows] == [(0, True)] * 3
+        assert all(r[2] is not None and r[3] is not None for r in rows)
+        return
+    rows = sql(url, "SELECT msg_id, read_ct, message, headers FROM pgmq.read(%s, 30, 10)", (PGMQ,))
+    assert [r[1] for r in rows] == [1, 1, 1]
+    assert all(r[2] is not None for r in rows)  # message column written
+    assert all(r[3] is not None for r in rows)  # headers column written
+    assert sql(url, "SELECT pgmq.archive(%s, %s::bigint[])", (PGMQ, [r[0] for r in rows]))
+    assert sql(url, f"SELECT count(*) FROM pgmq.a_{PGMQ}") == [(3,)]
+
+
+def test_sent_by_pgmq_read_and_archived_directly(url: str, request: pytest.FixtureRequest) -> None:
+    declare(url, request)
+    for i in range(4):
+        sql(url, "SELECT pgmq.send(%s, %s::jsonb)", (PGMQ, json.dumps({"n": i})))
+    with connect(url) as conn:
+        got = drain(conn, QUEUE, expect=4, prefetch=10)
+        assert ("read_queue", PGMQ) in broker_of(conn)._statements
+    assert len(got) == 4
+    assert {m.delivery_info["pgmq_read_ct"] for m in got} == {1}
+    assert sql(url, f"SELECT count(*) FROM pgmq.q_{PGMQ}") == [(0,)]
+    archive = sql(
+        url,
+        f"SELECT msg_id, read_ct, enqueued_at, vt, archived_at, message FROM pgmq.a_{PGMQ} "
+        "ORDER BY msg_id",
+    )
+    assert [r[1] for r in archive] == [1, 1, 1, 1]
+    assert [r[5] for r in archive] == [{"n": i} for i in range(4)]
+    assert all(r[2] is not None and r[3] is not None and r[4] is not None for r in archive)
+    if "last_read_at" in columns(url, f"pgmq.a_{PGMQ}"):
+        assert sql(url, f"SELECT count(*) FROM pgmq.a_{PGMQ} WHERE last_read_at IS NULL") == [(0,)]
+    if request.node.shape == "before_1_11":
+        return  # PGMQ 1.13's functions need last_read_at
+    # PGMQ's own functions still work on the same tables
+    sql(url, "SELECT pgmq.send(%s, '{\"n\": 9}'::jsonb)", (PGMQ,))
+    (msg_id,) = sql(url, "SELECT msg_id FROM pgmq.read(%s, 30, 1)", (PGMQ,))[0]
+    assert sql(url, "SELECT count(*) FROM pgmq.set_vt(%s, %s, 0)", (PGMQ, msg_id)) == [(1,)]
+    assert sql(url, "SELECT pgmq.delete(%s, %s::bigint)", (PGMQ, msg_id)) == [(True,)]
+
+
+def test_direct_read_marks_delivery_like_pgmq_read(
+    url: str, request: pytest.FixtureRequest
+) -> None:
+    """vt, read_ct (and last_read_at where the table has it) as pgmq.read sets them."""
+    declare(url, request)
+    sql(url, "SELECT pgmq.send(%s, '{}'::jsonb)", (PGMQ,))
+    with connect(url, visibility_timeout=60) as conn:
+        got = drain(conn, QUEUE, expect=1, ack=False)
+        assert len(got) == 1
+        row = sql(url, f"SELECT read_ct, vt - clock_timestamp() FROM pgmq.q_{PGMQ}")[0]
+        assert row[0] == 1
+        assert 50 < row[1].total_seconds() <= 60
+        if "last_read_at" in columns(url, f"pgmq.q_{PGMQ}"):
+            (seen,) = sql(url, f"SELECT last_read_at IS NOT NULL FROM pgmq.q_{PGMQ}")[0]
+            assert seen
+        if request.node.shape != "before_1_11":  # pgmq.read does not see it held
+            assert sql(url, "SELECT count(*) FROM pgmq.read(%s, 30, 10)", (PGMQ,)) == [(0,)]
+        got[0].ack()
+
+
+def test_stale_ack_is_not_applied(url: str, request: pytest.FixtureRequest) -> None:
+    """A receipt whose lease lapsed and was read again by PGMQ is never archived."""
+    declare(url, request)
+    sql(url, "SELECT pgmq.send(%s, '{}'::jsonb)", (PGMQ,))
+    with connect(url, visibility_timeout=1) as conn:
+        got = drain(conn, QUEUE, expect=1, ack=False)
+        conn.transport.leases.stop()  # let the lease lapse
+        time.sleep(1.5)
+        # delivered again by someone else (pgmq.read's update, as PGMQ < 1.11 makes it)
+        assert sql(
+            url,
+            f"UPDATE pgmq.q_{PGMQ} SET read_ct = read_ct + 1, "
+            "vt = clock_timestamp() + interval '30 seconds' RETURNING read_ct",
+        ) == [(2,)]
+        got[0].ack()
+        conn.transport.poller.flush_acks()
+    assert sql(url, f"SELECT count(*) FROM pgmq.a_{PGMQ}") == [(0,)]
+    assert sql(url, f"SELECT read_ct FROM pgmq.q_{PGMQ}") == [(2,)]
+
+
+def test_session_commit_mode_follows_the_statement(
+    url: str, request: pytest.FixtureRequest
+) -> None:
+    """Reads leave the session's synchronous_commit off; a publish puts it back to the
+    session default before it runs (publishes stay durable)."""
+    declare(url, request)
+
+    def setting(conn: Connection) -> Any:
+        return broker_of(conn).db.connection.execute("SHOW synchronous_commit").fetchone()[0]
+
+    # the session default "on" (the test servers run with it off)
+    with connect(url, connection_options={"options": "-c synchronous_commit=on"}) as conn:
+        publish(conn, QUEUE, [1, 2])
+        assert setting(conn) == "on"
+        assert len(broker_of(conn).read_many([PGMQ], 30, 1)) == 1
+        assert setting(conn) == "off"
+        publish(conn, QUEUE, [3])
+        assert setting(conn) == "on"
+        assert len(broker_of(conn).read_many([PGMQ], 30, 5)) == 2
+
+
+def test_least_privilege_roles_fall_back_to_the_functions(least_privilege_db: Any) -> None:
+    """Producer and worker roles have no rights on PGMQ's tables: the direct statements
+    are refused once, then the SECURITY DEFINER functions carry on (nothing lost)."""
+    db = least_privilege_db
+    with connect(db.owner_url) as conn, conn.channel() as channel:
+        Queue("lp_direct", routing_key="lp_direct")(channel).declare()
+    with connect(db.producer_url) as conn:
+        publish(conn, "lp_direct", [{"n": i} for i in range(5)])
+        assert broker_of(conn).direct_writes is False
+    with connect(db.worker_url) as conn:
+        got = drain(conn, "lp_direct", expect=5)
+        assert broker_of(conn).direct_reads is False
+    assert sorted(json.loads(m.body)["n"] for m in got) == list(range(5))
+    assert sql(db.owner_url, "SELECT count(*) FROM pgmq.a_lp_direct") == [(5,)]
