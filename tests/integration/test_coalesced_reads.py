@@ -1,0 +1,69 @@
+"""Coalesced reads (issue 17): while a channel holds messages it reads again only once
+half its prefetch window is free, so a backlog is read several messages per round trip;
+an ack made while the read is put off is still archived within ``ack_hold_seconds``."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+from kombu import Consumer, Queue
+
+from tests.integration.helpers import connect, publish, sql
+
+
+def test_reads_wait_for_half_the_prefetch_window(db_dsn: str) -> None:
+    with connect(db_dsn) as conn:
+        publish(conn, "coalesce", list(range(20)))
+        got: list[Any] = []
+        channel = conn.channel()
+        queue = Queue("coalesce", routing_key="coalesce")
+        with Consumer(channel, [queue], on_message=got.append, prefetch_count=8):
+            while len(got) < 8:
+                conn.drain_events(timeout=5)
+            assert len(got) == 8  # the window is full
+            # one slot free while 7 are held: no read, but the ack is archived anyway
+            got[0].ack()
+            with contextlib.suppress(TimeoutError):
+                conn.drain_events(timeout=0.5)
+            assert len(got) == 8
+            assert channel.deferred_reads >= 1
+            assert sql(db_dsn, "SELECT count(*) FROM pgmq.a_coalesce") == [(1,)]
+            # half the window free: one read fills it (4 messages at once)
+            for message in got[1:4]:
+                message.ack()
+            conn.drain_events(timeout=5)
+            assert len(got) == 12
+            for message in got[4:]:
+                message.ack()
+            deadline = time.monotonic() + 10
+            while len(got) < 20 and time.monotonic() < deadline:
+                with contextlib.suppress(TimeoutError):
+                    conn.drain_events(timeout=0.5)
+                for message in got:
+                    if not message.acknowledged:
+                        message.ack()
+            assert len(got) == 20
+            for message in got:
+                if not message.acknowledged:
+                    message.ack()
+            with contextlib.suppress(TimeoutError):
+                conn.drain_events(timeout=0.3)
+    assert sorted(int(m.body) for m in got) == list(range(20))
+    assert sql(db_dsn, "SELECT count(*) FROM pgmq.a_coalesce") == [(20,)]
+
+
+def test_floor_follows_the_first_window_not_celerys_eta_widening(db_dsn: str) -> None:
+    """Celery widens the prefetch window by one for each ETA task it holds: the floor stays
+    half the window first set, so held ETA tasks never hold back reads."""
+    with connect(db_dsn) as conn:
+        channel = conn.channel()
+        channel.basic_qos(prefetch_count=8)
+        assert channel._read_floor == 4
+        channel.basic_qos(prefetch_count=108)
+        assert channel._read_floor == 4
+        channel.basic_qos(prefetch_count=2)  # narrowed (autoscale down): half of it
+        assert channel._read_floor == 1
+        channel.basic_qos(prefetch_count=0)  # unlimited: reads as they come
+        assert channel._read_floor == 1
