@@ -4,10 +4,11 @@ Usage::
 
     python benchmarks/report.py [--results benchmarks/results] [--png docs/benchmarks.png]
 
-Reads ``kombu_throughput.json``, ``celery_bench.json``, ``scale.json`` and
-``churn_*.json`` (whichever exist), prints one table comparing the brokers, and draws a
-four-panel figure: Kombu publish and consume+ack, Celery latency, consume rate by
-consumer processes (small vs 1M backlog), and dead tuples during the churn runs.
+Reads ``kombu_throughput.json``, ``celery_bench.json``, ``scale.json``,
+``producers.json`` and ``churn_*.json`` (whichever exist), prints one table comparing
+the brokers, and draws a six-panel figure: Kombu publish and consume+ack, Celery latency,
+Celery backlog drain, consume rate by consumer processes (small vs 1M backlog), publish
+rate by producer processes, and dead tuples during the churn runs.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ BROKERS = ["kombu_pgmq", "redis", "rabbitmq", "kombu57_pgmq"]
 LABELS = {
     "kombu_pgmq": "kombu_pgmq",
     "kombu_pgmq_async_publish": "kombu_pgmq, async-commit publishes",
+    "kombu_pgmq async-commit": "kombu_pgmq, async-commit publishes",
     "redis": "Redis",
     "rabbitmq": "RabbitMQ",
     "kombu57_pgmq": "kombu 5.7 pgmq",
@@ -46,10 +48,18 @@ def fmt(value: Any, spec: str = ",.0f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def table(kombu: Any, celery: Any, scale: Any) -> str:
+def backlog_cell(back: dict[str, Any]) -> str:
+    rounds = back.get("round_tasks_per_s") or []
+    if len(rounds) > 1:
+        return f"{fmt(back.get('tasks_per_s'))} ({fmt(min(rounds))}-{fmt(max(rounds))})"
+    return fmt(back.get("tasks_per_s"))
+
+
+def table(kombu: Any, celery: Any, scale: Any, producers: Any = None) -> str:
     kombu_rows = {r["broker"]: r for r in (kombu or {}).get("results", [])}
     celery_rows = (celery or {}).get("results", {})
     scale_rows = (scale or {}).get("results", {})
+    producer_rows = (producers or {}).get("results", {})
     head = [
         "broker",
         "Kombu publish/s",
@@ -57,16 +67,20 @@ def table(kombu: Any, celery: Any, scale: Any) -> str:
         "Celery latency p50 ms",
         "p99 ms",
         "Celery backlog tasks/s",
-        "consume/s, 1M backlog, 1 / 8 consumers",
+        "consume/s, 1M backlog, 1 / 8 / 16 consumers",
+        "publish/s, 1 / 4 / 16 producers",
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     extras = [n for n in celery_rows if n not in BROKERS]
     for name in BROKERS + extras:
         k = kombu_rows.get(name, {})
         c = celery_rows.get(name, {})
+        if not (k or c or name in scale_rows or name in producer_rows):
+            continue
         lat, back = c.get("latency") or {}, c.get("backlog") or {}
         runs = (scale_rows.get(name, {}).get("large") or {}).get("runs", [])
         by_k = {r["consumers"]: r["per_s"] for r in runs}
+        by_p = {int(n): v["median"] for n, v in (producer_rows.get(name) or {}).items()}
         lines.append(
             "| "
             + " | ".join(
@@ -76,8 +90,9 @@ def table(kombu: Any, celery: Any, scale: Any) -> str:
                     fmt(k.get("consume_ack_per_s")),
                     fmt(lat.get("p50_ms"), ".1f"),
                     fmt(lat.get("p99_ms"), ".1f"),
-                    fmt(back.get("tasks_per_s")),
-                    f"{fmt(by_k.get(1))} / {fmt(by_k.get(8))}",
+                    backlog_cell(back),
+                    " / ".join(fmt(by_k.get(n)) for n in (1, 8, 16)),
+                    " / ".join(fmt(by_p.get(n)) for n in (1, 4, 16)),
                 ]
             )
             + " |"
@@ -88,9 +103,11 @@ def table(kombu: Any, celery: Any, scale: Any) -> str:
     return "\n".join(lines)
 
 
-def plot(kombu: Any, celery: Any, scale: Any, churns: list[Any], png: Path) -> None:
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
-    (ax_kombu, ax_lat), (ax_scale, ax_churn) = axes
+def plot(
+    kombu: Any, celery: Any, scale: Any, churns: list[Any], png: Path, producers: Any = None
+) -> None:
+    fig, axes = plt.subplots(2, 3, figsize=(19, 9))
+    (ax_kombu, ax_lat, ax_backlog), (ax_scale, ax_producers, ax_churn) = axes
 
     rows = {r["broker"]: r for r in (kombu or {}).get("results", [])}
     names = [n for n in BROKERS if n in rows and "publish_per_s" in rows[n]]
@@ -136,6 +153,49 @@ def plot(kombu: Any, celery: Any, scale: Any, churns: list[Any], png: Path) -> N
     ax_lat.set_yscale("log")
     ax_lat.set_title("Celery task latency, prefork x2, 200 tasks 20 ms apart")
     ax_lat.legend()
+
+    results = (celery or {}).get("results", {})
+    names = [
+        n
+        for n in [*BROKERS, "kombu_pgmq_async_publish"]
+        if ((results.get(n) or {}).get("backlog") or {}).get("tasks_per_s")
+    ]
+    medians = [results[n]["backlog"]["tasks_per_s"] for n in names]
+    rounds = [
+        results[n]["backlog"].get("round_tasks_per_s") or [m]
+        for n, m in zip(names, medians, strict=True)
+    ]
+    ax_backlog.bar(
+        range(len(names)),
+        medians,
+        0.6,
+        yerr=[
+            [m - min(r) for m, r in zip(medians, rounds, strict=True)],
+            [max(r) - m for m, r in zip(medians, rounds, strict=True)],
+        ],
+        capsize=4,
+        color=[COLORS.get(n, "#8fb3d9") for n in names],
+    )
+    ax_backlog.set_xticks(list(range(len(names))), [LABELS[n] for n in names], fontsize=8)
+    ax_backlog.set_ylabel("tasks/s (median, bars: range)")
+    backlog = (celery or {}).get("environment", {}).get("backlog")
+    ax_backlog.set_title(f"Celery backlog drain, {backlog or '?':,} noop tasks, prefork x2")
+
+    for name, entry in ((producers or {}).get("results") or {}).items():
+        counts = sorted(int(k) for k in entry)
+        ax_producers.plot(
+            counts,
+            [entry[str(k)]["median"] for k in counts],
+            "--" if "async" in name else "-",
+            marker="o",
+            color=COLORS.get(name.split()[0]),
+            label=LABELS.get(name, name),
+        )
+    ax_producers.set_xscale("log", base=2)
+    ax_producers.set_xlabel("producer processes")
+    ax_producers.set_ylabel("messages/s published (all producers)")
+    ax_producers.set_title("Kombu publish, concurrent producers")
+    ax_producers.legend(fontsize=7)
 
     for name, entry in ((scale or {}).get("results") or {}).items():
         for label, style in (("small", "--"), ("large", "-")):
@@ -185,9 +245,10 @@ def main() -> None:
     kombu = load(args.results / "kombu_throughput.json")
     celery = load(args.results / "celery_bench.json")
     scale = load(args.results / "scale.json")
+    producers = load(args.results / "producers.json")
     churns = [load(p) for p in sorted(args.results.glob("churn_*.json"))]
-    print(table(kombu, celery, scale))
-    plot(kombu, celery, scale, churns, args.png)
+    print(table(kombu, celery, scale, producers))
+    plot(kombu, celery, scale, churns, args.png, producers)
     print(f"\nplot: {args.png}")
 
 

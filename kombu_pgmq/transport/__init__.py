@@ -103,6 +103,27 @@ Durability
 
   ``benchmarks/README.md`` measures each.
 
+Statements and batching
+=======================
+
+The hot path sends its own plan-cached statements on PGMQ's tables (``sql/queries.sql``:
+``send_queue``, ``read_queue``) instead of calling ``pgmq.send``/``read``/``archive``,
+which build their SQL with ``format()`` + ``EXECUTE`` on every call. The tables stay
+exactly PGMQ's: the rows written are those PGMQ's functions write (``last_read_at``
+where the table has it), so ``pgmq.read``, ``pgmq.archive``, ``pgmq.metrics`` and
+PGMQ's clients keep working on the same queues, on the extension and on the SQL-only
+install. A message with a deduplication id, a FIFO queue, several priority bands in one
+read, a publish inside the application's transaction and a least-privilege role
+(``kombu-pgmq schema grant``, no rights on PGMQ's tables) go through kombu_pgmq's SQL
+functions as before.
+
+Reads are coalesced: while a channel holds messages it reads again only once half its
+prefetch window is free (the window first set, e.g. Celery's
+``worker_prefetch_multiplier`` x concurrency), so a worker draining a backlog reads
+several messages per round trip instead of one per ack; with nothing held it reads at
+once, so latency is unchanged. Acks ride along with the next read, and are archived on
+their own at the latest 0.1 s after they were made.
+
 Wake-ups
 ========
 
