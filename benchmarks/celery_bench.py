@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import itertools
 import json
 import os
 import platform
@@ -163,6 +164,15 @@ def tail(path: Path, n: int = 800) -> str:
         return ""
 
 
+_LOGS = itertools.count(1)
+
+
+def fresh_log(workdir: Path, stem: str) -> Path:
+    """A task log of its own for each run: a round must never count the lines of an
+    earlier round (they share the queue and the task names)."""
+    return workdir / f"{stem}-{next(_LOGS)}.log"
+
+
 def read_log(path: Path) -> list[tuple[str, str, float]]:
     try:
         data = path.read_text()
@@ -208,7 +218,7 @@ def purge(app) -> int | None:
 
 
 def run_latency(app, name, url, options, workdir: Path, n: int, interval_s: float) -> dict:
-    log = workdir / f"{name}-latency.log"
+    log = fresh_log(workdir, f"{name}-latency")
     worker = Worker(name, url, options, log, workdir / f"{name}-worker.out")
     purged = purge(app)
     worker.start()
@@ -269,7 +279,7 @@ def pool_latency(runs: list[dict]) -> dict:
 
 
 def run_backlog(app, name, url, options, workdir: Path, n: int) -> dict:
-    log = workdir / f"{name}-backlog.log"
+    log = fresh_log(workdir, f"{name}-backlog")
     worker = Worker(name, url, options, log, workdir / f"{name}-worker.out")
     purged = purge(app)
     noop = app.tasks["bench.noop"]
