@@ -13,6 +13,9 @@ kombu 5.7's pgmq: one Kombu-published row copied with ``INSERT ... SELECT`` from
 ``--consumers``, ``k`` processes (Kombu ``Consumer``, prefetch 10, one ack per message)
 consume ``--consume`` messages between them (or what they get in ``--max-seconds``).
 Rate = messages acked / seconds from the start signal until the ``--consume``-th ack.
+Each cell also records the machine's CPU busy share (``/proc/stat``) and, for PostgreSQL
+brokers whose server loads ``pg_stat_statements``, the top statement by total time
+(calls, mean ms, rows per call): where it bends, and why.
 The small backlog is topped up to ``--consume`` before each count; the large one just
 loses what was consumed (at most 4 x ``--consume`` of a million).
 """
@@ -147,6 +150,48 @@ def consume(
         consumer.cancel()
 
 
+def cpu_busy() -> tuple[int, int]:
+    """(busy, total) jiffies of all CPUs since boot (``/proc/stat``)."""
+    with open("/proc/stat") as stat:
+        fields = [int(x) for x in stat.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+STATEMENT_STATS = """
+SELECT calls, mean_exec_time, rows, left(regexp_replace(query, '\\s+', ' ', 'g'), 60)
+FROM pg_stat_statements
+WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
+ORDER BY total_exec_time DESC LIMIT 1
+"""
+
+
+def statements(url: str, reset: bool) -> dict[str, Any] | None:
+    """The top statement of the cell by total time (pg_stat_statements, if the server
+    loads it): where the server spends its time as consumers are added."""
+    dsn = pg_dsn(url)
+    if dsn is None:
+        return None
+    try:
+        with psycopg.connect(dsn, autocommit=True) as db:
+            if reset:
+                db.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+                db.execute("SELECT pg_stat_statements_reset()")
+                return None
+            row = db.execute(STATEMENT_STATS).fetchone()
+    except psycopg.Error:
+        return None
+    if row is None:
+        return None
+    calls, mean_ms, rows, query = row
+    return {
+        "calls": calls,
+        "mean_ms": round(mean_ms, 3),
+        "rows_per_call": round(rows / calls, 2) if calls else None,
+        "query": query,
+    }
+
+
 def run_consumers(
     url: str, options: dict[str, Any], queue: str, k: int, total: int, max_seconds: float
 ) -> dict[str, Any]:
@@ -159,12 +204,16 @@ def run_consumers(
     for p in procs:
         p.start()
     time.sleep(1.0 + 0.25 * k)  # connections and declarations done before the signal
+    statements(url, reset=True)
+    busy0, total0 = cpu_busy()
     start = time.monotonic()
     go.set()
     while acked.value < total and time.monotonic() - start < max_seconds:
         time.sleep(0.005)
     seconds = time.monotonic() - start
     count = acked.value
+    busy1, total1 = cpu_busy()
+    top = statements(url, reset=False)
     for p in procs:
         p.join(timeout=60)
         if p.is_alive():
@@ -174,6 +223,8 @@ def run_consumers(
         "acked": count,
         "seconds": round(seconds, 2),
         "per_s": round(count / seconds),
+        "cpu_busy": round((busy1 - busy0) / max(1, total1 - total0), 2),
+        **({"top_statement": top} if top else {}),
     }
 
 
