@@ -32,6 +32,11 @@ LABELS = {
     "rabbitmq": "RabbitMQ",
     "kombu57_pgmq": "kombu 5.7 pgmq",
 }
+#: The same variant under the names each benchmark gives it.
+ALIASES = {
+    "kombu_pgmq async_commit": "kombu_pgmq_async_publish",  # kombu_throughput.py
+    "kombu_pgmq async-commit": "kombu_pgmq_async_publish",  # producers.py
+}
 COLORS = {
     "kombu_pgmq": "#336791",
     "redis": "#d82c20",
@@ -56,10 +61,12 @@ def backlog_cell(back: dict[str, Any]) -> str:
 
 
 def table(kombu: Any, celery: Any, scale: Any, producers: Any = None) -> str:
-    kombu_rows = {r["broker"]: r for r in (kombu or {}).get("results", [])}
+    kombu_rows = {
+        ALIASES.get(r["broker"], r["broker"]): r for r in (kombu or {}).get("results", [])
+    }
     celery_rows = (celery or {}).get("results", {})
     scale_rows = (scale or {}).get("results", {})
-    producer_rows = (producers or {}).get("results", {})
+    producer_rows = {ALIASES.get(k, k): v for k, v in (producers or {}).get("results", {}).items()}
     head = [
         "broker",
         "Kombu publish/s",
@@ -176,7 +183,9 @@ def plot(
         capsize=4,
         color=[COLORS.get(n, "#8fb3d9") for n in names],
     )
-    ax_backlog.set_xticks(list(range(len(names))), [LABELS[n] for n in names], fontsize=8)
+    ax_backlog.set_xticks(
+        list(range(len(names))), [LABELS[n].replace(", ", ",\n") for n in names], fontsize=8
+    )
     ax_backlog.set_ylabel("tasks/s (median, bars: range)")
     backlog = (celery or {}).get("environment", {}).get("backlog")
     ax_backlog.set_title(f"Celery backlog drain, {backlog or '?':,} noop tasks, prefork x2")
