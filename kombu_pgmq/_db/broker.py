@@ -10,7 +10,7 @@ reconnects) or :class:`~kombu_pgmq.errors.StatementError` (the statement failed)
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from typing import Any, NamedTuple
 
@@ -272,16 +272,13 @@ class Broker:
             "headers": headers,
             "delay_seconds": delay_seconds,
         }
-        statement = self._statements.get(("send_queue", queue))
-        if statement is None:
-            statement = self._statements[("send_queue", queue)] = self.db.compose(
-                "send_queue", queue_table=("pgmq", f"q_{queue}")
-            ).as_bytes(self.db.connection)
-        try:
-            return int(self.db.scalar(statement, params))
-        except QueueNotFound:
-            self._statements.pop(("send_queue", queue), None)
-            raise
+        rows: list[Any] = self._fetch_direct(
+            "send_queue",
+            queue,
+            lambda: self.db.compose("send_queue", queue_table=("pgmq", f"q_{queue}")),
+            params,
+        )
+        return int(rows[0][0])
 
     def _read_queue(
         self, queue: str, vt_seconds: int, qty: int, acks: Sequence[Receipt], durable_acks: bool
@@ -317,16 +314,14 @@ class Broker:
             "ack_cts": [a.read_ct for a in acks],
             "ack_enqueued": [a.enqueued_at for a in acks],
         }
-        try:
-            rows = self.db.fetch(
-                self._read_statement(queue),
-                params,
-                _ReadRow,
-                synchronous=bool(acks) and durable_acks,
-            )
-        except QueueNotFound:
-            self._statements.pop(("read_queue", queue), None)  # composed again if it comes back
-            raise
+        rows = self._fetch_direct(
+            "read_queue",
+            queue,
+            lambda: self._compose_read_queue(queue),
+            params,
+            _ReadRow,
+            synchronous=bool(acks) and durable_acks,
+        )
         delivered = [
             Row(
                 r.msg_id,
@@ -342,29 +337,48 @@ class Broker:
         ]
         return delivered, [int(r.msg_id) for r in rows if r.acked]
 
-    def _read_statement(self, queue: str) -> Any:
-        """Statement ``read_queue`` for ``queue``'s tables (composed once per queue: the
-        columns differ between PGMQ versions)."""
-        statement = self._statements.get(("read_queue", queue))
+    def _compose_read_queue(self, queue: str) -> sql.Composed:
+        """Statement ``read_queue`` for ``queue``'s tables (the columns differ between
+        PGMQ versions: PGMQ < 1.11 has no last_read_at)."""
+        queue_table, archive_table = f"q_{queue}", f"a_{queue}"
+        present = set(self.db.column("table_columns", {"table": f"pgmq.{queue_table}"}))
+        archived = set(self.db.column("table_columns", {"table": f"pgmq.{archive_table}"}))
+        columns = [c for c in _ARCHIVE_COLUMNS if c in present and c in archived]
+        touch = self.db.statement("read_touch_last_read_at") if "last_read_at" in present else ""
+        return sql.SQL(self.db.statement("read_queue")).format(
+            queue_table=sql.Identifier("pgmq", queue_table),
+            archive_table=sql.Identifier("pgmq", archive_table),
+            archive_columns=sql.SQL(", ").join(map(sql.Identifier, columns)),
+            touch=sql.SQL(touch),
+        )
+
+    def _fetch_direct(
+        self,
+        name: str,
+        queue: str,
+        compose: Callable[[], sql.Composable],
+        params: dict[str, Any],
+        row: Any = None,
+        *,
+        synchronous: bool = True,
+    ) -> list[Any]:
+        """Run direct statement ``name`` on ``queue``'s tables: composed (and turned into
+        bytes) once per queue, forgotten when the queue turns out to be gone (composed
+        again if it comes back).
+
+        Raises:
+            QueueNotFound: the queue's tables do not exist.
+            PermissionDenied: the role has no rights on PGMQ's tables.
+        """
+        key = (name, queue)
+        statement = self._statements.get(key)
         if statement is None:
-            queue_table, archive_table = f"q_{queue}", f"a_{queue}"
-            present = set(self.db.column("table_columns", {"table": f"pgmq.{queue_table}"}))
-            archived = set(self.db.column("table_columns", {"table": f"pgmq.{archive_table}"}))
-            columns = [c for c in _ARCHIVE_COLUMNS if c in present and c in archived]
-            composed = sql.SQL(self.db.statement("read_queue")).format(
-                queue_table=sql.Identifier("pgmq", queue_table),
-                archive_table=sql.Identifier("pgmq", archive_table),
-                archive_columns=sql.SQL(", ").join(map(sql.Identifier, columns)),
-                touch=sql.SQL(
-                    self.db.statement("read_touch_last_read_at")
-                    if "last_read_at" in present
-                    else ""
-                ),
-            )
-            # as bytes: composed once, not at every execution
-            statement = composed.as_bytes(self.db.connection)
-            self._statements[("read_queue", queue)] = statement
-        return statement
+            statement = self._statements[key] = compose().as_bytes(self.db.connection)
+        try:
+            return self.db.fetch(statement, params, row, synchronous=synchronous)
+        except QueueNotFound:
+            self._statements.pop(key, None)
+            raise
 
     def pop(self, queue: str, qty: int) -> list[Row]:
         """Deliver and delete up to ``qty`` visible messages (no ack will follow)."""
