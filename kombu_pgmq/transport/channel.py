@@ -420,18 +420,20 @@ class Channel(Publishing, virtual.Channel):
 
     def _consume(
         self, only: set[str] | None, acks: list[Receipt]
-    ) -> tuple[int, set[str], set[str], bool]:
+    ) -> tuple[int, set[str], set[str], bool, bool]:
         """Read up to the free prefetch from the consumed queues (those in ``only``, PGMQ
         names; None: all) in one round trip, archiving ``acks`` in the same transaction,
         and deliver each message to its consumer.
 
-        Returns ``(delivered, drained, full, acks_sent)``: PGMQ names of queues found
-        empty, and of queues that filled the read (may hold more); ``acks_sent`` is
-        False when ``acks`` were not archived (the caller archives them).
+        Returns ``(delivered, drained, full, acks_sent, deferred)``: PGMQ names of queues
+        found empty, and of queues that filled the read (may hold more); ``acks_sent`` is
+        False when ``acks`` were not archived (the caller archives them); ``deferred``:
+        the read was put off until half the prefetch window is free (see
+        :meth:`basic_qos`).
         """
         queues = self._active_queues
         if not queues:
-            return 0, set(), set(), False
+            return 0, set(), set(), False, False
         free = self.qos.can_consume_max_estimate()
         remaining = (
             self.options.read_batch_size
@@ -439,13 +441,13 @@ class Channel(Publishing, virtual.Channel):
             else min(free, self.options.read_batch_size)
         )
         if remaining <= 0:
-            return 0, set(), set(), False
+            return 0, set(), set(), False, False
         if remaining < self._read_floor and free != self.qos.prefetch_count:
             # Messages are still held (the application has work): wait until half the
             # prefetch window is free, so a backlog is read in batches, not one message
             # per ack (see the ``Channel.basic_qos`` note).
             self.deferred_reads += 1
-            return 0, set(), set(), False
+            return 0, set(), set(), False, True
         drained: set[str] = set()
         full: set[str] = set()
         batches: list[tuple[str, str, list[Row], bool]] = []
@@ -520,7 +522,7 @@ class Channel(Publishing, virtual.Channel):
         finally:
             if no_ack_read:
                 self._forget_no_ack(no_ack_read, undelivered)
-        return len(deliveries), drained, full, acks_sent
+        return len(deliveries), drained, full, acks_sent, False
 
     def _forget_no_ack(
         self, read: dict[str, list[Receipt]], undelivered: list[dict[str, Any]]

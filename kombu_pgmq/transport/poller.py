@@ -221,11 +221,10 @@ class Poller:
             for channel in list(transport.channels):
                 if not channel._active_queues or not ready:
                     continue
-                reads_put_off = channel.deferred_reads
-                n, empty, filled, sent = channel._consume(ready, acks)
+                n, empty, filled, sent, put_off = channel._consume(ready, acks)
                 if sent:
                     acks = []
-                deferred = deferred or channel.deferred_reads != reads_put_off
+                deferred = deferred or put_off
                 delivered += n
                 drained |= empty
                 full |= filled
