@@ -95,3 +95,40 @@ def prepare(url: str, options: dict[str, Any]) -> None:
     ensure_database(dsn)
     if urlsplit(url).scheme == "pgmq" and not options.get("init_extension", True):
         ensure_sql_pgmq(dsn)
+
+
+# -- pg_stat_statements (profile_worker.py, scale.py) -------------------------------------
+
+_TOP_STATEMENTS = """
+SELECT calls, total_exec_time, mean_exec_time, rows,
+       regexp_replace(left(query, 110), '\\s+', ' ', 'g') AS query
+FROM pg_stat_statements
+WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
+ORDER BY total_exec_time DESC LIMIT %s
+"""
+
+
+def reset_statement_stats(dsn: str) -> None:
+    """Create pg_stat_statements in the database if missing and reset it (the server must
+    load it: ``shared_preload_libraries``)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        conn.execute("SELECT pg_stat_statements_reset()")
+
+
+def top_statements(dsn: str, limit: int) -> list[dict[str, Any]]:
+    """The database's statements by total execution time since the last reset: calls,
+    total and mean ms, rows, rows per call and the start of the text."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(_TOP_STATEMENTS, (limit,)).fetchall()
+    return [
+        {
+            "calls": calls,
+            "total_ms": round(total, 1),
+            "mean_ms": round(mean, 3),
+            "rows": n,
+            "rows_per_call": round(n / calls, 2) if calls else None,
+            "query": query,
+        }
+        for calls, total, mean, n, query in rows
+    ]

@@ -42,8 +42,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import celery_bench_app  # noqa: E402
-import psycopg  # noqa: E402
-from brokers import ensure_database, pg_dsn  # noqa: E402
+from brokers import ensure_database, pg_dsn, reset_statement_stats, top_statements  # noqa: E402
 from celery_bench import READY_TIMEOUT_S, Worker, count, wait_log  # noqa: E402
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -104,16 +103,6 @@ def top_frames(raw: Path, limit: int) -> dict[str, list[tuple[str, float]]]:
     return {"samples": total, "inclusive": share(inclusive), "self": share(own)}  # type: ignore[dict-item]
 
 
-STATEMENTS = """
-SELECT calls, round(total_exec_time::numeric, 1) AS total_ms,
-       round(mean_exec_time::numeric, 3) AS mean_ms, rows,
-       regexp_replace(left(query, 110), '\\s+', ' ', 'g') AS query
-FROM pg_stat_statements
-WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
-ORDER BY total_exec_time DESC LIMIT %s
-"""
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", default="postgresql://postgres@127.0.0.1:5432/kpb_ours")
@@ -141,9 +130,7 @@ def main() -> None:
     app.tasks["bench.ping"].apply_async()
     for i in range(args.backlog):
         noop.apply_async((i,))
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
-        conn.execute("SELECT pg_stat_statements_reset()")
+    reset_statement_stats(dsn)
     pg_before = postgres_cpu()
     worker.start()
     assert worker.proc is not None
@@ -189,8 +176,7 @@ def main() -> None:
     ready = min(ts for kind, _, ts in rows if kind == "ping")
     last = max(ts for kind, _, ts in rows if kind == "noop")
     drain_s = last - ready
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        statements = conn.execute(STATEMENTS, (args.top,)).fetchall()
+    statements = top_statements(dsn, args.top)
     pg_cpu = sum(max(0.0, pg_after.get(pid, 0.0) - before) for pid, before in pg_before.items())
     pg_cpu += sum(cpu for pid, cpu in pg_after.items() if pid not in pg_before)
     frames = top_frames(raw, args.top) if raw.exists() else {}
@@ -206,10 +192,7 @@ def main() -> None:
             "postgres": round(pg_cpu, 2),
         },
         "frames": frames,
-        "statements": [
-            {"calls": c, "total_ms": float(t), "mean_ms": float(m), "rows": r, "query": q}
-            for c, t, m, r, q in statements
-        ],
+        "statements": statements,
     }
     print(f"drain: {result['tasks_per_s']:,} tasks/s ({drain_s:.2f} s for {args.backlog:,})")
     print("CPU s during the run:", result["cpu_s"])

@@ -39,7 +39,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import contextlib
 
-from brokers import DEFAULT_BROKERS, DEFAULT_OPTIONS, pg_dsn, prepare
+from brokers import (
+    DEFAULT_BROKERS,
+    DEFAULT_OPTIONS,
+    pg_dsn,
+    prepare,
+    reset_statement_stats,
+    top_statements,
+)
 
 import kombu_pgmq  # noqa: F401  (registers postgresql://)
 from kombu_pgmq._conninfo import redact
@@ -158,14 +165,6 @@ def cpu_busy() -> tuple[int, int]:
     return sum(fields) - idle, sum(fields)
 
 
-STATEMENT_STATS = """
-SELECT calls, mean_exec_time, rows, left(regexp_replace(query, '\\s+', ' ', 'g'), 60)
-FROM pg_stat_statements
-WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
-ORDER BY total_exec_time DESC LIMIT 1
-"""
-
-
 def statements(url: str, reset: bool) -> dict[str, Any] | None:
     """The top statement of the cell by total time (pg_stat_statements, if the server
     loads it): where the server spends its time as consumers are added."""
@@ -173,23 +172,15 @@ def statements(url: str, reset: bool) -> dict[str, Any] | None:
     if dsn is None:
         return None
     try:
-        with psycopg.connect(dsn, autocommit=True) as db:
-            if reset:
-                db.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
-                db.execute("SELECT pg_stat_statements_reset()")
-                return None
-            row = db.execute(STATEMENT_STATS).fetchone()
+        if reset:
+            reset_statement_stats(dsn)
+            return None
+        top = top_statements(dsn, 1)
     except psycopg.Error:
         return None
-    if row is None:
+    if not top:
         return None
-    calls, mean_ms, rows, query = row
-    return {
-        "calls": calls,
-        "mean_ms": round(mean_ms, 3),
-        "rows_per_call": round(rows / calls, 2) if calls else None,
-        "query": query,
-    }
+    return {key: top[0][key] for key in ("calls", "mean_ms", "rows_per_call", "query")}
 
 
 def run_consumers(
