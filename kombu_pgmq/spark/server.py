@@ -73,6 +73,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import itertools
 import logging
 import os
 import re
@@ -95,6 +96,7 @@ __all__ = [
     "ensure_running",
     "redact_url",
     "remote_url",
+    "running_master",
     "running_url",
     "state_dir",
     "status",
@@ -660,6 +662,22 @@ def status(port: int = DEFAULT_PORT) -> dict[str, Any]:
         "log": directory / "server.log",
         "problem": problem,
     }
+
+
+def running_master(port: int = DEFAULT_PORT) -> str | None:
+    """``--master`` of the local server running on ``port`` (Linux: read from its command
+    line), or None if none of ours runs there (or not Linux)."""
+    pid = _read_pid(state_dir(port) / "server.pid")
+    if pid is None:
+        return None
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for flag, value in itertools.pairwise(argv):
+        if flag == b"--master":
+            return value.decode()
+    return None
 
 
 def stop(port: int = DEFAULT_PORT) -> bool:
