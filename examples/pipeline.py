@@ -18,7 +18,9 @@
 Every task is a :class:`kombu_pgmq.spark.SparkTask`: a Spark Connect session per execution,
 against the local Connect server started on first use (or ``$SPARK_REMOTE``). Files are on
 the local disk (:func:`examples.spark_flights.cache_dir`): point ``PIPELINE_DIR`` at shared
-storage when the Connect server is a cluster.
+storage when the Connect server is a cluster. On a cluster, each task first checks that the
+executors see its files (and, for ``task_latency``, import ``kombu_pgmq`` and reach the
+broker): :meth:`kombu_pgmq.spark.SparkTask.require_executors`.
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ def prepare_flights(self: SparkTask) -> dict[str, Any]:
     """Write the flights as Parquet partitioned by month (skipped if already there)."""
     target = parquet_path()
     if not (target / "_SUCCESS").exists():
+        # On a cluster the executors read the CSV and write the Parquet: both paths must be
+        # visible to them (a clear error naming the hosts and the fix, not a stack trace).
+        self.require_executors(paths=[spark_flights.flights_csv(), pipeline_dir()])
         flights = self.spark.read.csv(
             str(spark_flights.flights_csv()),
             header=True,
@@ -71,6 +76,7 @@ def month_delays(self: SparkTask, month: int) -> list[dict[str, Any]]:
 
     if not 1 <= month <= 12:
         raise ValueError(f"month must be 1..12, not {month!r}")
+    self.require_executors(paths=[parquet_path()])
     flights = self.spark.read.parquet(str(parquet_path())).where(F.col("month") == month)
     rows = (
         flights.groupBy("carrier")
@@ -119,6 +125,7 @@ def build_report(self: SparkTask, monthly: list[list[dict[str, Any]]]) -> dict[s
     from pyspark.sql import functions as F
 
     spark = self.spark
+    self.require_executors(paths=[spark_flights.data_dir() / "airlines.csv"])
     months = spark.createDataFrame([row for rows in monthly for row in rows]).withColumn(
         "mean_dep_delay", F.col("dep_delay_sum") / F.col("departed")
     )
@@ -226,6 +233,7 @@ def task_latency(self: SparkTask, report: dict[str, Any]) -> dict[str, Any]:
     from pyspark.sql import functions as F
 
     root_id = self.request.root_id
+    self.require_executors(broker=True, datasource=True)  # the pgmq data source runs there
     archive = (
         self.spark.read.format("pgmq")
         .options(url=self.pgmq_url, queue=QUEUE, source="archive")

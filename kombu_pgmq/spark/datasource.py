@@ -65,6 +65,8 @@ Options (all strings, names case-insensitive):
 
 from __future__ import annotations
 
+import os
+import socket
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -89,6 +91,7 @@ from .._naming import pgmq_queue_name
 from ..errors import ConfigurationError
 from ..schema import ensure_schema
 from .messages import row_message, task_message
+from .preflight import unix_socket
 
 __all__ = ["SCHEMA", "PgmqDataSource", "register"]
 
@@ -145,6 +148,7 @@ class _Db:
     """One connection of a data source step: broker operations and the Spark store."""
 
     def __init__(self, dsn: str, *, bootstrap: bool = False) -> None:
+        _reachable_socket(dsn)
         self.connector = Connector(dsn)
         try:
             if bootstrap:
@@ -157,6 +161,24 @@ class _Db:
 
     def close(self) -> None:
         self.connector.close()
+
+
+def _reachable_socket(dsn: str) -> None:
+    """On an executor of a cluster, a Unix-socket broker URL names a file on the
+    database's machine: say so, with the fix, instead of libpq's "No such file".
+
+    Raises:
+        ConfigurationError: the URL is a Unix socket that does not exist on this host.
+    """
+    path = unix_socket(dsn)
+    if path is not None and not os.path.exists(path):
+        raise ConfigurationError(
+            f"the pgmq data source's url is a Unix socket ({path}) that does not exist on "
+            f"host {socket.gethostname()}, where this Spark task runs: executors on other "
+            "machines need a TCP URL of a PostgreSQL they can reach, e.g. "
+            "postgresql://user:password@db.example.com:5432/dbname (the embedded "
+            "PostgreSQL listens on a Unix socket only, for one machine)"
+        )
 
 
 def _positive(options: Any, name: str, default: int) -> int:

@@ -31,6 +31,10 @@ Behaviour:
   process that forks). A later delivery of the same task interrupts leftovers too.
 * **Leases**: while the task runs, kombu_pgmq's lease renewal keeps its message invisible,
   so a Spark job longer than the visibility timeout is not delivered twice.
+* **Clusters**: :meth:`SparkTask.require_executors` checks that the executors see the
+  task's paths, import ``kombu_pgmq`` and reach the broker (no-op on a local master); an
+  error from Spark saying the executors lack ``kombu_pgmq`` is raised as a
+  :class:`~kombu_pgmq.errors.SparkError` naming the fix (:mod:`kombu_pgmq.spark.preflight`).
 * The session has the ``pgmq`` data source registered (``df.write.format("pgmq")``,
   ``spark.read.format("pgmq")``); :attr:`SparkTask.pgmq_url` is the broker's URL for it.
 """
@@ -51,7 +55,7 @@ from celery import Task, states
 from celery.worker.request import Request
 
 from ..errors import SparkError
-from . import server
+from . import preflight, server
 from . import session as sessions
 
 if TYPE_CHECKING:
@@ -202,6 +206,24 @@ class SparkTask(Task):
         """The broker URL (for the ``pgmq`` data source's ``url`` option)."""
         return str(self.app.conf.broker_url)
 
+    def require_executors(
+        self, *, paths: Any = (), broker: bool = False, datasource: bool = False
+    ) -> None:
+        """On a cluster, check that the executors see ``paths``, reach the broker
+        (``broker=True``: :attr:`pgmq_url`) and import the ``pgmq`` data source
+        (``datasource=True``); nothing on a local master. See
+        :func:`kombu_pgmq.spark.preflight.require`.
+
+        Raises:
+            SparkError: a problem, with the executor hosts and the fix.
+        """
+        preflight.require(
+            self.spark,
+            paths=paths,
+            broker_url=self.pgmq_url if broker else None,
+            datasource=datasource,
+        )
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request
         task_id = request.id
@@ -241,7 +263,11 @@ class SparkTask(Task):
             raise
         run.close()
         if "error" in outcome:
-            raise outcome["error"]
+            error = outcome["error"]
+            explained = preflight.explain(error)  # kombu_pgmq missing on the executors
+            if explained is not None:
+                raise explained from error
+            raise error
         return outcome.get("value")
 
 
