@@ -785,16 +785,10 @@ def spark_cluster_status(
 def spark_cluster_check(remote: str | None, broker_url: str | None, paths: tuple[str, ...]) -> None:
     """Run one small job on the executors: paths visible, kombu_pgmq importable (the pgmq
     data source), broker reachable. Exit 1 naming each problem and its fix."""
-    from pyspark.sql import SparkSession
-
     from ..spark import preflight, session
 
     url = remote or session.connect_url(start=False)
-    spark = SparkSession.builder.remote(url).create()
-    try:
-        reports = preflight.check(spark, paths=paths, broker_url=broker_url, datasource=True)
-    finally:
-        spark.stop()
+    reports = preflight.check_remote(url, paths=paths, broker_url=broker_url, datasource=True)
     for r in reports:
         click.echo(f"executor {r.host} pid {r.pid} python {r.python}")
     found = preflight.problems(reports, broker_url=broker_url)

@@ -7,6 +7,9 @@
 * The ``pgmq`` data source (:mod:`kombu_pgmq.spark.datasource`): ``df.write.format("pgmq")``
   (rows or Celery task messages, atomic per job), ``spark.read.format("pgmq")`` (queue or
   archive snapshot), ``spark.readStream.format("pgmq")`` (archive on commit).
+* On a cluster: :mod:`kombu_pgmq.spark.preflight` checks that executors see a job's paths,
+  import ``kombu_pgmq`` and reach the broker; :mod:`kombu_pgmq.spark.cluster` runs a local
+  standalone cluster (``kombu-pgmq spark cluster start|stop|status|check``).
 
 Importing this package does not import pyspark (the worker's main process must not open a
 Spark session before the prefork pool forks).

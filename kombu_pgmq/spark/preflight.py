@@ -39,7 +39,15 @@ from ..errors import SparkError
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-__all__ = ["ExecutorReport", "check", "explain", "is_cluster", "require", "unix_socket"]
+__all__ = [
+    "ExecutorReport",
+    "check",
+    "check_remote",
+    "explain",
+    "is_cluster",
+    "require",
+    "unix_socket",
+]
 
 #: Spark tasks of the check job (spread over the executors by the scheduler).
 PROBE_TASKS = 16
@@ -183,6 +191,24 @@ def check(
         data = json.loads(row["r"])
         seen.setdefault((data["host"], data["pid"]), ExecutorReport(**data))
     return list(seen.values())
+
+
+def check_remote(
+    url: str,
+    *,
+    paths: Iterable[str] = (),
+    broker_url: str | None = None,
+    datasource: bool = False,
+) -> list[ExecutorReport]:
+    """:func:`check` in a session of its own on the Connect server at ``url``
+    (``sc://host:15002/;token=...``), released afterwards."""
+    from pyspark.sql import SparkSession
+
+    spark = SparkSession.builder.remote(url).create()
+    try:
+        return check(spark, paths=paths, broker_url=broker_url, datasource=datasource)
+    finally:
+        spark.stop()
 
 
 def problems(reports: Sequence[ExecutorReport], *, broker_url: str | None = None) -> list[str]:
