@@ -92,26 +92,9 @@ def master_url(port: int = DEFAULT_MASTER_PORT) -> str:
     return f"spark://{HOST}:{port}"
 
 
-def _alive(pid: int | None, marker: str) -> bool:
-    """Whether ``pid`` runs a JVM whose command line has ``marker`` (a pid file may outlive
-    its process and the pid be reused)."""
-    if pid is None:
-        return False
-    try:
-        os.kill(pid, 0)
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # not Linux: the pid exists
-    return marker.encode() in cmdline
-
-
-def _pid(path: Path) -> int | None:
-    try:
-        return int(path.read_text().strip())
-    except (OSError, ValueError):
-        return None
+def _running(path: Path, marker: str) -> int | None:
+    """The pid in pid file ``path`` if it runs a JVM of class ``marker``."""
+    return server._read_pid(path, marker)
 
 
 def _spawn(
@@ -203,7 +186,7 @@ def _worker_pids(directory: Path) -> dict[int, int | None]:
     for path in directory.glob("worker-*.pid"):
         number = path.stem.removeprefix("worker-")
         if number.isdigit():
-            pids[int(number)] = _pid(path)
+            pids[int(number)] = _running(path, WORKER_CLASS)
     return pids
 
 
@@ -225,7 +208,7 @@ def add_worker(
         SparkServerError: no master of kombu_pgmq runs on ``port``.
     """
     directory = cluster_dir(port)
-    if not _alive(_pid(directory / "master.pid"), MASTER_CLASS):
+    if _running(directory / "master.pid", MASTER_CLASS) is None:
         raise SparkServerError(
             f"no kombu_pgmq Spark master runs on port {port}: kombu-pgmq spark cluster start"
         )
@@ -287,7 +270,7 @@ def start(
         )
     directory = server._private_dir(cluster_dir(port))
     with server._locked(directory):
-        if _alive(_pid(directory / "master.pid"), MASTER_CLASS):
+        if _running(directory / "master.pid", MASTER_CLASS) is not None:
             return status(port, webui_port)
         if server.accepting(port) or server.accepting(webui_port):
             raise SparkServerError(
@@ -365,12 +348,12 @@ def status(port: int = DEFAULT_MASTER_PORT, webui_port: int = DEFAULT_WEBUI_PORT
     "webui": "http://127.0.0.1:8080", "workers": [{"id", "webuiaddress", "cores",
     "coresused", "state"}], "apps": [{"id", "name", "cores"}], "dir": Path}``."""
     directory = cluster_dir(port)
-    pid = _pid(directory / "master.pid")
-    running = _alive(pid, MASTER_CLASS)
+    pid = _running(directory / "master.pid", MASTER_CLASS)
+    running = pid is not None
     info: dict[str, Any] = {
         "master": master_url(port),
         "running": running,
-        "pid": pid if running else None,
+        "pid": pid,
         "webui": f"http://{HOST}:{webui_port}",
         "workers": [],
         "apps": [],
@@ -393,10 +376,9 @@ def stop_worker(number: int, port: int = DEFAULT_MASTER_PORT, sig: int = signal.
     """Stop worker ``number`` and its executors (its process group) with ``sig``; False if
     it was not running."""
     path = cluster_dir(port) / f"worker-{number}.pid"
-    pid = _pid(path)
-    if not _alive(pid, WORKER_CLASS):
+    pid = _running(path, WORKER_CLASS)
+    if pid is None:
         return False
-    assert pid is not None
     _stop_group(pid, sig)
     return True
 
@@ -428,14 +410,11 @@ def stop(port: int = DEFAULT_MASTER_PORT) -> bool:
         return False
     with server._locked(directory):
         for number, pid in _worker_pids(directory).items():
-            if _alive(pid, WORKER_CLASS):
-                assert pid is not None
+            if pid is not None:
                 _stop_group(pid, signal.SIGTERM)
             (directory / f"worker-{number}.pid").unlink(missing_ok=True)
-        pid = _pid(directory / "master.pid")
-        running = _alive(pid, MASTER_CLASS)
-        if running:
-            assert pid is not None
+        pid = _running(directory / "master.pid", MASTER_CLASS)
+        if pid is not None:
             _stop_group(pid, signal.SIGTERM)
         (directory / "master.pid").unlink(missing_ok=True)
-        return running
+        return pid is not None

@@ -395,9 +395,10 @@ def _listening(port: int) -> bool:
     return bool(listeners) if listeners is not None else accepting(port)
 
 
-def _read_pid(path: Path) -> int | None:
-    """The pid in ``path`` if that process is alive and (Linux) a Spark Connect server: a
-    pid file may outlive its process, and the pid be reused by another one."""
+def _read_pid(path: Path, marker: str = SERVER_CLASS) -> int | None:
+    """The pid in ``path`` if that process is alive and (Linux) has ``marker`` in its
+    command line (default: a Spark Connect server): a pid file may outlive its process,
+    and the pid be reused by another one."""
     try:
         pid = int(path.read_text().strip())
         os.kill(pid, 0)
@@ -407,7 +408,7 @@ def _read_pid(path: Path) -> int | None:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return pid  # not Linux
-    return pid if SERVER_CLASS.encode() in cmdline else None
+    return pid if marker.encode() in cmdline else None
 
 
 @contextlib.contextmanager
