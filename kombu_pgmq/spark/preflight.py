@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from psycopg.conninfo import conninfo_to_dict
+
 from .. import _conninfo as conninfo
 from ..errors import SparkError
 
@@ -85,7 +87,7 @@ def unix_socket(url: str) -> str | None:
     Shapes: ``"postgresql://u@/db?host=/run/pg" -> "/run/pg/.s.PGSQL.5432"``;
     ``"postgresql://u@db:5432/db" -> None``. A URL without host uses libpq's default
     socket directory (``/var/run/postgresql``)."""
-    params = conninfo.url_to_params(url) if "://" in url else _dsn_params(url)
+    params = _params(url)
     host = str(params.get("host") or os.environ.get("PGHOST") or "/var/run/postgresql")
     if not host.startswith("/"):
         return None
@@ -93,14 +95,13 @@ def unix_socket(url: str) -> str | None:
     return os.path.join(host.split(",")[0], f".s.PGSQL.{port.split(',')[0]}")
 
 
-def _dsn_params(dsn: str) -> dict[str, Any]:
-    from psycopg.conninfo import conninfo_to_dict
-
-    return dict(conninfo_to_dict(dsn))
+def _params(url_or_dsn: str) -> dict[str, Any]:
+    """libpq keywords of a broker URL or a DSN."""
+    return dict(conninfo_to_dict(conninfo.to_dsn(url_or_dsn)))
 
 
 def _tcp_target(url: str) -> tuple[str, int]:
-    params = conninfo.url_to_params(url) if "://" in url else _dsn_params(url)
+    params = _params(url)
     host = str(params.get("host") or "localhost").split(",")[0]
     port = int(str(params.get("port") or conninfo.DEFAULT_PORT).split(",")[0])
     return host, port
