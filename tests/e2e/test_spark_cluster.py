@@ -10,6 +10,7 @@ the driver's files, the Unix socket of the database, or the ``kombu_pgmq`` packa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -39,6 +40,22 @@ RESULT_TIMEOUT_S = 180.0
 CONNECT_NAME = "kombu_pgmq Spark Connect server"
 
 
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``values`` set, restored afterwards (the cluster's and the
+    Connect server's directories are read from it)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def _start_cluster(
     base: Path, *, workers: int, prefix: tuple[str, ...] = (), ui: bool = False
 ) -> dict[str, Any]:
@@ -47,10 +64,8 @@ def _start_cluster(
     from kombu_pgmq.spark import cluster, server
 
     ports = {k: pgserver.free_port() for k in ("master", "webui", "connect", "ui")}
-    saved = {k: os.environ.get(k) for k in (cluster.ENV_DIR, server.ENV_DIR)}
-    os.environ[cluster.ENV_DIR] = str(base / "cluster")
-    os.environ[server.ENV_DIR] = str(base / "connect")
-    try:
+    env = {cluster.ENV_DIR: str(base / "cluster"), server.ENV_DIR: str(base / "connect")}
+    with _environ(env):
         cluster.start(
             workers=0 if prefix else workers, port=ports["master"], webui_port=ports["webui"]
         )
@@ -77,30 +92,16 @@ def _start_cluster(
             "url": url,
             "ports": ports,
             "log": server.status(ports["connect"])["log"],
-            "env": {cluster.ENV_DIR: str(base / "cluster"), server.ENV_DIR: str(base / "connect")},
+            "env": env,
         }
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _stop_cluster(info: dict[str, Any]) -> None:
     from kombu_pgmq.spark import cluster, server
 
-    saved = {k: os.environ.get(k) for k in info["env"]}
-    os.environ.update(info["env"])
-    try:
+    with _environ(info["env"]):
         server.stop(info["ports"]["connect"])
         cluster.stop(info["ports"]["master"])
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 @pytest.fixture(scope="module")
