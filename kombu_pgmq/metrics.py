@@ -1,9 +1,17 @@
 """Prometheus metrics (prometheus-client): queue depths from the database, and this
 process's transport counters.
 
-**Serve them** (one statement per scrape, whatever the number of queues)::
+**Serve them** (one statement per snapshot, whatever the number of queues)::
 
     kombu-pgmq metrics serve --url postgresql://user@db/app --port 9808
+
+:func:`serve` (and the command) listens on ``127.0.0.1`` unless given another ``host``
+(``--host 0.0.0.0``: every interface; then serve HTTPS with ``certfile``/``keyfile``
+(``--tls-cert``/``--tls-key``, mutual TLS with ``client_cafile``/``--tls-client-ca``) and
+require HTTP basic auth with ``basic_auth`` (``--basic-auth-user``; a warning is logged
+for each missing). Scrapes within ``cache_seconds`` (default 5 seconds) of the last read
+of the statistics get that snapshot again, and concurrent scrapes share one read: any
+number of scrapers costs at most one statement per ``cache_seconds``.
 
 **Or add them to an application's own registry**::
 
@@ -28,8 +36,10 @@ summed; see :mod:`kombu_pgmq.management` for the states):
                                                  PostgreSQL's estimate above 100,000
 ``kombu_pgmq_consumers{queue}``                  live consumers (heartbeat not stale)
 ``kombu_pgmq_queue_paused{queue}``               1 while ``kombu-pgmq queue pause``-d
-``kombu_pgmq_up``                                1 if the last scrape reached the database
-``kombu_pgmq_scrape_duration_seconds``           time the statistics statement took
+``kombu_pgmq_up``                                1 if the last read reached the database
+``kombu_pgmq_scrape_duration_seconds``           seconds the last read (statement) took
+``kombu_pgmq_scrape_age_seconds``                seconds since the served snapshot was
+                                                 read (up to ``cache_seconds``)
 ==============================================  =========================================
 
 Process metrics (:class:`ProcessCollector`; counters of the transport in this process,
@@ -59,7 +69,8 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from dataclasses import dataclass
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
@@ -69,13 +80,24 @@ from ._stats import FIELDS, STATS
 from .dlq import DEFAULT_DEAD_LETTER_QUEUE
 from .management import EXACT_ARCHIVE_BELOW, Management, QueueStats
 
-__all__ = ["DEFAULT_PORT", "ProcessCollector", "QueueCollector", "serve"]
+__all__ = [
+    "DEFAULT_CACHE_SECONDS",
+    "DEFAULT_HOST",
+    "DEFAULT_PORT",
+    "ProcessCollector",
+    "QueueCollector",
+    "serve",
+]
 
 logger = logging.getLogger(__name__)
 
 #: ``kombu-pgmq metrics serve``'s port (also celery-exporter's default: run one of them on
 #: another ``--port``).
 DEFAULT_PORT = 9808
+#: ``serve``'s address: this machine only. ``"0.0.0.0"`` or ``"::"`` for every interface.
+DEFAULT_HOST = "127.0.0.1"
+#: Seconds a snapshot of the queue statistics is served again (:class:`QueueCollector`).
+DEFAULT_CACHE_SECONDS = 5.0
 _STATES = ("ready", "in_flight", "delayed")
 
 _HELP = {
@@ -93,16 +115,26 @@ _HELP = {
 
 
 class QueueCollector(Collector):
-    """Queue gauges of one database, from one statement per scrape.
+    """Queue gauges of one database, from one statement per snapshot.
 
     Arguments:
         url: the broker URL (``postgresql://...``).
         dead_letter_queue: Kombu name of the dead-letter queue (transport option
             ``dead_letter_queue``).
         exact_archive_below: archives with more rows report PostgreSQL's estimate.
+        cache_seconds: scrapes within this many seconds of the last read of the
+            statistics get that snapshot again (``kombu_pgmq_scrape_age_seconds`` says
+            how old); 0 reads on every scrape. Either way one read runs at a time:
+            scrapes that arrive while it runs wait and share its result, so any number
+            of scrapers costs at most one statement per ``cache_seconds`` (plus the
+            statement's own duration).
 
-    A scrape that cannot reach the database reports ``kombu_pgmq_up 0`` and no queue
-    metrics (and logs the error); the next scrape reconnects.
+    A read that cannot reach the database gives ``kombu_pgmq_up 0`` and no queue
+    metrics (and logs the error); it is cached like any snapshot, and the next read
+    reconnects.
+
+    Raises:
+        ConfigurationError: ``cache_seconds`` is negative.
     """
 
     def __init__(
@@ -111,32 +143,55 @@ class QueueCollector(Collector):
         *,
         dead_letter_queue: str = DEFAULT_DEAD_LETTER_QUEUE,
         exact_archive_below: int = EXACT_ARCHIVE_BELOW,
+        cache_seconds: float = DEFAULT_CACHE_SECONDS,
     ) -> None:
+        if not cache_seconds >= 0:
+            raise errors.ConfigurationError(
+                f"cache_seconds={cache_seconds!r}: give 0 (no cache) or more seconds"
+            )
         self._management = Management(url, dead_letter_queue=dead_letter_queue)
         self._exact_archive_below = exact_archive_below
-        self._lock = threading.Lock()  # one connection: scrapes take turns
+        self._cache_seconds = cache_seconds
+        self._lock = threading.Lock()  # one read at a time (and one connection)
+        self._snapshot: _Snapshot | None = None
 
     def close(self) -> None:
         self._management.close()
 
     def describe(self) -> list[Metric]:
         """The metric families (so registering does not query the database)."""
-        return list(self._families([], up=1, seconds=0.0))
+        return list(self._families(_Snapshot([], up=1, seconds=0.0, taken=0.0), age_seconds=0.0))
 
     def collect(self) -> Iterator[Metric]:
-        started = time.perf_counter()
+        snapshot = self._current(asked=time.monotonic())
+        yield from self._families(snapshot, age_seconds=time.monotonic() - snapshot.taken)
+
+    def _current(self, *, asked: float) -> _Snapshot:
+        """The snapshot to serve a scrape that arrived at ``asked`` (monotonic seconds):
+        the last one if it was read less than ``cache_seconds`` ago or finished after
+        ``asked`` (the scrape waited for it), else a new read."""
         with self._lock:
-            try:
-                stats = self._management.queues(exact_archive_below=self._exact_archive_below)
-            except errors.KombuPgmqError as exc:
-                logger.error("kombu_pgmq metrics: could not read queue statistics: %s", exc)
-                stats, up = [], 0
-            else:
-                up = 1
-        yield from self._families(stats, up=up, seconds=time.perf_counter() - started)
+            last = self._snapshot
+            if last is not None and (
+                last.finished >= asked or time.monotonic() - last.taken < self._cache_seconds
+            ):
+                return last
+            self._snapshot = self._read()
+            return self._snapshot
+
+    def _read(self) -> _Snapshot:
+        taken = time.monotonic()
+        try:
+            stats = self._management.queues(exact_archive_below=self._exact_archive_below)
+        except errors.KombuPgmqError as exc:
+            logger.error("kombu_pgmq metrics: could not read queue statistics: %s", exc)
+            stats, up = [], 0
+        else:
+            up = 1
+        return _Snapshot(stats, up=up, seconds=time.monotonic() - taken, taken=taken)
 
     @staticmethod
-    def _families(stats: list[QueueStats], *, up: int, seconds: float) -> Iterator[Metric]:
+    def _families(snapshot: _Snapshot, *, age_seconds: float) -> Iterator[Metric]:
         messages = GaugeMetricFamily(
             "kombu_pgmq_queue_messages",
             "Messages in a queue by state (ready, in_flight, delayed), priority bands summed",
@@ -168,7 +223,7 @@ class QueueCollector(Collector):
         paused = GaugeMetricFamily(
             "kombu_pgmq_queue_paused", "1 if the queue is paused", labels=["queue"]
         )
-        for q in stats:
+        for q in snapshot.stats:
             for state in _STATES:
                 messages.add_metric([q.name, state], getattr(q, state))
             if len(q.bands) > 1:
@@ -183,13 +238,35 @@ class QueueCollector(Collector):
             paused.add_metric([q.name], 1 if q.paused else 0)
         yield from (messages, bands, age, dead, archive, consumers, paused)
         yield GaugeMetricFamily(
-            "kombu_pgmq_up", "1 if the last scrape read the queue statistics", value=up
+            "kombu_pgmq_up",
+            "1 if the last read of the queue statistics reached the database",
+            value=snapshot.up,
         )
         yield GaugeMetricFamily(
             "kombu_pgmq_scrape_duration_seconds",
-            "Seconds the queue statistics took to read",
-            value=seconds,
+            "Seconds the last read of the queue statistics took",
+            value=snapshot.seconds,
         )
+        yield GaugeMetricFamily(
+            "kombu_pgmq_scrape_age_seconds",
+            "Seconds since the queue statistics served were read (cached up to cache_seconds)",
+            value=age_seconds,
+        )
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    """One read of the queue statistics: ``seconds`` its duration, ``taken`` its start
+    (``time.monotonic()``)."""
+
+    stats: list[QueueStats]
+    up: int
+    seconds: float
+    taken: float
+
+    @property
+    def finished(self) -> float:
+        return self.taken + self.seconds
 
 
 class ProcessCollector(Collector):
@@ -206,23 +283,89 @@ class ProcessCollector(Collector):
 def serve(
     url: str,
     *,
+    host: str = DEFAULT_HOST,
     port: int = DEFAULT_PORT,
-    addr: str = "0.0.0.0",
+    certfile: str | None = None,
+    keyfile: str | None = None,
+    client_cafile: str | None = None,
+    basic_auth: tuple[str, str] | None = None,
+    cache_seconds: float = DEFAULT_CACHE_SECONDS,
     dead_letter_queue: str = DEFAULT_DEAD_LETTER_QUEUE,
     process: bool = False,
-) -> tuple[Any, threading.Thread, CollectorRegistry]:
-    """Serve ``/metrics`` on ``addr:port`` from a thread; returns ``(server, thread,
-    registry)`` (stop with ``server.shutdown()``). ``process``: add this process's
-    counters too (useful when the exporter runs inside a worker).
+    addr: str | None = None,
+) -> tuple[WSGIServer, threading.Thread, CollectorRegistry]:
+    """Serve ``/metrics`` (every path answers the same) from a daemon thread; returns
+    ``(server, thread, registry)``: ``server.server_address`` is the bound
+    ``(host, port)``; ``server.shutdown()`` stops serving, then ``server.server_close()``
+    closes the socket and the database connection.
+
+    Arguments:
+        host: address to listen on; the default ``127.0.0.1`` is this machine only,
+            ``"0.0.0.0"`` (``"::"``) every interface: then give TLS and ``basic_auth``
+            (a warning is logged for each missing). ``addr``: its old name (wins if given).
+        port: TCP port; 0 picks a free one.
+        certfile, keyfile: PEM certificate (chain) and its unencrypted PEM key: serve
+            HTTPS (TLS 1.2 or newer). Both or neither.
+        client_cafile: PEM CA certificates (needs ``certfile``): scrapers must present a
+            certificate signed by one of them (mutual TLS).
+        basic_auth: ``(user, password)``: other requests get ``401`` (see
+            :class:`kombu_pgmq._metrics_server.BasicAuth`).
+        cache_seconds: see :class:`QueueCollector` (seconds; 0: read on every scrape).
+        process: add this process's counters too (:class:`ProcessCollector`; useful when
+            the exporter runs inside a worker).
 
     Raises:
-        OSError: the port is taken.
+        ConfigurationError: ``certfile`` without ``keyfile`` (or the reverse),
+            ``client_cafile`` without them, a TLS file that cannot be loaded, an empty
+            basic auth user or password, a negative ``cache_seconds``.
+        OSError: ``host`` is not an address of this machine, or the port is taken
+            (``errno.EADDRINUSE``).
     """
-    from prometheus_client import start_http_server
+    from prometheus_client import make_wsgi_app
 
+    from . import _metrics_server
+
+    host = addr if addr is not None else host
+    if (certfile is None) != (keyfile is None):
+        raise errors.ConfigurationError(
+            "certfile and keyfile go together: give both (HTTPS) or neither (HTTP)"
+        )
+    if client_cafile is not None and certfile is None:
+        raise errors.ConfigurationError(
+            "client_cafile (mutual TLS) needs certfile and keyfile (the server's own)"
+        )
+    tls = None
+    if certfile is not None and keyfile is not None:
+        tls = _metrics_server.tls_context(certfile, keyfile, client_cafile)
     registry = CollectorRegistry()
-    registry.register(QueueCollector(url, dead_letter_queue=dead_letter_queue))
+    app = make_wsgi_app(registry)
+    if basic_auth is not None:
+        app = _metrics_server.BasicAuth(app, *basic_auth)
+    collector = QueueCollector(
+        url, dead_letter_queue=dead_letter_queue, cache_seconds=cache_seconds
+    )
+    registry.register(collector)
     if process:
         registry.register(ProcessCollector())
-    server, thread = start_http_server(port, addr=addr, registry=registry)
+    try:
+        server, thread = _metrics_server.start(app, host, port, tls, on_close=collector.close)
+    except OSError:
+        collector.close()
+        raise
+    bound, bound_port = _metrics_server.bound(server)
+    missing = [
+        what
+        for what, given in (("TLS", tls is not None), ("basic auth", basic_auth is not None))
+        if not given
+    ]
+    if missing and not _metrics_server.is_loopback(bound):
+        logger.warning(
+            "kombu_pgmq metrics: serving %s port %s without %s: anyone who reaches the port "
+            "reads every queue's name and depth; add TLS (--tls-cert/--tls-key, "
+            "serve(certfile=, keyfile=)) and basic auth (--basic-auth-user, "
+            "serve(basic_auth=)), or listen on 127.0.0.1",
+            bound,
+            bound_port,
+            " and without ".join(missing),
+        )
     return server, thread, registry

@@ -15,7 +15,8 @@ The commands that talk to the database take ``--url`` (default: ``$KOMBU_PGMQ_UR
     kombu-pgmq messages QUEUE [--limit 20] [--json]   # peek, nothing consumed
     kombu-pgmq queue pause|resume QUEUE       # consumers stop/start receiving from QUEUE
     kombu-pgmq task find|cancel TASK_ID       # where a task is; durable revoke
-    kombu-pgmq metrics serve [--port 9808]    # Prometheus /metrics
+    kombu-pgmq metrics serve [--port 9808] [--host 127.0.0.1] [--tls-cert F --tls-key F]
+        [--basic-auth-user U] [--cache-seconds 5]   # Prometheus /metrics
     kombu-pgmq embedded start|status|url|stop  # the embedded PostgreSQL (no --url)
     kombu-pgmq spark server start|stop|status [--port 15002]
 

@@ -7,7 +7,10 @@ embedded PostgreSQL) and ``--json`` where it prints rows (one JSON object per li
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
+import os
 import signal
 import threading
 from collections.abc import Callable
@@ -344,22 +347,106 @@ def metrics_group() -> None:
     """Prometheus metrics of every queue."""
 
 
+#: The basic auth password of ``metrics serve`` when no --basic-auth-password-file.
+PASSWORD_ENV = "KOMBU_PGMQ_METRICS_PASSWORD"
+
+
 @metrics_group.command(
     "serve",
     epilog=_examples(
         "kombu-pgmq metrics serve --url postgresql://monitor@db/app --port 9808",
         "curl -s localhost:9808/metrics | grep kombu_pgmq_queue_messages",
+        "kombu-pgmq metrics serve --host 0.0.0.0 --tls-cert exporter.crt \\",
+        "    --tls-key exporter.key --basic-auth-user prometheus \\",
+        "    --basic-auth-password-file /run/secrets/metrics_password",
+        "curl -s --cacert exporter.crt -u prometheus https://db-host:9808/metrics",
     ),
 )
 @url_option
 @dlq_option
-@click.option("--port", default=9808, show_default=True, help="HTTP port of /metrics.")
-@click.option("--addr", default="0.0.0.0", show_default=True, help="Address to listen on.")
-def metrics_serve(url: str | None, dlq_name: str, port: int, addr: str) -> None:
-    """Serve Prometheus metrics on http://ADDR:PORT/metrics until stopped (Ctrl-C,
+@click.option(
+    "--port", default=9808, show_default=True, help="TCP port of /metrics (0: a free one)."
+)
+@click.option(
+    "--host",
+    metavar="ADDRESS",
+    default=None,
+    help="Address to listen on. Default: 127.0.0.1 (this machine only); 0.0.0.0 or :: "
+    "for every interface (then add TLS and basic auth: a warning says what is missing).",
+)
+@click.option("--addr", default=None, hidden=True, help="Old name of --host.")
+@click.option(
+    "--tls-cert",
+    metavar="FILE",
+    help="PEM certificate (chain): serve HTTPS (TLS 1.2+). Needs --tls-key.",
+)
+@click.option("--tls-key", metavar="FILE", help="Unencrypted PEM private key of --tls-cert.")
+@click.option(
+    "--tls-client-ca",
+    metavar="FILE",
+    help="PEM CA certificate(s): scrapers must present a certificate it signed (mutual TLS).",
+)
+@click.option(
+    "--basic-auth-user",
+    metavar="USER",
+    help=f"Require HTTP basic auth as USER (else 401); the password from "
+    f"--basic-auth-password-file, else ${PASSWORD_ENV}.",
+)
+@click.option(
+    "--basic-auth-password-file",
+    metavar="FILE",
+    help="File holding the basic auth password (surrounding whitespace, such as the "
+    "final newline, is ignored). Never give a password on the command line.",
+)
+@click.option(
+    "--cache-seconds",
+    metavar="SECONDS",
+    type=click.FloatRange(min=0),
+    default=5.0,
+    show_default=True,
+    help="Scrapes within this many seconds of the last read of the statistics get that "
+    "snapshot again (0: read on every scrape; concurrent scrapes always share one read).",
+)
+def metrics_serve(
+    url: str | None,
+    dlq_name: str,
+    port: int,
+    host: str | None,
+    addr: str | None,
+    tls_cert: str | None,
+    tls_key: str | None,
+    tls_client_ca: str | None,
+    basic_auth_user: str | None,
+    basic_auth_password_file: str | None,
+    cache_seconds: float,
+) -> None:
+    """Serve Prometheus metrics on http://127.0.0.1:PORT/metrics until stopped (Ctrl-C,
     SIGTERM): per queue ready/in-flight/delayed messages, oldest age, consumers,
-    archive and dead letters, from one statement per scrape."""
-    from ..metrics import serve
+    archive and dead letters, from one statement per snapshot (at most one per
+    --cache-seconds, whatever the number of scrapers; kombu_pgmq_scrape_age_seconds
+    says how old). --host widens it; then use HTTPS (--tls-cert, --tls-key,
+    --tls-client-ca) and basic auth (--basic-auth-user)."""
+    from .. import _metrics_server
+    from ..metrics import DEFAULT_HOST, serve
+
+    if host is not None and addr is not None and host != addr:
+        raise click.UsageError("--addr is the old name of --host: give one of them")
+    host = host or addr or DEFAULT_HOST
+    if (tls_cert is None) != (tls_key is None):
+        given, needed = (
+            ("--tls-key", "--tls-cert") if tls_cert is None else ("--tls-cert", "--tls-key")
+        )
+        _fail(f"{given} needs {needed}: give the certificate and its key (or neither: HTTP)")
+    if tls_client_ca is not None and tls_cert is None:
+        _fail("--tls-client-ca needs --tls-cert and --tls-key (the exporter's own certificate)")
+    for option, path in (
+        ("--tls-cert", tls_cert),
+        ("--tls-key", tls_key),
+        ("--tls-client-ca", tls_client_ca),
+    ):
+        if path is not None:
+            _readable(option, path)
+    basic_auth = _basic_auth(basic_auth_user, basic_auth_password_file)
 
     def check(resolved: str) -> str:
         with Management(resolved, dead_letter_queue=dlq_name) as management:
@@ -367,16 +454,89 @@ def metrics_serve(url: str | None, dlq_name: str, port: int, addr: str) -> None:
         return resolved
 
     resolved = _run(url, check)
+    # a server's log: the warning of a wide host, failed reads, with the time
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
     try:
         server, _thread, _registry = serve(
-            resolved, port=port, addr=addr, dead_letter_queue=dlq_name
+            resolved,
+            host=host,
+            port=port,
+            certfile=tls_cert,
+            keyfile=tls_key,
+            client_cafile=tls_client_ca,
+            basic_auth=basic_auth,
+            cache_seconds=cache_seconds,
+            dead_letter_queue=dlq_name,
         )
     except OSError as exc:
-        _fail(f"cannot listen on {addr}:{port} ({exc.strerror}): choose another --port")
-    click.echo(f"serving kombu_pgmq metrics on http://{addr}:{port}/metrics (Ctrl-C stops)")
+        fix = (
+            "choose another --port"
+            if exc.errno == errno.EADDRINUSE
+            else "give --host an address of this machine (127.0.0.1, 0.0.0.0, ::)"
+        )
+        _fail(f"cannot listen on {host}:{port} ({exc.strerror or exc}): {fix}")
+    bound, bound_port = _metrics_server.bound(server)
+    shown = f"[{bound}]" if ":" in bound else bound
+    scheme = "https" if tls_cert else "http"
+    details = ", ".join(
+        [
+            *(["mutual TLS" if tls_client_ca else "TLS"] if tls_cert else []),
+            *([f"basic auth as {basic_auth_user}"] if basic_auth else []),
+            f"snapshot cached {cache_seconds:g}s",
+        ]
+    )
+    click.echo(
+        f"serving kombu_pgmq metrics on {scheme}://{shown}:{bound_port}/metrics "
+        f"({details}; Ctrl-C stops)"
+    )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     while not stop.wait(1.0):
         pass
     server.shutdown()
+    server.server_close()
+
+
+def _readable(option: str, path: str) -> None:
+    """Exit with one error line naming ``option`` if ``path`` cannot be read."""
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as exc:
+        _fail(f"{option} {path}: {exc.strerror or exc}: give a readable file")
+
+
+def _basic_auth(user: str | None, password_file: str | None) -> tuple[str, str] | None:
+    """``(user, password)`` from --basic-auth-user and --basic-auth-password-file (else
+    ``$KOMBU_PGMQ_METRICS_PASSWORD``), ``None`` without a user; exits with one error line
+    naming the option on anything missing, unreadable or empty. The password is never
+    printed."""
+    from_env = os.environ.get(PASSWORD_ENV)
+    if user is None:
+        if password_file is not None:
+            _fail("--basic-auth-password-file needs --basic-auth-user USER")
+        if from_env is not None:
+            _fail(f"${PASSWORD_ENV} is set but --basic-auth-user is not: give the user")
+        return None
+    if not user or ":" in user:
+        _fail(f"--basic-auth-user {user!r}: give a non-empty user name without ':'")
+    if password_file is not None:
+        try:
+            with open(password_file, encoding="utf-8") as f:
+                password = f.read().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+            _fail(
+                f"--basic-auth-password-file {password_file}: {reason}: give a readable "
+                "file holding the password"
+            )
+        if not password:
+            _fail(f"--basic-auth-password-file {password_file} is empty: write the password in it")
+        return user, password
+    if not from_env:
+        _fail(
+            f"--basic-auth-user needs a password: --basic-auth-password-file FILE or "
+            f"${PASSWORD_ENV} (never on the command line)"
+        )
+    return user, from_env

@@ -1,26 +1,37 @@
 """``kombu-pgmq queues|messages|queue pause|resume|task find|cancel|metrics serve`` on a
 real PostgreSQL: JSON for scripts, tables for people, exit statuses, one error line
-naming the fix (a database without the schema), and the metrics endpoint over HTTP.
+naming the fix (a database without the schema), and the metrics endpoint over HTTP(S):
+127.0.0.1 by default, a warning when wider without TLS or basic auth, the TLS and basic
+auth options and their errors (the server itself: test_metrics_server.py).
 (Unreachable databases, usage errors and ``--help`` examples: test_cli.py.)
 """
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
+import os
+import re
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
 import urllib.request
 import uuid
+from collections.abc import Iterator
+from pathlib import Path
 
+import pytest
 from click.testing import CliRunner, Result
 
 from kombu_pgmq import cli
 
 from .helpers import connect, publish
 from .test_cli import REPO_ROOT, assert_one_error_line
+from .test_metrics_server import get, make_certificates
 
 
 def invoke(*args: str) -> Result:
@@ -175,3 +186,141 @@ def test_metrics_serve_answers_scrapes_and_stops_on_sigterm(db_dsn: str) -> None
         out, err = proc.communicate(timeout=20)
     assert proc.returncode == 0, err
     assert f"serving kombu_pgmq metrics on http://127.0.0.1:{port}/metrics" in out
+
+
+class Served:
+    """A ``kombu-pgmq metrics serve`` subprocess: ``line`` its first line of stdout,
+    ``url`` its /metrics; after the ``with`` block, ``returncode`` and ``stderr``."""
+
+    line = url = stderr = ""
+    returncode: int | None = None
+
+
+@contextlib.contextmanager
+def metrics_serve(*args: str, env: dict[str, str] | None = None) -> Iterator[Served]:
+    """Run ``kombu-pgmq metrics serve --port 0 ARGS`` until it serves (``url``: on
+    127.0.0.1 whatever the host); SIGTERM after."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kombu_pgmq.cli", "metrics", "serve", "--port", "0", *args],
+        cwd=REPO_ROOT,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    served = Served()
+    try:
+        assert proc.stdout is not None
+        served.line = proc.stdout.readline()
+        match = re.match(r"serving kombu_pgmq metrics on (\S+) ", served.line)
+        assert match, (served.line, proc.communicate(timeout=20))
+        served.url = match.group(1).replace("://0.0.0.0:", "://127.0.0.1:")
+        yield served
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, served.stderr = proc.communicate(timeout=20)
+        served.returncode = proc.returncode
+
+
+def test_metrics_serve_defaults_to_loopback_and_warns_when_wider(db_dsn: str) -> None:
+    with metrics_serve("--url", db_dsn) as local:
+        assert local.line.startswith("serving kombu_pgmq metrics on http://127.0.0.1:"), local.line
+        assert "snapshot cached 5s" in local.line
+        assert get(local.url)[0] == 200
+    assert local.returncode == 0 and "WARNING" not in local.stderr, local.stderr
+
+    env = {"KOMBU_PGMQ_METRICS_PASSWORD": "hunter2-secret"}
+    with metrics_serve(
+        "--url", db_dsn, "--host", "0.0.0.0", "--basic-auth-user", "prom", env=env
+    ) as wide:
+        assert wide.line.startswith("serving kombu_pgmq metrics on http://0.0.0.0:"), wide.line
+        assert "basic auth as prom" in wide.line
+        assert get(wide.url)[0] == 401
+        assert get(wide.url, auth=("prom", "hunter2-secret"))[0] == 200
+    assert wide.returncode == 0, wide.stderr
+    warning = [line for line in wide.stderr.splitlines() if "WARNING" in line]
+    assert len(warning) == 1 and "serving 0.0.0.0 port" in warning[0], wide.stderr
+    assert "without TLS" in warning[0] and "without basic auth" not in warning[0]
+    assert "--tls-cert" in warning[0]
+    assert "hunter2" not in wide.line + wide.stderr
+
+
+def test_metrics_serve_https_with_basic_auth_from_a_password_file(
+    db_dsn: str, tmp_path: Path
+) -> None:
+    certs = make_certificates(tmp_path)
+    password_file = tmp_path / "password"
+    password_file.write_text("s3cret-from-file\n")  # the final newline is not part of it
+    with connect(db_dsn) as conn:
+        publish(conn, "cli_tls", [1, 2, 3])
+    with metrics_serve(
+        "--url", db_dsn, "--host", "0.0.0.0", "--cache-seconds", "0",
+        "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
+        "--basic-auth-user", "prom", "--basic-auth-password-file", str(password_file),
+    ) as served:  # fmt: skip
+        assert served.line.startswith("serving kombu_pgmq metrics on https://0.0.0.0:")
+        assert "(TLS, basic auth as prom, snapshot cached 0s;" in served.line
+        context = ssl.create_default_context(cafile=str(certs.server_cert))
+        assert get(served.url, context=context)[0] == 401
+        status, _, body = get(served.url, context=context, auth=("prom", "s3cret-from-file"))
+        assert status == 200
+        assert 'kombu_pgmq_queue_messages{queue="cli_tls",state="ready"} 3.0' in body
+        with pytest.raises((OSError, http.client.HTTPException)):
+            get(served.url.replace("https://", "http://"))
+    assert served.returncode == 0, served.stderr
+    assert "WARNING" not in served.stderr and "s3cret" not in served.stderr, served.stderr
+
+
+def test_metrics_serve_bad_tls_or_auth_options_are_one_error_line(
+    db_dsn: str, tmp_path: Path
+) -> None:
+    certs = make_certificates(tmp_path)
+    cert, key, ca = str(certs.server_cert), str(certs.server_key), str(certs.ca_cert)
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    password = tmp_path / "password"
+    password.write_text("hunter2-secret")
+    no_env = {"KOMBU_PGMQ_METRICS_PASSWORD": None}
+
+    def serve_with(*args: str, env: dict[str, str | None] = no_env) -> Result:
+        return CliRunner().invoke(cli.main, ["metrics", "serve", "--url", db_dsn, *args], env=env)
+
+    for args, fragments in [
+        (["--tls-cert", cert], ["--tls-cert needs --tls-key"]),
+        (["--tls-key", key], ["--tls-key needs --tls-cert"]),
+        (["--tls-client-ca", ca], ["--tls-client-ca needs --tls-cert and --tls-key"]),
+        (["--tls-cert", "/no/such.crt", "--tls-key", key], ["--tls-cert", "No such file"]),
+        (
+            ["--tls-cert", cert, "--tls-key", key, "--tls-client-ca", "/no/ca.crt"],
+            ["--tls-client-ca /no/ca.crt", "No such file"],
+        ),
+        (
+            ["--tls-cert", cert, "--tls-key", str(certs.client_key)],
+            ["--tls-cert", "--tls-key", "KEY_VALUES_MISMATCH", "key matching the certificate"],
+        ),
+        (
+            ["--basic-auth-user", "prom"],
+            ["--basic-auth-password-file FILE or $KOMBU_PGMQ_METRICS_PASSWORD"],
+        ),
+        (["--basic-auth-user", "prom", "--basic-auth-password-file", str(empty)], ["is empty"]),
+        (
+            ["--basic-auth-user", "prom", "--basic-auth-password-file", "/no/pw"],
+            ["--basic-auth-password-file /no/pw", "No such file"],
+        ),
+        (["--basic-auth-password-file", str(password)], ["needs --basic-auth-user"]),
+        (
+            ["--basic-auth-user", "a:b", "--basic-auth-password-file", str(password)],
+            ["--basic-auth-user", "without ':'"],
+        ),
+    ]:
+        result = serve_with(*args)
+        assert_one_error_line(result, *fragments)
+        assert "hunter2" not in result.output
+    assert_one_error_line(
+        serve_with(env={"KOMBU_PGMQ_METRICS_PASSWORD": "hunter2-secret"}),
+        "$KOMBU_PGMQ_METRICS_PASSWORD is set but --basic-auth-user is not",
+    )
+    usage = serve_with("--cache-seconds", "-1")
+    assert usage.exit_code == 2 and "--cache-seconds" in usage.output
+    both = serve_with("--host", "0.0.0.0", "--addr", "127.0.0.1")
+    assert both.exit_code == 2 and "--addr is the old name of --host" in both.output
