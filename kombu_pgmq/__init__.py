@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from kombu.transport import TRANSPORT_ALIASES
 
+from . import _worker_checks
 from ._conninfo import SCHEMES
 from ._naming import pgmq_queue_name
 from .errors import (
@@ -38,6 +39,10 @@ def register() -> None:
 
 
 register()
+
+# In a process that imported Celery (`celery -A proj worker` importing the app module): a
+# worker with bad transport options exits with one line, not a traceback.
+_worker_checks.connect()
 
 
 def __getattr__(name: str) -> object:

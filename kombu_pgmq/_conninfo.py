@@ -80,6 +80,18 @@ def url_to_params(url: str) -> dict[str, Any]:
     return params
 
 
+def is_ours(url: Any, transport: Any = None) -> bool:
+    """True if a broker (``url``: a URL, kombu's ``url1;url2``, or a list of URLs;
+    ``transport``: Celery's ``broker_transport``) is this transport's: a scheme it
+    registers, or a ``broker_transport`` naming ``kombu_pgmq``."""
+    if transport and "kombu_pgmq" in str(transport):
+        return True
+    first = url[0] if isinstance(url, (list, tuple)) and url else url
+    if not isinstance(first, str) or "://" not in first:
+        return False
+    return first.split(";", 1)[0].partition("://")[0].split("+")[-1] in SCHEMES
+
+
 def failover_params(urls: Sequence[str]) -> dict[str, Any]:
     """Fold kombu's failover list (``url1;url2``, ``Connection(alternates=...)``) into
     one libpq multi-host parameter set: ``host`` and ``port`` become comma lists in the

@@ -24,6 +24,7 @@ __all__ = [
     "QueueNotFound",
     "SparkError",
     "SparkServerError",
+    "StatementCanceled",
     "StatementError",
     "TransactionError",
     "Unroutable",
@@ -70,6 +71,13 @@ class StatementError(KombuPgmqError):
     """
 
 
+class StatementCanceled(StatementError):
+    """The server cancelled a statement (SQLSTATE ``57014``): ``statement_timeout`` ran
+    out (e.g. the statement waited for a lock an open transaction holds), or someone
+    called ``pg_cancel_backend``. The statement had no effect and the connection stays
+    usable: it is not a lost connection, and kombu does not retry it."""
+
+
 class QueueNotFound(StatementError):
     """The PGMQ queue table does not exist (deleted by another process?)."""
 
@@ -108,6 +116,7 @@ class SparkServerError(SparkError):
 
 
 _CONNECTION_SQLSTATE_CLASSES = ("08", "57")  # connection exception, operator intervention
+_QUERY_CANCELED = "57014"  # class 57 too, but the connection survives it
 
 
 def translate(exc: psycopg.Error) -> KombuPgmqError:
@@ -116,13 +125,20 @@ def translate(exc: psycopg.Error) -> KombuPgmqError:
     Shapes: ``psycopg.Error -> KombuPgmqError``. Connection loss, admin or crash
     shutdown (``57P01``-``57P03``), ``pg_terminate_backend`` and a read-only server
     (``25006``: a standby after a failover) become :class:`BrokerConnectionError`; a
-    missing privilege (``42501``) :class:`PermissionDenied`; a missing queue table
-    :class:`QueueNotFound`; a JSON body PostgreSQL cannot store
-    :class:`InvalidJsonBody`;
-    anything else :class:`StatementError`. The message keeps the server's text.
+    cancelled statement (``57014``: ``statement_timeout``, ``pg_cancel_backend``)
+    :class:`StatementCanceled`, the connection kept; a missing privilege (``42501``)
+    :class:`PermissionDenied`; a missing queue table :class:`QueueNotFound`; a JSON body
+    PostgreSQL cannot store :class:`InvalidJsonBody`; anything else
+    :class:`StatementError`. The message keeps the server's text.
     """
     sqlstate = getattr(exc, "sqlstate", None) or ""
     text = str(exc).strip() or type(exc).__name__
+    if sqlstate == _QUERY_CANCELED:
+        return StatementCanceled(
+            f"{sqlstate}: {text}: the server cancelled the statement (statement_timeout, or "
+            "pg_cancel_backend); nothing was applied and the connection is kept: raise "
+            "statement_timeout, or end the transaction that holds its locks (pg_locks)"
+        )
     if isinstance(exc, psycopg.OperationalError) and (
         not sqlstate or sqlstate[:2] in _CONNECTION_SQLSTATE_CLASSES
     ):

@@ -30,7 +30,16 @@ connection, including the ones Celery makes on its own (a chord's ``chord_unlock
 Accepted connections: a psycopg 3 ``Connection``; a SQLAlchemy ``Session`` or
 ``Connection`` on the psycopg driver (``postgresql+psycopg://``); a Django connection
 (``django.db.connection``, ``ENGINE`` ``django.db.backends.postgresql`` with psycopg 3).
-The connection must be to the broker's database.
+
+The connection must be to the broker's database, and both forms check it before anything
+is written (a :class:`~kombu_pgmq.errors.ConfigurationError` naming both databases):
+the context manager against the broker of the transport that publishes; ``using(conn)``
+as ``connection=``/``producer=`` against ``broker_url=`` if given, else the current
+Celery app's broker (``broker_write_url``/``broker_url``: a broker that is not
+kombu_pgmq's is refused too, its workers would never see the message). Without either
+(plain kombu, or a Celery app not set as current and no ``broker_url=``), ``conn``'s
+database is the broker. Checked once per application connection: one query on it, and
+the broker's database looked up once per process.
 
 What runs where: the message (and its deduplication claim, and the NOTIFY that wakes a
 waiting consumer, which PostgreSQL delivers at commit) is written on the application's
@@ -58,7 +67,7 @@ import psycopg
 from kombu import Connection
 
 from . import errors
-from ._conninfo import redact
+from ._conninfo import is_ours, redact
 from ._db.broker import Broker
 from ._db.connector import Connector, ExternalConnector
 from .schema import ensure_schema
@@ -77,6 +86,8 @@ _SHARED_LOCK = threading.Lock()
 _BOUND: weakref.WeakKeyDictionary[psycopg.Connection[Any], BoundConnection] = (
     weakref.WeakKeyDictionary()
 )
+# Per process: which database each broker connection string reaches (database_identity).
+_BROKER_DATABASES: dict[tuple[int, str], Any] = {}
 
 
 @atexit.register
@@ -111,7 +122,9 @@ class Binding:
         params.setdefault("application_name", "kombu_pgmq")
         self.dsn = psycopg.conninfo.make_conninfo("", **params)
         self.publisher = Broker(ExternalConnector(connection))
+        self._database: Any = None
         self._same: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+        self._same_broker: dict[str, bool] = {}
 
     def __repr__(self) -> str:
         return f"<kombu_pgmq.Binding {redact(self.dsn)}>"
@@ -142,6 +155,13 @@ class Binding:
                     _SHARED[key] = connector
         return connector
 
+    def database(self) -> Any:
+        """``(name, server start)`` of the application connection's database (one query,
+        the first time)."""
+        if self._database is None:
+            self._database = self.publisher.db.fetch("database_identity")[0]
+        return self._database
+
     def publisher_for(self, transport: Any) -> Broker:
         """The publishing broker for a transport's publish inside ``with using(conn):``.
 
@@ -150,17 +170,52 @@ class Binding:
                 than the transport's broker (checked once per transport).
         """
         same = self._same.get(transport)
+        broker: Any = None
         if same is None:
-            ours: Any = transport.broker().db.fetch("database_identity")[0]
-            theirs: Any = self.publisher.db.fetch("database_identity")[0]
-            same = self._same[transport] = ours == theirs
+            broker = transport.broker().db.fetch("database_identity")[0]
+            same = self._same[transport] = broker == self.database()
         if not same:
-            raise errors.ConfigurationError(
-                f"kombu_pgmq.using(): the application's connection ({redact(self.dsn)}) is "
-                f"to another database than the broker ({redact(transport.dsn)}): bind a "
-                "connection to the broker's database, or publish outside the block"
+            self._refuse(
+                transport.dsn, broker, "the publishing connection's", "or publish outside the block"
             )
         return self.publisher
+
+    def check_broker(self, broker_dsn: str, source: str) -> None:
+        """Refuse to publish for a broker (libpq string ``broker_dsn``, from ``source``)
+        in another database than the application's connection: before anything is
+        written, once per broker (the broker's database is looked up once per process,
+        on a short connection of its own, and again if it seems to differ: the server
+        may have restarted since).
+
+        Raises:
+            ConfigurationError: another database.
+            BrokerConnectionError: the broker cannot be reached.
+        """
+        same = self._same_broker.get(broker_dsn)
+        broker: Any = None
+        if same is None:
+            mine = self.database()
+            same = _broker_database(broker_dsn) == mine
+            if not same:
+                broker = _broker_database(broker_dsn, fresh=True)
+                same = broker == mine
+            self._same_broker[broker_dsn] = same
+        if not same:
+            self._refuse(
+                broker_dsn,
+                broker,
+                source,
+                "or name the task's broker with using(conn, broker_url=...)",
+            )
+
+    def _refuse(self, broker_dsn: str, broker: Any, source: str, fix: str) -> None:
+        theirs = f"database {broker[0]!r} " if broker is not None else ""
+        raise errors.ConfigurationError(
+            f"kombu_pgmq.using(): the application's connection is to database "
+            f"{self.database()[0]!r} ({redact(self.dsn)}), the broker ({source}) to another "
+            f"one, {theirs}({redact(broker_dsn)}): nothing was written. Bind a connection "
+            f"to the broker's database, {fix}"
+        )
 
 
 class BoundConnection(Connection):
@@ -168,13 +223,25 @@ class BoundConnection(Connection):
     module docstring); also a context manager binding every kombu_pgmq publish of the
     block to it. Closing it never closes the application's connection."""
 
-    def __init__(self, binding: Binding, transport_options: Mapping[str, Any] | None = None):
+    def __init__(
+        self,
+        binding: Binding,
+        transport_options: Mapping[str, Any] | None = None,
+        broker_url: str | None = None,
+        broker_source: str = "given as broker_url=",
+    ):
         from .transport.transport import BoundTransport
 
-        options = dict(transport_options or {})
-        options[BINDING_OPTION] = binding
+        #: The transport options given (kombu adds a publish's retry policy to
+        #: ``transport_options``: those are not compared by :func:`using`).
+        self.options_given = dict(transport_options or {})
+        options = {**self.options_given, BINDING_OPTION: binding}
         super().__init__("postgresql://", transport=BoundTransport, transport_options=options)
         self.binding = binding
+        #: The broker its publishes are for (checked to be ``binding``'s database), and
+        #: where that came from; None: the binding's database is the broker.
+        self.broker_url = broker_url
+        self.broker_source = broker_source
         self._tokens: list[contextvars.Token[Binding | None]] = []
 
     def __enter__(self) -> BoundConnection:
@@ -185,34 +252,51 @@ class BoundConnection(Connection):
         _CURRENT.reset(self._tokens.pop())
 
     def clone(self, **kwargs: Any) -> BoundConnection:
-        return BoundConnection(self.binding, self.transport_options)
+        return BoundConnection(
+            self.binding, self.options_given, self.broker_url, self.broker_source
+        )
 
 
-def using(conn: Any, *, transport_options: Mapping[str, Any] | None = None) -> BoundConnection:
+def using(
+    conn: Any,
+    *,
+    broker_url: str | None = None,
+    transport_options: Mapping[str, Any] | None = None,
+) -> BoundConnection:
     """A Kombu connection that publishes inside ``conn``'s transaction.
 
     Arguments:
         conn: a psycopg 3 ``Connection``, a SQLAlchemy ``Session``/``Connection`` on the
             psycopg driver, or a Django connection (PostgreSQL, psycopg 3).
+        broker_url: the broker the publishes are for; ``conn`` must be to its database
+            (checked at the first publish, before anything is written). Default: the
+            current Celery app's ``broker_write_url``/``broker_url``; with neither,
+            ``conn``'s database is the broker.
         transport_options: transport options of its publishes (default: the current
             Celery app's ``broker_transport_options``, e.g. ``deduplication_window``).
 
     Shapes: ``(conn) -> BoundConnection`` (a :class:`kombu.Connection`), the same object
-    again for the same application connection and options.
+    again for the same application connection, broker and options.
 
     Raises:
         ConfigurationError: ``conn`` is none of those (e.g. psycopg 2, an async
-            connection), or closed.
+            connection), or closed; the current Celery app's broker is not a PostgreSQL
+            URL (and no ``broker_url`` was given).
     """
     pg = driver_connection(conn)
+    conf = _celery_conf()
     if transport_options is None:
-        transport_options = _celery_transport_options()
+        transport_options = dict(conf.broker_transport_options or {}) if conf is not None else {}
+    source = "given as broker_url="
+    if broker_url is None and conf is not None:
+        broker_url = _celery_broker_url(conf)
+        source = "the current Celery app's broker_url"
     bound = _BOUND.get(pg)
-    if bound is None or bound.transport_options != {
-        **transport_options,
-        BINDING_OPTION: bound.binding,
-    }:
-        bound = _BOUND[pg] = BoundConnection(Binding(pg), transport_options)
+    if bound is None:
+        bound = _BOUND[pg] = BoundConnection(Binding(pg), transport_options, broker_url, source)
+    elif bound.broker_url != broker_url or bound.options_given != transport_options:
+        binding = bound.binding  # its checks stay cached
+        bound = _BOUND[pg] = BoundConnection(binding, transport_options, broker_url, source)
     return bound
 
 
@@ -254,8 +338,42 @@ def driver_connection(conn: Any) -> psycopg.Connection[Any]:
     return pg
 
 
-def _celery_transport_options() -> dict[str, Any]:
+def _celery_conf() -> Any:
+    """The current Celery app's configuration (None if the process does not use Celery)."""
     celery = sys.modules.get("celery")  # only if the application uses Celery already
-    if celery is None:
-        return {}
-    return dict(celery.current_app.conf.broker_transport_options or {})
+    return None if celery is None else celery.current_app.conf
+
+
+def _celery_broker_url(conf: Any) -> str | None:
+    """The broker URL Celery publishes to (None: not configured).
+
+    Raises:
+        ConfigurationError: it is not kombu_pgmq's (not a PostgreSQL URL, and
+            ``broker_transport`` does not name kombu_pgmq).
+    """
+    url = conf.broker_write_url
+    if not url:
+        return None
+    if not isinstance(url, str):  # a failover list
+        url = ";".join(url)
+    if is_ours(url, conf.broker_transport):
+        return url
+    raise errors.ConfigurationError(
+        f"kombu_pgmq.using(): the current Celery app's broker ({redact(url)}) is not "
+        "kombu_pgmq's (postgresql://): its workers would never see the message; name the "
+        "PostgreSQL broker with kombu_pgmq.using(conn, broker_url=...)"
+    )
+
+
+def _broker_database(dsn: str, *, fresh: bool = False) -> Any:
+    """``(name, server start)`` of the database libpq string ``dsn`` reaches (cached per
+    process; ``fresh``: look again)."""
+    key = (os.getpid(), dsn)
+    found = None if fresh else _BROKER_DATABASES.get(key)
+    if found is None:
+        connector = Connector(dsn)
+        try:
+            found = _BROKER_DATABASES[key] = connector.fetch("database_identity")[0]
+        finally:
+            connector.close()
+    return found

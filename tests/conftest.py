@@ -36,6 +36,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(marker)
 
 
+@pytest.fixture(autouse=True)
+def _restore_current_celery_app() -> Iterator[None]:
+    """Each test starts with the current Celery app it found: ``Celery(...)`` makes itself
+    current, and ``kombu_pgmq.using(conn)`` publishes to the current app's broker, so an
+    app left by one test (its database dropped since) must not be another test's broker."""
+    import sys
+
+    state = sys.modules.get("celery._state")
+    before = getattr(state._tls, "current_app", None) if state is not None else None
+    yield
+    state = sys.modules.get("celery._state")
+    if state is not None:
+        state._set_current_app(before)
+
+
 @pytest.fixture(scope="session")
 def pg_server() -> Iterator[str]:
     """DSN of the server tests create databases on (a URL or ``key=value`` string)."""

@@ -4,11 +4,15 @@ Kombu connection from ``Connection(transport_options=...)`` / Celery's
 
 Each field carries its unit and its documentation (``metadata``); the README's table of
 transport options is checked against :data:`OPTIONS` by a test, so the two cannot drift.
-Options this transport does not know (kombu's and Celery's own) are ignored here.
+The options kombu itself reads from the same dict (:data:`KOMBU_OPTIONS`) are accepted
+and left to it; any other name is refused, with the closest known name (a typo such as
+``visibilty_timeout`` would otherwise pass silently and leave the default in force).
 """
 
 from __future__ import annotations
 
+import difflib
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -16,10 +20,38 @@ from typing import Any
 from .._priorities import validate_steps
 from ..errors import ConfigurationError
 
-__all__ = ["JSONB_MAX_BYTES", "OPTIONS", "TransportOptions"]
+__all__ = ["JSONB_MAX_BYTES", "KOMBU_OPTIONS", "OPTIONS", "TransportOptions"]
 
 #: Largest value a jsonb column holds (PostgreSQL's limit, 255 MiB).
 JSONB_MAX_BYTES = 268_435_455
+#: Caps the server enforces on windows a caller sets (migration 0017): a visibility
+#: timeout of 12 hours (SQS's maximum), a deduplication window of 7 days, a consumer
+#: counted as gone at most a day after its last heartbeat.
+MAX_VISIBILITY_TIMEOUT_SECONDS = 43_200
+MAX_DEDUPLICATION_WINDOW_SECONDS = 604_800
+MAX_CONSUMER_STALE_AFTER_SECONDS = 86_400
+
+#: Transport options kombu reads itself (kombu 5.7; Celery adds none of its own): its
+#: virtual channel's ``from_transport_options``; its ``Connection``'s connect retries
+#: (``_extract_failover_opts``); and a publish's retry policy, which
+#: ``Producer.publish(retry=True)`` writes into the connection's transport options
+#: (``Connection.ensure``'s arguments, Celery's ``task_publish_retry_policy``).
+#: ``polling_interval`` is kombu's and ours.
+KOMBU_OPTIONS = frozenset(
+    {
+        "body_encoding",
+        "deadletter_queue",
+        "max_retries",
+        "interval_start",
+        "interval_step",
+        "interval_max",
+        "connect_retries_timeout",
+        "errback",
+        "callback",
+        "on_revive",
+        "retry_errors",
+    }
+)
 
 
 def _doc(unit: str, text: str) -> dict[str, str]:
@@ -104,20 +136,23 @@ class TransportOptions:
         """Validate ``options`` (a transport options dict) once.
 
         Raises:
-            ConfigurationError: an option has a bad value (the message names the option,
-                the value and what is expected).
+            ConfigurationError: an unknown option (the message suggests the closest
+                known name), or an option with a bad value (the message names the
+                option, the value and what is expected).
         """
+        _refuse_unknown(options or {})
         given = {f.name: options[f.name] for f in fields(cls) if options and f.name in options}
         values = {**{f.name: _default(f) for f in fields(cls)}, **given}
 
         def bad(name: str, want: str) -> ConfigurationError:
             return ConfigurationError(
                 f"transport option {name}={values[name]!r} is invalid: expected {want}"
+                f" (default: {OPTIONS[name][1]!r})"
             )
 
         vt = _number(values["visibility_timeout"])
-        if vt is None or vt < 1:
-            raise bad("visibility_timeout", "seconds >= 1")
+        if vt is None or not 1 <= vt <= MAX_VISIBILITY_TIMEOUT_SECONDS:
+            raise bad("visibility_timeout", f"seconds from 1 to {MAX_VISIBILITY_TIMEOUT_SECONDS}")
         renewal = values["lease_renewal_interval"]
         if renewal is not None:
             renewal = _number(renewal)
@@ -157,10 +192,16 @@ class TransportOptions:
         if not isinstance(conn_opts, Mapping):
             raise bad("connection_options", "a dict of libpq parameters")
         timing = {}
-        for name in ("consumer_heartbeat_interval", "consumer_stale_after", "deduplication_window"):
+        for name, most in (
+            ("consumer_heartbeat_interval", None),
+            ("consumer_stale_after", MAX_CONSUMER_STALE_AFTER_SECONDS),
+            ("deduplication_window", MAX_DEDUPLICATION_WINDOW_SECONDS),
+        ):
             number = _number(values[name])
             if number is None or number <= 0:
                 raise bad(name, "seconds > 0")
+            if most is not None and number > most:
+                raise bad(name, f"seconds > 0, at most {most} (the server caps it there)")
             timing[name] = number
         return cls(
             visibility_timeout=vt,
@@ -189,12 +230,45 @@ def _is_int(value: Any) -> bool:
 
 
 def _number(value: Any) -> float | None:
+    """``value`` as a finite float (None: not a number, a bool, NaN or infinite)."""
     if isinstance(value, bool):
         return None
     try:
-        return float(value)
+        number = float(value)
     except (TypeError, ValueError):
         return None
+    return number if math.isfinite(number) else None
+
+
+def _refuse_unknown(options: Mapping[str, Any]) -> None:
+    """Raise :class:`ConfigurationError` for names neither ours nor kombu's."""
+    known = [*OPTIONS, *sorted(KOMBU_OPTIONS)]
+    unknown = sorted(
+        str(name) for name in options if name not in OPTIONS and name not in KOMBU_OPTIONS
+    )
+    if not unknown:
+        return
+    parts: list[tuple[str, str | None]] = []
+    for name in unknown:
+        matches = difflib.get_close_matches(name, known, n=1)
+        parts.append((name, matches[0] if matches else None))
+    ours = ", ".join(OPTIONS)
+    if len(parts) == 1:
+        name, close = parts[0]
+        hint = (
+            f"did you mean {close!r}?"
+            if close
+            else "not an option of kombu_pgmq or kombu: remove it"
+        )
+        raise ConfigurationError(
+            f"unknown transport option {name!r}: {hint} (kombu_pgmq's options: {ours})"
+        )
+    listed = ", ".join(
+        f"{name!r} (did you mean {close!r}?)" if close else repr(name) for name, close in parts
+    )
+    raise ConfigurationError(
+        f"unknown transport options {listed}: fix or remove them (kombu_pgmq's options: {ours})"
+    )
 
 
 #: ``{name: (unit, default, doc)}`` of every transport option (README's table).

@@ -16,6 +16,8 @@ Environment
     ``consumer_stale_after``.
     ``KPT_LEASE_RENEWAL_INTERVAL``, ``KPT_ETA_LEAD_SECONDS`` (seconds, optional) and
     ``KPT_MAX_DELIVERIES`` (int, optional): the transport options of those names.
+    ``KPT_TRANSPORT_OPTIONS`` (JSON object, optional): more ``broker_transport_options``,
+    given as is (e.g. a misspelt or invalid one).
     ``KPT_MAX_PRIORITY`` (int, optional): queue ``celery`` is declared with
     ``x-max-priority``. ``KPT_FIFO_QUEUE`` (optional): a queue ``fifo`` with
     ``x-fifo-groups`` besides ``celery``. ``KPT_PREFETCH_MULTIPLIER`` (int, optional):
@@ -24,6 +26,7 @@ Environment
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -101,6 +104,8 @@ def create_app(env: Mapping[str, str] = os.environ) -> Celery:
             transport_options[option] = float(env[var])
     if env.get("KPT_MAX_DELIVERIES"):
         transport_options["max_deliveries"] = int(env["KPT_MAX_DELIVERIES"])
+    if env.get("KPT_TRANSPORT_OPTIONS"):
+        transport_options.update(json.loads(env["KPT_TRANSPORT_OPTIONS"]))
 
     app = Celery("kpt_e2e", set_as_current=False)
     app.conf.update(

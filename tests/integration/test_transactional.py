@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -128,14 +129,119 @@ def test_unsupported_connections_are_clear_errors(db_dsn):
         kombu_pgmq.using(closed)
 
 
+def _dbname(dsn: str) -> str:
+    return str(psycopg.conninfo.conninfo_to_dict(dsn)["dbname"])
+
+
+def _schemas(dsn: str) -> list[str]:
+    rows = sql(dsn, "SELECT nspname FROM pg_namespace WHERE nspname IN ('pgmq', 'kombu_pgmq')")
+    return sorted(r[0] for r in rows)
+
+
+@contextlib.contextmanager
+def _current_celery_app(broker_url: str) -> Iterator[Any]:
+    """A Celery app set as current (as ``Celery(...)`` does by default), then the one
+    before it again."""
+    from celery import Celery, _state
+
+    previous = _state._tls.current_app
+    app = Celery("using_check", broker=broker_url)  # set_as_current=True
+    try:
+        yield app
+    finally:
+        _state._tls.current_app = previous
+
+
 def test_an_application_connection_to_another_database_is_refused(db_dsn, empty_db_dsn):
     with (
         connect(db_dsn) as broker,
         psycopg.connect(empty_db_dsn) as elsewhere,
         kombu_pgmq.using(elsewhere),
-        pytest.raises(errors.ConfigurationError, match="another database"),
+        pytest.raises(errors.ConfigurationError, match="publish outside the block") as info,
     ):
         Producer(broker).publish({}, routing_key="x", declare=[Queue("x")])
+    assert f"database {_dbname(empty_db_dsn)!r}" in str(info.value)
+    assert f"database {_dbname(db_dsn)!r}" in str(info.value)
+    assert _schemas(empty_db_dsn) == []
+
+
+def test_the_connection_form_is_checked_against_the_current_celery_apps_broker(
+    db_dsn, empty_db_dsn
+):
+    """Issue 25, item 7: ``apply_async(connection=using(conn))`` with ``conn`` to another
+    database than the app's broker installed PGMQ and kombu_pgmq there and left the task
+    in it, where no worker of the app looks. Now refused before anything is written."""
+    with _current_celery_app(db_dsn) as app, psycopg.connect(empty_db_dsn) as elsewhere:
+
+        @app.task(name="using_check.noop")
+        def noop() -> None:
+            pass
+
+        with pytest.raises(errors.ConfigurationError) as info:
+            noop.apply_async(connection=kombu_pgmq.using(elsewhere))
+        with pytest.raises(errors.ConfigurationError):  # again: refused from the cache
+            noop.apply_async(connection=kombu_pgmq.using(elsewhere))
+    message = str(info.value)
+    assert f"is to database {_dbname(empty_db_dsn)!r}" in message
+    assert f"database {_dbname(db_dsn)!r}" in message
+    assert "the current Celery app's broker_url" in message
+    assert "nothing was written" in message and "broker_url=..." in message
+    assert _schemas(empty_db_dsn) == []  # no PGMQ, no kombu_pgmq, no task in B
+    assert sql(db_dsn, "SELECT to_regclass('pgmq.q_celery')") == [(None,)]  # nor in A
+    assert sql(db_dsn, "SELECT count(*) FROM kombu_pgmq.queues") == [(0,)]
+
+
+def test_the_connection_form_is_checked_against_an_explicit_broker_url(db_dsn, empty_db_dsn):
+    with psycopg.connect(empty_db_dsn) as elsewhere:
+        bound = kombu_pgmq.using(elsewhere, broker_url=db_dsn)
+        with pytest.raises(errors.ConfigurationError, match="given as broker_url="):
+            Producer(bound).publish({}, routing_key="x", declare=[Queue("x")])
+    assert _schemas(empty_db_dsn) == []
+
+
+def test_the_check_costs_no_round_trip_per_publish(db_dsn, monkeypatch):
+    """Once per application connection (one query on it), the broker's database once
+    per process; a URL spelled differently for the same database is the same broker."""
+    from kombu_pgmq._db.connector import Connector
+
+    looked_up: list[str] = []
+    fetch = Connector.fetch
+
+    def spy(self: Any, query: Any, *args: Any, **kwargs: Any) -> Any:
+        if query == "database_identity":
+            looked_up.append(type(self).__name__)
+        return fetch(self, query, *args, **kwargs)
+
+    monkeypatch.setattr(Connector, "fetch", spy)
+    same_database = f"{db_dsn}?application_name=another_spelling"
+    with _current_celery_app(same_database) as app:
+
+        @app.task(name="using_check.record")
+        def record(n: int) -> None:
+            pass
+
+        with psycopg.connect(db_dsn) as pg, pg.transaction():
+            bound = kombu_pgmq.using(pg)
+            for n in range(5):
+                record.apply_async((n,), connection=kombu_pgmq.using(pg))
+            # kombu put Celery's retry policy in its transport_options: still the same
+            assert kombu_pgmq.using(pg) is bound and "max_retries" in bound.transport_options
+        assert sorted(looked_up) == ["Connector", "ExternalConnector"]
+        with psycopg.connect(db_dsn) as pg, pg.transaction():
+            for n in range(5):
+                record.apply_async((n,), connection=kombu_pgmq.using(pg))
+        assert sorted(looked_up) == ["Connector", "ExternalConnector", "ExternalConnector"]
+    assert _count(db_dsn, "celery") == 10
+
+
+def test_a_current_celery_app_on_another_kind_of_broker_is_refused(db_dsn):
+    with _current_celery_app("redis://:secret@localhost:6379/0"), psycopg.connect(db_dsn) as pg:
+        with pytest.raises(errors.ConfigurationError, match="is not kombu_pgmq's") as info:
+            kombu_pgmq.using(pg)
+        assert "secret" not in str(info.value)
+        Producer(kombu_pgmq.using(pg, broker_url=db_dsn)).publish(
+            {}, routing_key="named", declare=[Queue("named")]
+        )
 
 
 def test_threads_bind_independently(db_dsn):

@@ -10,6 +10,7 @@ from kombu_pgmq.errors import (
     InvalidJsonBody,
     KombuPgmqError,
     QueueNotFound,
+    StatementCanceled,
     StatementError,
     translate,
 )
@@ -81,3 +82,20 @@ def test_failover_states_are_connection_errors(sqlstate):
     down, makes kombu reconnect (to the new primary) instead of failing the statement."""
     exc = pg_errors.lookup(sqlstate)("server says no")
     assert isinstance(translate(exc), BrokerConnectionError)
+
+
+@pytest.mark.parametrize(
+    "message",
+    ["canceling statement due to statement timeout", "canceling statement due to user request"],
+)
+def test_a_cancelled_statement_is_a_statement_error_not_a_lost_connection(message):
+    """Issue 25, item 9: 57014 (statement_timeout, pg_cancel_backend) is in class 57 with
+    the shutdowns, but the connection survives it: the connector must not drop it, and
+    kombu must not reconnect and retry. psycopg makes it an OperationalError."""
+    exc = pg_errors.lookup("57014")(message)
+    assert isinstance(exc, psycopg.OperationalError) and exc.sqlstate == "57014"
+    err = translate(exc)
+    assert type(err) is StatementCanceled
+    assert isinstance(err, StatementError) and not isinstance(err, ConnectionError)
+    assert str(err).startswith(f"57014: {message}")
+    assert "statement_timeout" in str(err) and "connection is kept" in str(err)

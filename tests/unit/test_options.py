@@ -3,6 +3,8 @@ docstring list exactly these options."""
 
 from __future__ import annotations
 
+import inspect
+import math
 import re
 from pathlib import Path
 
@@ -10,7 +12,7 @@ import pytest
 
 import kombu_pgmq.transport as transport_module
 from kombu_pgmq.errors import ConfigurationError
-from kombu_pgmq.transport.options import OPTIONS, TransportOptions
+from kombu_pgmq.transport.options import KOMBU_OPTIONS, OPTIONS, TransportOptions
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -57,7 +59,78 @@ def test_defaults_parse():
     options = TransportOptions.parse({})
     assert options.vt_seconds == 30
     assert options.renewal_interval_seconds == 10
-    assert TransportOptions.parse({"celery_only_option": 1}) == options
+
+
+def test_the_options_kombu_reads_itself_are_accepted_and_left_to_it():
+    """kombu 5.7 reads these from the same dict: its virtual channel's
+    ``from_transport_options``, ``Connection._extract_failover_opts``, and
+    ``Connection.ensure``'s arguments (``Producer.publish(retry=True)`` writes the retry
+    policy, Celery's ``task_publish_retry_policy`` included, into transport_options).
+    Read from kombu's code, so a kombu release that reads another one fails here."""
+    from kombu import Connection
+    from kombu.transport import virtual
+
+    failover = re.findall(
+        r"'(\w+)' in transport_opts", inspect.getsource(Connection._extract_failover_opts)
+    )
+    assert len(failover) >= 7
+    ensure = set(inspect.signature(Connection.ensure).parameters) - {"self", "obj", "fun"}
+    kombus = {*virtual.Channel.from_transport_options, *failover, *ensure}
+    assert kombus <= KOMBU_OPTIONS | set(OPTIONS)
+    celery_policy = {"max_retries": 3, "interval_start": 0, "interval_max": 1, "interval_step": 0.2}
+    given = {name: None for name in KOMBU_OPTIONS} | celery_policy | {"polling_interval": 2}
+    assert TransportOptions.parse(given) == TransportOptions.parse({"polling_interval": 2})
+
+
+def test_a_typo_is_refused_with_the_closest_name():
+    """Issue 25, item 8: an unknown option used to be ignored, the default in force."""
+    with pytest.raises(ConfigurationError) as info:
+        TransportOptions.parse({"visibilty_timeout": 60})
+    assert str(info.value) == (
+        "unknown transport option 'visibilty_timeout': did you mean 'visibility_timeout'? "
+        f"(kombu_pgmq's options: {', '.join(OPTIONS)})"
+    )
+    with pytest.raises(ConfigurationError, match="did you mean 'max_retries'"):
+        TransportOptions.parse({"max_retry": 3})  # kombu's names are suggested too
+
+
+def test_an_unknown_option_without_a_close_name_is_refused():
+    with pytest.raises(ConfigurationError) as info:
+        TransportOptions.parse({"fanout_prefix": True})  # kombu's Redis transport's
+    assert str(info.value).startswith(
+        "unknown transport option 'fanout_prefix': not an option of kombu_pgmq or kombu: "
+        "remove it (kombu_pgmq's options: visibility_timeout, "
+    )
+
+
+def test_several_unknown_options_are_named_in_one_error():
+    with pytest.raises(ConfigurationError) as info:
+        TransportOptions.parse({"polling_intervall": 1, "zzz": 1, "visibility_timeout": 5})
+    assert str(info.value).startswith(
+        "unknown transport options 'polling_intervall' (did you mean 'polling_interval'?), "
+        "'zzz': fix or remove them (kombu_pgmq's options: "
+    )
+
+
+SECONDS = [name for name, (unit, _, _) in OPTIONS.items() if unit == "seconds"]
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, "nan", "inf"])
+@pytest.mark.parametrize("name", SECONDS)
+def test_non_finite_numbers_are_refused(name, value):
+    """NaN passed every comparison (NaN < 1 is False) and inf meant "never"."""
+    with pytest.raises(ConfigurationError, match=f"transport option {name}="):
+        TransportOptions.parse({name: value})
+
+
+def test_a_bad_value_is_one_line_naming_the_option_the_value_and_the_fix():
+    with pytest.raises(ConfigurationError) as info:
+        TransportOptions.parse({"visibility_timeout": "abc"})
+    assert str(info.value) == (
+        "transport option visibility_timeout='abc' is invalid: expected seconds from 1 to "
+        "43200 (default: 30.0)"
+    )
+    assert info.value.__cause__ is None and info.value.__context__ is None
 
 
 @pytest.mark.parametrize(
@@ -84,3 +157,29 @@ def test_defaults_parse():
 def test_bad_values_name_the_option(name, value):
     with pytest.raises(ConfigurationError, match=name):
         TransportOptions.parse({name: value})
+
+
+def _celery_conf(broker_url: str, options: dict[str, object]) -> object:
+    from celery import Celery
+
+    app = Celery("options_check", broker=broker_url, set_as_current=False)
+    app.conf.broker_transport_options = options
+    return app.conf
+
+
+def test_a_celery_worker_stops_at_start_with_one_line():
+    """The ``celeryd_init`` check (kombu_pgmq._worker_checks): ``celery worker`` exits
+    with the error as its only line instead of the transport constructor's traceback."""
+    from kombu_pgmq._worker_checks import check_transport_options
+
+    url = "postgresql://u@db.example/app"
+    with pytest.raises(SystemExit) as info:
+        check_transport_options(conf=_celery_conf(url, {"visibility_timeout": "abc"}))
+    assert info.value.code == (
+        "kombu_pgmq: broker_transport_options: transport option visibility_timeout='abc' "
+        "is invalid: expected seconds from 1 to 43200 (default: 30.0)"
+    )
+    assert info.value.__suppress_context__  # no "During handling of the above..."
+    check_transport_options(conf=_celery_conf(url, {"visibility_timeout": 60, "max_retries": 3}))
+    # another broker's options are not ours to judge
+    check_transport_options(conf=_celery_conf("redis://h/0", {"fanout_prefix": True}))

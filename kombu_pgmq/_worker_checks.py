@@ -1,0 +1,59 @@
+"""Checks a ``celery worker`` runs before it starts, when its broker is kombu_pgmq's.
+
+Celery creates the transport inside ``app.Worker(...)`` (to ask whether it can run an
+event loop), before its logging is set up and outside any error handler: a
+:class:`~kombu_pgmq.errors.ConfigurationError` raised by the transport there reaches the
+terminal as Python's traceback, some 60 lines of click, Celery and kombu frames with the
+message last. Celery sends ``celeryd_init`` just before that, in ``celery worker`` only;
+:func:`check_transport_options` validates ``broker_transport_options`` there and, if they
+are invalid, ends the worker with one line on stderr naming the option, the value and the
+fix (a ``SystemExit``, as Celery's own ``WorkerShutdown``). Exit status 1.
+
+Connected by ``import kombu_pgmq`` in a process that has imported Celery: ``celery -A proj
+worker`` imports the app module, which imports kombu_pgmq (it must, for the
+``postgresql://`` scheme), after Celery. A worker that finds the transport only through
+``broker_transport = "kombu_pgmq:Transport"``, without that import, reports the error as
+the traceback above.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any
+
+from ._conninfo import is_ours
+from .errors import ConfigurationError
+
+__all__ = ["check_transport_options", "connect"]
+
+
+def connect() -> None:
+    """Run :func:`check_transport_options` at every ``celery worker`` start (idempotent).
+    Only for a process that has imported Celery already (Celery is an extra)."""
+    if "celery" not in sys.modules:
+        return
+    celeryd_init = importlib.import_module("celery.signals").celeryd_init
+    celeryd_init.connect(
+        check_transport_options, weak=False, dispatch_uid="kombu_pgmq.check_transport_options"
+    )
+
+
+def check_transport_options(conf: Any = None, **_: Any) -> None:
+    """``celeryd_init`` receiver: refuse invalid ``broker_transport_options`` of a
+    kombu_pgmq broker with one line.
+
+    Raises:
+        SystemExit: an unknown option or a bad value (the message says which and the fix).
+    """
+    if conf is None:
+        return
+    urls = (conf.broker_url, conf.broker_read_url, conf.broker_write_url)
+    if not any(is_ours(url, conf.broker_transport) for url in urls):
+        return
+    from .transport.options import TransportOptions  # the transport package, only now
+
+    try:
+        TransportOptions.parse(conf.broker_transport_options or {})
+    except ConfigurationError as exc:
+        raise SystemExit(f"kombu_pgmq: broker_transport_options: {exc}") from None
