@@ -13,8 +13,9 @@ dead_lettered_at}``. In SQL::
 command line (:mod:`kombu_pgmq.cli`). Replay moves a message back to its original Kombu
 queue (the priority band of its priority) in one transaction per batch: it is removed
 from the dead-letter queue and sent to its queue together, or not at all. The replayed
-copy loses ``x-dead-letter`` and counts its replays in ``x-dead-letter-replays``; its
-``read_ct`` starts again at 0, so it gets ``max_deliveries`` fresh deliveries.
+copy loses ``x-dead-letter`` (and its count of restores, ``x-kombu-restored``) and counts
+its replays in ``x-dead-letter-replays``; its ``read_ct`` starts again at 0, so it gets
+``max_deliveries`` fresh deliveries.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from . import errors
 from ._db.admin import Admin, DeadLetter
 from ._db.broker import Broker
 from ._db.connector import Connector
-from ._encoding import ENVELOPE_KEY, dumps
+from ._encoding import ENVELOPE_KEY, RESTORED_KEY, dumps
 from ._naming import pgmq_queue_name
 
 #: The transport's default dead-letter queue (Kombu name).
@@ -47,7 +48,8 @@ class DeadLetterInfo:
 
     ``queue``/``pgmq_queue``: where it came from (None if it lacks ``x-dead-letter``);
     ``read_ct``: its read count there (see :attr:`deliveries`); ``reason``:
-    ``"max_deliveries"``, ``"rejected"`` or ``"undecodable"``; ``task``/``task_id``:
+    ``"max_deliveries"``, ``"rejected"``, ``"undecodable"`` or ``"consumer_error"``;
+    ``task``/``task_id``:
     Celery's headers (None for plain Kombu messages); ``body``: the stored message as
     JSON text; times are timezone-aware.
     """
@@ -67,11 +69,16 @@ class DeadLetterInfo:
 
     @property
     def deliveries(self) -> int | None:
-        """Times it was delivered: ``read_ct``, less the read that found it over
-        ``max_deliveries`` (that read moved it instead of delivering it)."""
+        """Times it reached a consumer: ``read_ct``, less its restores (deliveries
+        returned unprocessed, header ``x-kombu-restored``) and the read that found it
+        over ``max_deliveries`` (that read moved it instead of delivering it)."""
         if self.read_ct is None:
             return None
-        return self.read_ct - 1 if self.reason == "max_deliveries" else self.read_ct
+        restored = self.headers.get(RESTORED_KEY)
+        if not isinstance(restored, int) or isinstance(restored, bool):
+            restored = 0
+        moved = 1 if self.reason == "max_deliveries" else 0
+        return self.read_ct - restored - moved
 
     @classmethod
     def from_row(cls, row: DeadLetter) -> DeadLetterInfo:
@@ -251,7 +258,7 @@ class DeadLetterQueue:
             priority = int(properties.get("priority") or 0)  # queue_for clamps it
         except (TypeError, ValueError):
             priority = 0
-        headers = {k: v for k, v in info.headers.items() if k != _HEADER}
+        headers = {k: v for k, v in info.headers.items() if k not in (_HEADER, RESTORED_KEY)}
         headers[_REPLAYS] = int(headers.get(_REPLAYS) or 0) + 1
         self._broker.send(bands.queue_for(priority), info.body, dumps(headers))
 

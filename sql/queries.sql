@@ -21,7 +21,8 @@ SELECT kombu_pgmq.publish(%(queue)s, %(message)s::jsonb, %(headers)s::jsonb,
 -- pgmq.send's format + EXECUTE. The row is the one pgmq.send writes (vt = now +
 -- delay_seconds, message, headers; msg_id and enqueued_at from the table's defaults).
 -- Migration 0003's shared advisory lock is taken before the row is written, and consumers
--- waiting on the queue are notified after it (kombu_pgmq.notify_waiting, migration 0013).
+-- waiting on the queue are notified after it (kombu_pgmq.notify_waiting, migration 0013;
+-- a delayed message with its due time, migration 0016).
 WITH locked AS (
     SELECT pg_advisory_xact_lock_shared(1802530161, hashtext(%(queue)s))
 ), sent AS (
@@ -29,11 +30,12 @@ WITH locked AS (
     SELECT clock_timestamp() + make_interval(secs => %(delay_seconds)s::integer),
            %(message)s::jsonb, %(headers)s::jsonb
     FROM locked
-    RETURNING msg_id
+    RETURNING msg_id, vt
 )
 SELECT msg_id,
-       CASE WHEN %(delay_seconds)s::integer <= 0
-            THEN kombu_pgmq.notify_waiting(%(queue)s)::text END AS notified
+       kombu_pgmq.notify_waiting(%(queue)s,
+                                 CASE WHEN %(delay_seconds)s::integer > 0 THEN vt END)::text
+           AS notified
 FROM sent
 
 -- name: read
@@ -62,12 +64,15 @@ FROM kombu_pgmq.read(%(queues)s::text[], %(vt_seconds)s::integer, %(qty)s::integ
 -- pgmq.read/ack (format + EXECUTE, planned on every call). The tables stay PGMQ's: the
 -- same columns written as pgmq.read (vt, read_ct, last_read_at) and pgmq.archive (the
 -- row moved to the archive) write them. acked: archive the rows the ack receipts still
--- hold (msg_id, read_ct, enqueued_at, migration 0007); read: up to qty visible rows in
--- msg_id order, FOR UPDATE SKIP LOCKED, never one being acked here, nothing from a
--- paused queue (migration 0012). Rows with acked = true are the acks applied.
--- {queue_table}/{archive_table}: pgmq.q_<name>/pgmq.a_<name>; {archive_columns}: the
--- queue table's columns the archive has; {touch}: read_touch_last_read_at, or nothing
--- for PGMQ < 1.11 (no last_read_at).
+-- hold (msg_id, read_ct, enqueued_at, migration 0007); an acked row whose msg_id is
+-- already archived (an UNLOGGED queue's ids restarted after a crash) is archived under a
+-- new one (kombu_pgmq.archive_under_new_id, migration 0014), never dropped. read: up to
+-- qty visible rows in msg_id order, FOR UPDATE SKIP LOCKED, never one being acked here,
+-- nothing from a paused queue (migration 0012). Rows with acked = true are the acks
+-- applied. {queue_table}/{archive_table}: pgmq.q_<name>/pgmq.a_<name>;
+-- {archive_columns}: the queue table's columns the archive has; {touch}:
+-- read_touch_last_read_at, or nothing for PGMQ < 1.11 (no last_read_at); {last_read_at}:
+-- a.last_read_at, or NULL for PGMQ < 1.11.
 WITH acked AS (
     DELETE FROM {queue_table} AS t
     USING unnest(%(ack_ids)s::bigint[], %(ack_cts)s::integer[],
@@ -78,6 +83,7 @@ WITH acked AS (
     INSERT INTO {archive_table} ({archive_columns})
     SELECT {archive_columns} FROM acked
     ON CONFLICT DO NOTHING
+    RETURNING msg_id
 ), picked AS (
     SELECT msg_id FROM {queue_table}
     WHERE vt <= clock_timestamp() AND msg_id <> ALL(%(ack_ids)s::bigint[])
@@ -98,8 +104,40 @@ SELECT msg_id, read_ct, enqueued_at, message::text AS message, headers::text AS 
        false AS acked
 FROM delivered
 UNION ALL
-SELECT msg_id, read_ct, enqueued_at, NULL, NULL, NULL, true FROM acked
+SELECT a.msg_id, a.read_ct, a.enqueued_at, NULL, NULL, NULL, true
+FROM acked a
+WHERE CASE WHEN a.msg_id IN (SELECT msg_id FROM archived) THEN true
+           ELSE kombu_pgmq.archive_under_new_id(%(queue)s, a.msg_id, a.read_ct, a.enqueued_at,
+                                                a.vt, a.message, a.headers,
+                                                {last_read_at}) IS NOT NULL
+      END
 ORDER BY acked, msg_id
+
+-- name: ack_queue
+-- Acks of one queue sent without waiting for their result (issue 25, item 11;
+-- Connector.send_nowait, prepared once per connection): read_queue's acked and archived
+-- parts alone, so a finished task's ack reaches the server at once instead of waiting
+-- for the next read. $1, $2, $3: the receipts (msg_id, read_ct, enqueued_at); $4: 'on'
+-- or 'off', synchronous_commit of this statement's own transaction. Returns the msg_ids
+-- settled. Placeholders as read_queue's.
+WITH acked AS (
+    DELETE FROM {queue_table} AS t
+    USING unnest($1::bigint[], $2::integer[], $3::timestamptz[]) AS h(id, ct, at)
+    WHERE t.msg_id = h.id AND t.read_ct = h.ct AND t.enqueued_at = h.at
+    RETURNING t.*
+), archived AS (
+    INSERT INTO {archive_table} ({archive_columns})
+    SELECT {archive_columns} FROM acked
+    ON CONFLICT DO NOTHING
+    RETURNING msg_id
+)
+SELECT a.msg_id, set_config('synchronous_commit', $4::text, true) AS synchronous_commit
+FROM acked a
+WHERE CASE WHEN a.msg_id IN (SELECT msg_id FROM archived) THEN true
+           ELSE kombu_pgmq.archive_under_new_id($5::text, a.msg_id, a.read_ct, a.enqueued_at,
+                                                a.vt, a.message, a.headers,
+                                                {last_read_at}) IS NOT NULL
+      END
 
 -- name: read_touch_last_read_at
 , last_read_at = clock_timestamp()
@@ -116,9 +154,12 @@ RESET synchronous_commit
 -- name: wait_for
 -- This connection found the queues empty and sleeps on their NOTIFY channels (see
 -- migration 0003 for why no wake-up is lost). Read the queues once more afterwards.
--- Returns the queues with a publisher still in its transaction after a short wait
--- (migration 0006): their messages are found by the fallback poll.
-SELECT queue FROM kombu_pgmq.wait_for(%(owner)s, %(queues)s::text[]) AS queue
+-- unsettled: a publisher is still in its transaction after a short wait (migration
+-- 0006): its message is found by the fallback poll. due_in_seconds: when the queue's
+-- next delayed message becomes visible (NULL: none), server_epoch: the server's clock
+-- (migration 0016).
+SELECT queue, unsettled, due_in_seconds, server_epoch
+FROM kombu_pgmq.wait_for_due(%(owner)s, %(queues)s::text[])
 
 -- name: stop_waiting
 -- The queues have a backlog: publishers need not notify this connection any more.
@@ -170,8 +211,9 @@ FROM kombu_pgmq.ack(%(queues)s::text[], %(msg_ids)s::bigint[], %(read_cts)s::int
 
 -- name: requeue
 -- Reject with requeue, restore, a failed delivery (migration 0007): visible in
--- vt_seconds if the delivery still holds the row; uncount takes the delivery back from
--- read_ct (the application never ran it). Returns the (queue, msg_id) settled.
+-- vt_seconds if the delivery still holds the row; uncount counts the delivery as a
+-- restore in the x-kombu-restored header (the application never ran it; read_ct only
+-- grows, migration 0015). Returns the (queue, msg_id) settled.
 SELECT queue, msg_id
 FROM kombu_pgmq.requeue(%(queues)s::text[], %(msg_ids)s::bigint[], %(read_cts)s::integer[],
                         %(enqueued)s::timestamptz[], %(vt_seconds)s::integer,

@@ -10,18 +10,19 @@ reconnects) or :class:`~kombu_pgmq.errors.StatementError` (the statement failed)
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from typing import Any, NamedTuple
 
 from psycopg import sql
 
-from ..errors import PermissionDenied, QueueNotFound
+from ..errors import KombuPgmqError, PermissionDenied, QueueNotFound, StatementError
 from .connector import Connector, ExternalConnector
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Broker", "QueueInfo", "Receipt", "RoutingTable", "Row"]
+__all__ = ["Broker", "QueueInfo", "Receipt", "RoutingTable", "Row", "Waiting"]
 
 
 class Row(NamedTuple):
@@ -59,6 +60,16 @@ def _handles(receipts: Sequence[Receipt]) -> dict[str, list[Any]]:
         "read_cts": [r.read_ct for r in receipts],
         "enqueued": [r.enqueued_at for r in receipts],
     }
+
+
+def _text_array(values: Iterable[Any]) -> bytes:
+    """A PostgreSQL array literal of ints or datetimes (text format, for
+    :meth:`Connector.send_nowait`)."""
+    items = (
+        "NULL" if v is None else f'"{v.isoformat()}"' if isinstance(v, datetime) else str(int(v))
+        for v in values
+    )
+    return ("{" + ",".join(items) + "}").encode()
 
 
 class RoutingTable(NamedTuple):
@@ -110,6 +121,21 @@ class _Routing(NamedTuple):
 class _Version(NamedTuple):
     version: int
     msg_ids: list[int | None]
+
+
+class Waiting(NamedTuple):
+    """What :meth:`Broker.wait_for` learned (see there)."""
+
+    unsettled: list[str]
+    due: dict[str, float]
+    clock_offset: float
+
+
+class _Wait(NamedTuple):
+    queue: str
+    unsettled: bool
+    due_in_seconds: float | None
+    server_epoch: float
 
 
 class _DeadTuples(NamedTuple):
@@ -337,19 +363,78 @@ class Broker:
         ]
         return delivered, [int(r.msg_id) for r in rows if r.acked]
 
-    def _compose_read_queue(self, queue: str) -> sql.Composed:
-        """Statement ``read_queue`` for ``queue``'s tables (the columns differ between
-        PGMQ versions: PGMQ < 1.11 has no last_read_at)."""
+    def ack_nowait(
+        self,
+        receipts: Sequence[Receipt],
+        *,
+        durable: bool,
+        on_settled: Callable[[set[tuple[str, int]]], None],
+        on_error: Callable[[KombuPgmqError], None],
+    ) -> bool:
+        """Send the acks of one queue (receipts) without waiting for the result: the
+        server archives them as soon as the statement arrives (statement ``ack_queue``,
+        prepared on this connection). ``on_settled`` gets the ``(queue, msg_id)`` settled
+        (a stale receipt is left out) and ``on_error`` a failure, when the result is read:
+        before the next statement on this connection. Returns False, sending nothing,
+        where this path does not apply (receipts of several queues, a least-privilege
+        role): the caller archives them with :meth:`ack`.
+
+        Raises:
+            BrokerConnectionError: the statement could not be sent.
+        """
+        if not (self.direct_reads and receipts) or isinstance(self.db, ExternalConnector):
+            return False
+        queue = receipts[0].queue
+        if any(r.queue != queue for r in receipts):
+            return False
+        key = ("ack_queue", queue)
+        statement = self._statements.get(key)
+        if statement is None:
+            composed = self._compose_read_queue(queue, "ack_queue")
+            statement = self._statements[key] = composed.as_bytes(self.db.connection)
+
+        def settled(rows: list[tuple[str | None, ...]]) -> None:
+            on_settled({(queue, int(r[0])) for r in rows if r[0] is not None})
+
+        name = f"kombu_pgmq_ack_{queue}"  # PGMQ names: at most 47 of [a-z0-9_]
+
+        def failed(error: KombuPgmqError) -> None:
+            if isinstance(error, PermissionDenied):
+                self.direct_reads = False  # a least-privilege role: kombu_pgmq.ack from now on
+            elif isinstance(error, QueueNotFound):
+                self._statements.pop(key, None)
+                self.db.forget_prepared(name)
+            on_error(error)
+
+        self.db.send_nowait(
+            name,
+            statement,
+            [
+                _text_array(r.msg_id for r in receipts),
+                _text_array(r.read_ct for r in receipts),
+                _text_array(r.enqueued_at for r in receipts),
+                b"on" if durable else b"off",
+                queue.encode(),
+            ],
+            on_result=settled,
+            on_error=failed,
+        )
+        return True
+
+    def _compose_read_queue(self, queue: str, name: str = "read_queue") -> sql.Composed:
+        """Statement ``read_queue`` (or ``ack_queue``) for ``queue``'s tables (the
+        columns differ between PGMQ versions: PGMQ < 1.11 has no last_read_at)."""
         queue_table, archive_table = f"q_{queue}", f"a_{queue}"
         present = set(self.db.column("table_columns", {"table": f"pgmq.{queue_table}"}))
         archived = set(self.db.column("table_columns", {"table": f"pgmq.{archive_table}"}))
         columns = [c for c in _ARCHIVE_COLUMNS if c in present and c in archived]
         touch = self.db.statement("read_touch_last_read_at") if "last_read_at" in present else ""
-        return sql.SQL(self.db.statement("read_queue")).format(
+        return sql.SQL(self.db.statement(name)).format(
             queue_table=sql.Identifier("pgmq", queue_table),
             archive_table=sql.Identifier("pgmq", archive_table),
             archive_columns=sql.SQL(", ").join(map(sql.Identifier, columns)),
             touch=sql.SQL(touch),
+            last_read_at=sql.SQL("a.last_read_at" if "last_read_at" in columns else "NULL"),
         )
 
     def _fetch_direct(
@@ -409,8 +494,10 @@ class Broker:
         self, receipts: Sequence[Receipt], vt_seconds: int = 0, *, uncount: bool = False
     ) -> set[tuple[str, int]]:
         """Make messages these deliveries still hold visible in ``vt_seconds`` (0: now);
-        ``uncount``: take the delivery back from ``read_ct`` (the application never ran
-        it). Returns the ``(queue, msg_id)`` settled."""
+        ``uncount``: count the delivery as a restore (header ``x-kombu-restored``; the
+        application never ran it, so it does not count toward ``max_deliveries``;
+        ``read_ct`` is left alone, migration 0015). Returns the ``(queue, msg_id)``
+        settled."""
         params = {**_handles(receipts), "vt_seconds": vt_seconds, "uncount": uncount}
         return {(r.queue, int(r.msg_id)) for r in self.db.fetch("requeue", params, _Renewed)}
 
@@ -464,17 +551,25 @@ class Broker:
 
     # -- wake-ups (migration 0003) ----------------------------------------------------
 
-    def wait_for(self, owner: str, queues: Sequence[str]) -> list[str]:
+    def wait_for(self, owner: str, queues: Sequence[str]) -> Waiting:
         """Record that ``owner`` sleeps until notified on ``queues`` (publishers then
         NOTIFY); returns once publishers that missed the record have committed, so a
         read of the queues after this call sees their messages (see migration 0003).
 
         A publisher still in its transaction after a short wait (an application that
         enqueued inside a long transaction) is not waited for: the queues it holds are
-        returned, to be polled (migration 0006)."""
-        return [
-            str(q) for q in self.db.column("wait_for", {"owner": owner, "queues": list(queues)})
-        ]
+        ``unsettled``, to be polled (migration 0006). ``due``: seconds until each queue's
+        next delayed message becomes visible (queues without one are left out; migration
+        0016); ``clock_offset``: the server's clock minus this host's (``time.time()``),
+        to read the due times NOTIFY payloads carry."""
+        sent = time.time()
+        rows = self.db.fetch("wait_for", {"owner": owner, "queues": list(queues)}, _Wait)
+        now = (sent + time.time()) / 2.0
+        return Waiting(
+            [str(r.queue) for r in rows if r.unsettled],
+            {str(r.queue): float(r.due_in_seconds) for r in rows if r.due_in_seconds is not None},
+            float(rows[0].server_epoch) - now if rows else 0.0,
+        )
 
     def stop_waiting(self, owner: str, queues: Sequence[str] | None = None) -> None:
         """Publishers need not notify ``owner`` for ``queues`` (None: any queue) any more."""
@@ -575,14 +670,30 @@ class Broker:
     def declare_exchange(
         self, exchange: str, type: str, *, durable: bool = True, auto_delete: bool = False
     ) -> str:
-        """Declare an exchange (idempotent); return its type as stored (first one wins)."""
+        """Declare an exchange (idempotent); return its type as stored (first one wins).
+
+        Processes that declare a new exchange at the same moment (workers starting
+        together) are safe: the one whose insert waited for another's commit finds
+        nothing in its statement's snapshot and reads the row again.
+
+        Raises:
+            StatementError: it kept being deleted while declared.
+        """
         params = {
             "exchange": exchange,
             "type": type,
             "durable": durable,
             "auto_delete": auto_delete,
         }
-        return str(self.db.scalar("declare_exchange", params))
+        for _ in range(3):
+            stored = self.db.scalar("declare_exchange", params)
+            if stored is None:  # inserted and committed by another session meanwhile
+                stored = self.db.scalar("exchange_type", {"exchange": exchange})
+            if stored is not None:
+                return str(stored)
+        raise StatementError(
+            f"exchange {exchange!r} was deleted each time it was declared: declare it again"
+        )
 
     def exchange_type(self, exchange: str) -> str | None:
         value = self.db.scalar("exchange_type", {"exchange": exchange})

@@ -27,14 +27,15 @@ import functools
 import logging
 import operator
 import os
+import select
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import psycopg
-from psycopg import sql
+from psycopg import pq, sql
 from psycopg.rows import RowFactory, class_row
 
 from ..errors import (
@@ -58,6 +59,13 @@ T = TypeVar("T")
 #: collected: psycopg would warn) until the child exits.
 _ABANDONED: list[Any] = []
 _LIVE: weakref.WeakSet[Connector] = weakref.WeakSet()
+
+
+class _Pending(NamedTuple):
+    """A statement sent by :meth:`Connector.send_nowait` whose result is not read yet."""
+
+    on_result: Callable[[list[tuple[str | None, ...]]], None]
+    on_error: Callable[[KombuPgmqError], None]
 
 
 @functools.lru_cache(maxsize=64)
@@ -91,6 +99,14 @@ def _named_row(cls: Any) -> Any:
     return factory
 
 
+def _wait_for(fd: int, event: int) -> None:
+    """Block until ``fd`` is ready for ``event`` (``select.POLLIN``/``POLLOUT``): poll(2),
+    no limit on descriptor numbers (select() refuses those above 1023)."""
+    poller = select.poll()
+    poller.register(fd, event)
+    poller.poll()
+
+
 def _log_notice(diagnostic: Any) -> None:
     """Server notices of kombu_pgmq's own functions ("kombu_pgmq: ...", e.g. stale acks
     not applied) are logged as warnings; others are left to the server log."""
@@ -115,7 +131,8 @@ class Connector:
         dsn: libpq connection string (may hold a password: never shown by ``repr``).
         settings: session settings (``{"lock_timeout": "2s"}``) applied on every
             (re)connect, e.g. so a background service never waits long for a lock.
-        on_notify: called with the channel name of every NOTIFY psycopg reads.
+        on_notify: called with the channel name and payload of every NOTIFY psycopg
+            reads.
     """
 
     def __init__(
@@ -123,13 +140,17 @@ class Connector:
         dsn: str,
         *,
         settings: Mapping[str, str] | None = None,
-        on_notify: Callable[[str], None] | None = None,
+        on_notify: Callable[[str, str], None] | None = None,
     ) -> None:
         self._dsn = dsn
         self._settings = dict(settings or {})
         self._on_notify = on_notify
         self._conn: psycopg.Connection[Any] | None = None
         self._synchronous = True  # synchronous_commit is the session's default
+        self._pending: _Pending | None = None  # sent by send_nowait, result not read
+        self._prepared: set[str] = set()  # statements send_nowait prepared on _conn
+        self._stale: set[str] = set()  # prepared, to DEALLOCATE before preparing again
+        self._busy = False  # inside fetch (free() says no)
         self._pid = os.getpid()
         self._closed = False
         self._lock = threading.Lock()
@@ -166,13 +187,15 @@ class Connector:
         try:
             conn = psycopg.connect(self._dsn, autocommit=True)
             self._synchronous = True
+            self._prepared = set()
+            self._stale = set()
             for name, value in self._settings.items():
                 conn.execute("SELECT set_config(%s, %s, false)", (name, value))
         except psycopg.Error as exc:
             raise translate(exc) from exc
         if self._on_notify is not None:
             on_notify = self._on_notify
-            conn.add_notify_handler(lambda n: on_notify(n.channel))
+            conn.add_notify_handler(lambda n: on_notify(n.channel, n.payload))
         conn.add_notice_handler(_log_notice)
         self._conn = conn
         return conn
@@ -195,14 +218,18 @@ class Connector:
 
     def _drop(self) -> None:
         conn, self._conn = self._conn, None
+        pending, self._pending = self._pending, None
         if conn is not None:
             conn.close()
+        if pending is not None:
+            pending.on_error(BrokerConnectionError("the PostgreSQL connection was closed"))
 
     def _abandon(self) -> None:
         """In a forked child: forget the parent's connection without a word to the server."""
         if self._pid == os.getpid():
             return
         conn, self._conn = self._conn, None
+        self._pending = None  # the parent's to read
         if conn is not None:
             _ABANDONED.append(conn)
         self._pid = os.getpid()
@@ -260,8 +287,11 @@ class Connector:
         if isinstance(row, type):
             kind: Any = row
             factory = _named_row(kind) if hasattr(kind, "_fields") else class_row(row)
+        self._busy = True
         try:
             conn = self.connection
+            if self._pending is not None:
+                self._collect(conn)
             self._commit_mode(conn, synchronous)
             cur = conn.cursor(row_factory=factory) if factory else conn.cursor()
             with cur:
@@ -269,6 +299,8 @@ class Connector:
                 return cur.fetchall() if cur.description is not None else []
         except psycopg.Error as exc:
             raise self._fail(exc) from exc
+        finally:
+            self._busy = False
 
     def execute(self, query: Query, params: Any = None) -> None:
         """Run a statement for its effect."""
@@ -287,7 +319,10 @@ class Connector:
     def script(self, text: str) -> None:
         """Run a multi-statement SQL script without parameters (a migration file)."""
         try:
-            self.connection.execute(text.encode())
+            conn = self.connection
+            if self._pending is not None:
+                self._collect(conn)
+            conn.execute(text.encode())
         except psycopg.Error as exc:
             raise self._fail(exc) from exc
 
@@ -306,7 +341,10 @@ class Connector:
         """Run the statements inside the block in one transaction (commit, or rollback on
         error)."""
         try:
-            with self.connection.transaction():
+            conn = self.connection
+            if self._pending is not None:
+                self._collect(conn)
+            with conn.transaction():
                 yield
         except psycopg.Error as exc:
             raise self._fail(exc) from exc
@@ -321,6 +359,8 @@ class Connector:
         """Rows of a large read through a server-side cursor (``itersize`` per fetch),
         inside a transaction, each built by column name."""
         try:
+            if self._pending is not None:
+                self._collect(self.connection)
             with (
                 self.connection.transaction(),
                 self.connection.cursor(name=name, row_factory=class_row(row)) as cur,
@@ -330,6 +370,134 @@ class Connector:
                 yield from cur
         except psycopg.Error as exc:
             raise self._fail(exc) from exc
+
+    # -- statements sent without waiting for their result ------------------------------
+
+    def send_nowait(
+        self,
+        name: str,
+        statement: bytes,
+        params: Sequence[bytes | None],
+        *,
+        on_result: Callable[[list[tuple[str | None, ...]]], None],
+        on_error: Callable[[KombuPgmqError], None],
+    ) -> None:
+        """Send a statement and return without waiting for its result (it commits on the
+        server as soon as it runs: its own transaction). ``statement`` uses PostgreSQL's
+        ``$1``... placeholders, ``params`` are text values; it is prepared once per
+        connection under ``name`` (plan-cached, as psycopg's own prepared statements).
+
+        The result is read before this connector's next statement (or by
+        :meth:`collect`): ``on_result(rows)`` gets the rows as text values,
+        ``on_error(error)`` the translated error, also when the connection is lost before
+        the result was read (the statement may or may not have run). One statement is
+        pending at a time: a second call first reads the first one's result.
+
+        Raises:
+            BrokerConnectionError: the statement could not be sent (``on_error`` is not
+                called: nothing is pending).
+            StatementError: it could not be prepared (e.g. :class:`QueueNotFound`: its
+                table is gone); nothing is pending.
+        """
+        try:
+            conn = self.connection
+            if self._pending is not None:
+                self._collect(conn)
+            with conn.lock:
+                pgconn = conn.pgconn
+                if name in self._stale:
+                    pgconn.exec_(b"DEALLOCATE " + name.encode())  # gone already: fine too
+                    self._stale.discard(name)
+                if name not in self._prepared:
+                    result = pgconn.prepare(name.encode(), statement)
+                    if result.status != pq.ExecStatus.COMMAND_OK:
+                        raise psycopg.errors.error_from_result(result)
+                    self._prepared.add(name)
+                pgconn.send_query_prepared(name.encode(), params)
+                while pgconn.flush():  # nonblocking connection: the rest when writable
+                    _wait_for(pgconn.socket, select.POLLOUT)
+        except psycopg.Error as exc:
+            raise self._fail(exc) from exc
+        self._pending = _Pending(on_result, on_error)
+
+    def free(self) -> bool:
+        """True when a statement can be sent without waiting: no statement of ours is
+        running (inside :meth:`fetch`, e.g. from another greenlet), and the result of
+        what :meth:`send_nowait` sent, if anything, has arrived (it is read now). Never
+        blocks.
+
+        Raises:
+            BrokerConnectionError: the connection was lost.
+        """
+        if self._busy:
+            return False
+        if self._pending is None:
+            return True
+        try:
+            conn = self.connection
+            with conn.lock:
+                pgconn = conn.pgconn
+                pgconn.consume_input()
+                if pgconn.is_busy():
+                    return False
+            self._collect(conn)
+        except psycopg.Error as exc:
+            raise self._fail(exc) from exc
+        return True
+
+    def forget_prepared(self, name: str) -> None:
+        """Prepare statement ``name`` of :meth:`send_nowait` again at its next use (its
+        table was dropped and may come back different)."""
+        if name in self._prepared:
+            self._prepared.discard(name)
+            self._stale.add(name)
+
+    def collect(self) -> None:
+        """Read the result of the statement :meth:`send_nowait` sent (nothing if none).
+
+        Raises:
+            BrokerConnectionError: the connection was lost (``on_error`` got it too).
+        """
+        if self._pending is not None:
+            try:
+                self._collect(self.connection)
+            except psycopg.Error as exc:
+                raise self._fail(exc) from exc
+
+    def _collect(self, conn: psycopg.Connection[Any]) -> None:
+        """Wait for the pending statement's result and hand it to its callback; a lost
+        connection is raised (psycopg's error) after ``on_error`` got it."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        results: list[Any] = []
+        try:
+            with conn.lock:
+                pgconn = conn.pgconn
+                while True:
+                    pgconn.consume_input()
+                    while not pgconn.is_busy():
+                        result = pgconn.get_result()
+                        if result is None:
+                            break
+                        results.append(result)
+                    else:
+                        _wait_for(pgconn.socket, select.POLLIN)
+                        continue
+                    break
+        except psycopg.Error as exc:
+            pending.on_error(translate(exc))
+            raise
+        for result in results:
+            if result.status == pq.ExecStatus.FATAL_ERROR:
+                pending.on_error(translate(psycopg.errors.error_from_result(result)))
+                return
+        rows: list[tuple[str | None, ...]] = []
+        for result in results:
+            for i in range(result.ntuples):
+                values = (result.get_value(i, j) for j in range(result.nfields))
+                rows.append(tuple(None if v is None else bytes(v).decode() for v in values))
+        pending.on_result(rows)
 
     def poll_notifies(self) -> None:
         """Read pending input from the socket without blocking; notifications go to
@@ -344,7 +512,7 @@ class Connector:
             pgconn.consume_input()
             while (notify := pgconn.notifies()) is not None:
                 if self._on_notify is not None:
-                    self._on_notify(notify.relname.decode())
+                    self._on_notify(notify.relname.decode(), notify.extra.decode())
         except psycopg.Error as exc:
             raise self._fail(exc) from exc
 

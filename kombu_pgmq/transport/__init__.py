@@ -48,28 +48,42 @@ Delivery semantics
   use ``pgmq.pop`` (delete on delivery, as AMQP auto-ack).
 * Acks are batched. Inside ``drain_events``, the acks its callbacks make are archived in
   one statement per queue before it returns; in Celery's event loop they are archived at
-  the loop's next turn, in the same transaction as the next read. ``message.ack()`` thus
+  the loop's next turn, with the read of that turn if there is one, else on their own,
+  sent without waiting for the result. ``message.ack()`` thus
   returns before the archive commits: if the process dies in between, the message is
   delivered again after its visibility timeout (at least once). An ack made outside both
   (e.g. after ``SimpleQueue.get``) is archived at once.
 * Closing a channel archives its batched acks and makes its unacked messages visible at
   once; it never publishes copies, unlike kombu's default ``_restore``. A restored
   delivery (and one whose delivery callback failed) does not count toward
-  ``max_deliveries``: ``read_ct`` is taken back.
+  ``max_deliveries``: it is counted in the header ``x-kombu-restored`` (migration 0015;
+  taken out of the headers the application sees), and deliveries are ``read_ct`` less
+  restores (``delivery_info["pgmq_deliveries"]``). ``read_ct`` itself only grows, so a
+  receipt never matches a later delivery.
 * Receipt handles (SQS's model, migration 0007): every ack, requeue, restore,
   dead-letter and lease renewal names the delivery it settles (``msg_id``, ``read_ct``
   and ``enqueued_at``) and touches the row only while that delivery still holds it. A
   stale one (the lease lapsed and the message was delivered again, or an UNLOGGED queue
-  emptied by a crash reused the id) is logged as a warning and never applied; an ack
-  whose id is already in the archive settles without failing the read it rides with.
+  emptied by a crash reused the id) is logged as a warning and never applied. An acked
+  message whose id is already in the archive (an UNLOGGED queue's ids restart after a
+  crash; its archive is logged) is archived under a new id, with the header
+  ``x-queue-msg-id`` holding its id in the queue, and the queue's ids move past the
+  archive's (migration 0014): an ack is never dropped, nor does it fail the read it
+  rides with.
 * Dead letters mirror SQS's redrive policy: after ``max_deliveries`` deliveries the next
   read moves the message to ``dead_letter_queue`` instead of delivering it; a reject
   without requeue does the same at once. The copy keeps body and headers and gains an
   ``x-dead-letter`` header ``{queue, pgmq_queue, msg_id, read_ct, reason, enqueued_at,
-  dead_lettered_at}`` (and ``error`` for ``"undecodable"``); reasons are
-  ``"max_deliveries"``, ``"rejected"`` and ``"undecodable"`` (a row written by another
-  producer that cannot be decoded: dead-lettered at once, the rest of its batch is
-  delivered, so one bad row never blocks a consumer). A Celery task
+  dead_lettered_at}`` (and ``error`` for ``"undecodable"`` and ``"consumer_error"``);
+  reasons are ``"max_deliveries"``, ``"rejected"``, ``"undecodable"`` (a row that cannot
+  become a Kombu message: an envelope of the wrong shape, a ``body-encoding`` kombu does
+  not know, a body that does not decode or decompress; the message is built before any
+  consumer callback runs, so such a row is dead-lettered at once and the rest of its
+  batch is delivered: one bad row never stops a consumer) and ``"consumer_error"`` (in
+  Celery's event loop, a consumer callback raised on it, not a broker error: e.g.
+  Celery's own ``on_task_received`` on a ``task`` header without ``id``, which would
+  otherwise end the worker with "Unrecoverable error"; logged with the traceback; in
+  ``drain_events`` the exception reaches the caller, as in kombu's transports). A Celery task
   that kills its pool process (segfault, OOM) is requeued by Celery when it has
   ``acks_late=True, reject_on_worker_lost=True``, and so reaches the dead-letter queue
   after ``max_deliveries``. List, replay and purge dead letters with
@@ -121,8 +135,11 @@ Reads are coalesced: while a channel holds messages it reads again only once hal
 prefetch window is free (the window first set, e.g. Celery's
 ``worker_prefetch_multiplier`` x concurrency), so a worker draining a backlog reads
 several messages per round trip instead of one per ack; with nothing held it reads at
-once, so latency is unchanged. Acks ride along with the next read, and are archived on
-their own at the latest 0.1 s after they were made.
+once, so latency is unchanged. An ack rides along with a read made in the same turn of
+the event loop; otherwise it is sent at once, without waiting for its result (its
+queue's own prepared statement, ``ack_queue``; the result is read before the
+connection's next statement), so a finished task's ack is on the server before its
+worker can be killed (issue 25: duplicates per SIGKILL).
 
 Wake-ups
 ========
@@ -133,10 +150,14 @@ a read finds a queue empty it records itself in ``kombu_pgmq.waiting`` and sleep
 publish NOTIFYs that queue only while someone waits on it, so a busy system sends no
 notifications (a NOTIFY takes a database-wide lock at commit, which would serialize all
 publishers). A shared/exclusive advisory lock per queue makes sure no wake-up is lost
-(see ``sql/migrations/0003_wakeups_and_batched_reads.sql``). A fallback poll every
+(see ``sql/migrations/0003_wakeups_and_batched_reads.sql``). A delayed message (x-delay,
+countdown/ETA) wakes consumers when it becomes due, like a new one: its publish tells
+waiting consumers the due time (the NOTIFY payload), and a consumer going to sleep
+learns when each queue's next delayed message is due (migration 0016), so a short TTL
+after a delay is not spent waiting for a poll. A fallback poll every
 ``polling_interval`` seconds finds messages that become visible without a publish
-(visibility timeout expiry, delayed sends). An ack that frees a prefetch slot wakes the
-consumer at once.
+(visibility timeout expiry). An ack that frees a prefetch slot wakes the consumer at
+once.
 
 With Celery, the transport runs in the worker's event loop (``asynloop``):
 ``implements.asynchronous`` is true, and :meth:`Transport.register_with_event_loop`
@@ -179,7 +200,9 @@ judges it (heartbeats could not be sent while the server was down).
 
 Enqueue in the application's transaction: :func:`kombu_pgmq.using` (a psycopg 3,
 SQLAlchemy or Django connection) makes publishes part of the application's transaction
-(:mod:`kombu_pgmq.transactional`); ``kombu_pgmq.send_task(...)`` does it from SQL.
+(:mod:`kombu_pgmq.transactional`; the connection must be to the broker's database:
+both forms check it, and a Celery app's broker that is not kombu_pgmq's is refused);
+``kombu_pgmq.send_task(...)`` does it from SQL.
 Deduplication: a message with an ``x-deduplication-id`` header (or, on a queue declared
 with ``x-deduplicate-task-id``, a Celery task id) is enqueued once per queue within
 ``deduplication_window`` seconds. FIFO groups: on a queue declared with
@@ -190,11 +213,19 @@ delivered one at a time in publish order, the next once the previous is acked (u
 Headers any Python value can hold round-trip exactly: one PostgreSQL's jsonb cannot store
 (a NUL character, NaN, a lone surrogate, bytes; Celery puts task arguments in
 ``argsrepr``) travels as base64 of kombu's JSON in the envelope, the others stay readable
-in ``headers``. An ``x-delay`` that is not finite or beyond 2**31 - 1 seconds, or an ETA
-that far away, is a :class:`~kombu_pgmq.errors.ConfigurationError` at publish.
+in ``headers`` (text that only looks like those, ``"BANaNa"``, is storable). The headers
+kombu_pgmq's SQL reads (``task``, ``id``, ``x-deduplication-id``, ``x-group-id``,
+``x-pgmq-group``) always stay readable; a value jsonb cannot hold there is refused with a
+:class:`~kombu_pgmq.errors.ConfigurationError` naming the header, never ignored. An
+``x-delay`` that is not finite or beyond 2**31 - 1 seconds, or an ETA that far away, is a
+:class:`~kombu_pgmq.errors.ConfigurationError` at publish.
 
 Failover: a read-only server (``25006``, a standby after a failover) and a server
-shutting down (``57P01``-``57P03``) are connection errors (kombu reconnects). List every
+shutting down (``57P01``-``57P03``) are connection errors (kombu reconnects). A statement
+the server cancels (``57014``: ``statement_timeout``, ``pg_cancel_backend``) is not: it
+raises :class:`~kombu_pgmq.errors.StatementCanceled` on the same, still usable
+connection (a publish is not retried); a consumer's cancelled read or ack is logged and
+tried again at the next fallback poll, its held messages and batched acks kept. List every
 host in the URL (``postgresql://u@primary:5432,standby:5432/db`` or ``?host=a,b``):
 ``target_session_attrs=read-write`` is then the default, so a reconnect finds the new
 primary. kombu's failover lists (``url1;url2``, Celery's ``broker_url``) are folded into
@@ -218,9 +249,20 @@ within PGMQ's 47 characters. ``kombu_pgmq.queues`` records the Kombu name of eac
 Transport Options
 =================
 
+Unknown names are refused with the closest known one
+(:class:`~kombu_pgmq.errors.ConfigurationError`: ``unknown transport option
+'visibilty_timeout': did you mean 'visibility_timeout'?``), except those kombu reads
+itself from the same dict
+(:data:`~kombu_pgmq.transport.options.KOMBU_OPTIONS`: ``body_encoding``,
+``deadletter_queue``, its connect retries and a publish's retry policy). A bad value
+(wrong type, out of range, NaN or infinite) names the option, the value, what is expected
+and the default. ``celery worker`` checks them before it starts and exits with that one
+line (:mod:`kombu_pgmq._worker_checks`).
+
 * ``visibility_timeout`` (seconds, default 30): how long a delivered, unacked message
   stays invisible after its last lease renewal before it is delivered again; so how
   long a crashed worker's messages wait. Tasks may run far longer (leases are renewed).
+  At most 43200 (12 hours, SQS's maximum; the server refuses more).
 * ``lease_renewal_interval`` (seconds, default ``visibility_timeout / 3``; 0 = off):
   how often held messages' visibility timeouts are pushed forward. Must be below
   ``visibility_timeout``; the margin is how long a stalled process or a database
@@ -235,11 +277,11 @@ Transport Options
   floors of the priority bands of queues *first declared* by this process with
   ``x-max-priority`` (as kombu's Redis transport; e.g. ``[0, 3, 6, 9]``: 4 tables).
 * ``eta_lead_seconds`` (seconds, default 2): a Celery ETA/countdown task becomes visible
-  this long before its ETA (Celery then waits for the ETA itself); keep it above the
-  consumers' ``polling_interval``.
+  this long before its ETA (Celery then waits for the ETA itself; consumers are woken
+  when it becomes due).
 * ``polling_interval`` (seconds, default 1): fallback poll of every consumed queue, for
-  messages that become visible without a publish (visibility timeout expiry, delayed
-  sends). New messages wake consumers at once through LISTEN/NOTIFY.
+  messages that become visible without a publish (visibility timeout expiry). New and
+  due delayed messages wake consumers at once through LISTEN/NOTIFY.
 * ``durable_acks`` (bool, default False): commit acks synchronously (see Durability).
 * ``vacuum_threshold`` (dead tuples, default 20000; 0 = never): a consuming process
   VACUUMs a consumed queue's table when it has more dead row versions than this
@@ -256,12 +298,13 @@ Transport Options
   sends (body and headers as stored); a larger one raises ``ConfigurationError`` before
   anything is sent (jsonb's limit is 255 MiB).
 * ``consumer_stale_after`` (seconds, default 30): a consumer without a heartbeat for this
-  long counts as gone (its process died); its ``auto_delete`` queues are dropped.
+  long counts as gone (its process died); its ``auto_delete`` queues are dropped. At most
+  86400 (a day).
 * ``deduplication_window`` (seconds, default 300): a message whose
   ``x-deduplication-id`` header (or, on a queue declared with ``x-deduplicate-task-id``,
   Celery task id) was published to the same queue less than this long ago is not
   enqueued again (SQS FIFO's ``MessageDeduplicationId``); the publish returns as if it
-  had, and logs at debug level.
+  had, and logs at debug level. At most 604800 (7 days; the server refuses more).
 * ``connection_options`` (dict): extra libpq parameters, merged over the URL's.
 """
 

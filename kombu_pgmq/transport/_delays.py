@@ -13,8 +13,8 @@ worker's memory.
   without redelivery loops, and does not count against prefetch until it is due. An
   ETA without a time zone (``enable_utc=False`` and a naive datetime) or in the past is
   delivered at once, and Celery holds it as usual (its lease is renewed meanwhile, see
-  :mod:`kombu_pgmq.transport._leases`). Keep ``eta_lead_seconds`` above the consumers'
-  ``polling_interval``: delayed messages wake no one, the fallback poll finds them.
+  :mod:`kombu_pgmq.transport._leases`). Consumers waiting on the queue are woken when it
+  becomes due (migration 0016), as by a new message.
 * **x-delay** header (milliseconds, as RabbitMQ's delayed-message exchange): delivered
   no earlier than that, rounded up to whole seconds (PGMQ's delay unit).
 

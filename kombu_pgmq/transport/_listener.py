@@ -8,9 +8,10 @@ descriptors) by a blocking ``drain_events``, or registered with Celery's event l
 :class:`~kombu_pgmq.transport.poller.Poller`.
 
 Publishers notify only while a consumer waits on the queue (``kombu_pgmq.waiting``,
-migration 0003); notifications are hints, never the message, and the poller keeps a
-fallback poll (``polling_interval``) for messages that become visible without an insert
-(visibility timeout expiry, delayed sends).
+migration 0003); notifications are hints, never the message: an empty payload means a
+message is visible now, a number when a delayed one becomes due (epoch seconds, server
+clock; migration 0016). The poller keeps a fallback poll (``polling_interval``) for
+messages that become visible without an insert (visibility timeout expiry).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class Listener:
     def __init__(self, dsn: str) -> None:
         self._dsn = dsn
         self._connector: Connector | None = None
-        self._notified: list[str] = []
+        self._notified: list[tuple[str, str]] = []
         self._queues: set[str] = set()
         self._pipe_r, self._pipe_w = os.pipe()
         os.set_blocking(self._pipe_r, False)
@@ -58,7 +59,7 @@ class Listener:
     def _broker(self) -> Broker:
         connector = self._connector
         if connector is None:
-            connector = Connector(self._dsn, on_notify=self._notified.append)
+            connector = Connector(self._dsn, on_notify=self._on_notify)
             try:
                 Broker(connector).listen(CHANNEL_PREFIX + q for q in sorted(self._queues))
             except BaseException:
@@ -67,6 +68,9 @@ class Listener:
             self._connector = connector
             self.generation += 1
         return Broker(connector)
+
+    def _on_notify(self, channel: str, payload: str) -> None:
+        self._notified.append((channel, payload))
 
     def listen(self, queues: Iterable[str]) -> None:
         """LISTEN for publishes to these PGMQ queues (idempotent)."""
@@ -109,8 +113,11 @@ class Listener:
         with contextlib.suppress(BlockingIOError, OSError):
             os.write(self._pipe_w, b"w")
 
-    def collect(self) -> set[str] | None:
-        """Return the notified queues without blocking (and empty the wake pipe).
+    def collect(self) -> tuple[set[str], dict[str, float]] | None:
+        """Return ``(ready, due)`` without blocking (and empty the wake pipe): the queues
+        notified of a visible message, and ``{queue: due}`` for queues notified of a
+        delayed one (the earliest due time, epoch seconds by the server's clock;
+        migration 0016).
 
         None when the LISTEN connection was not there or was lost: it is
         (re)connected and LISTENing when this returns, but notifications may have been
@@ -132,9 +139,23 @@ class Listener:
             self._drop()
             self._broker()
             return None
-        channels, self._notified[:] = list(self._notified), []
+        notified, self._notified[:] = list(self._notified), []
         cut = len(CHANNEL_PREFIX)
-        return {c[cut:] for c in channels if c.startswith(CHANNEL_PREFIX)}
+        ready: set[str] = set()
+        due: dict[str, float] = {}
+        for channel, payload in notified:
+            if not channel.startswith(CHANNEL_PREFIX):
+                continue
+            queue = channel[cut:]
+            try:
+                when = float(payload) if payload else None
+            except ValueError:
+                when = None  # not ours: read the queue
+            if when is None:
+                ready.add(queue)
+            elif queue not in due or when < due[queue]:
+                due[queue] = when
+        return ready, due
 
     def wait(self, timeout: float | None) -> None:
         """Block until a notification, a :meth:`wake`, or ``timeout`` seconds."""

@@ -20,7 +20,13 @@ from collections.abc import Callable
 from time import monotonic
 
 from .._db.broker import Broker, Receipt
-from ..errors import BrokerConnectionError
+from ..errors import (
+    BrokerConnectionError,
+    KombuPgmqError,
+    PermissionDenied,
+    QueueNotFound,
+    StatementCanceled,
+)
 
 __all__ = ["AckBatch"]
 
@@ -76,6 +82,8 @@ class AckBatch:
         Raises:
             BrokerConnectionError: the connection was lost; the acks are kept for the
                 next flush or read.
+            StatementCanceled: the statement was cancelled (``statement_timeout``); the
+                acks are kept too.
         """
         acks = self.take()
         if acks:
@@ -90,14 +98,18 @@ def archive(
     on_lost: Callable[[list[Receipt]], None] | None = None,
 ) -> None:
     """Archive ``acks`` in one statement; a stale receipt (delivered again since, or
-    gone with its queue) is logged, never applied. On a lost connection ``on_lost(acks)``
-    (if given) gets them back."""
+    gone with its queue) is logged, never applied. On a lost connection, or a cancelled
+    statement (nothing was archived), ``on_lost(acks)`` (if given) gets them back."""
     try:
         settled = broker.ack(acks, durable=durable)
-    except BrokerConnectionError:
+    except (BrokerConnectionError, StatementCanceled):
         if on_lost is not None:
             on_lost(acks)
         raise
+    _log_stale(acks, settled)
+
+
+def _log_stale(acks: list[Receipt], settled: set[tuple[str, int]]) -> None:
     for held in acks:
         if (held.queue, held.msg_id) not in settled:
             logger.warning(
@@ -106,3 +118,42 @@ def archive(
                 held.msg_id,
                 held.queue,
             )
+
+
+def archive_nowait(
+    broker: Broker,
+    acks: list[Receipt],
+    *,
+    durable: bool,
+    on_lost: Callable[[list[Receipt]], None],
+) -> bool:
+    """Send ``acks`` without waiting for the result (:meth:`Broker.ack_nowait`): the
+    server archives them as soon as the statement arrives, the result is read before the
+    connection's next statement. A stale receipt is logged then, never applied; if the
+    connection is lost meanwhile, the statement is cancelled, or the role turns out to
+    lack the privilege for this path, ``on_lost(acks)`` gets them back (archived again
+    with the next read or flush: a receipt already settled is then stale, nothing is
+    applied twice). Returns False, sending nothing, where the broker cannot (acks of
+    several queues, a least-privilege role): archive them with :func:`archive`.
+
+    Raises:
+        BrokerConnectionError: the statement could not be sent (``on_lost`` got them).
+    """
+
+    def settled(done: set[tuple[str, int]]) -> None:
+        _log_stale(acks, done)
+
+    def failed(error: KombuPgmqError) -> None:
+        if isinstance(error, (BrokerConnectionError, StatementCanceled, PermissionDenied)):
+            on_lost(acks)
+        else:
+            logger.warning("acks of %d message(s) not applied: %s", len(acks), error)
+
+    try:
+        return broker.ack_nowait(acks, durable=durable, on_settled=settled, on_error=failed)
+    except BrokerConnectionError:
+        on_lost(acks)
+        raise
+    except QueueNotFound as exc:  # the statement could not be prepared: the queue is gone
+        logger.warning("acks of %d message(s) not applied: %s", len(acks), exc)
+        return True

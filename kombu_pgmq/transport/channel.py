@@ -63,10 +63,9 @@ def _flag(arguments: dict[str, Any], key: str) -> bool:
     return value
 
 
-def _expired(payload: dict[str, Any], row: Row, ttl_seconds: float | None) -> bool:
+def _expired(properties: dict[str, Any], row: Row, ttl_seconds: float | None) -> bool:
     """x-message-ttl of the queue, or the message's own ``expiration`` (ms), has passed
     since the message became visible (a delayed message's TTL starts after its delay)."""
-    properties = payload["properties"]
     try:
         age = row.age_seconds - float(properties.get(DELAY_PROPERTY) or 0)
     except (TypeError, ValueError):
@@ -198,6 +197,8 @@ class Channel(Publishing, virtual.Channel):
         self.deferred_reads = 0
         self._turns = count()
         self._no_ack_queues: set[str] = set()
+        #: Kombu queue -> (consumer callback, no_ack) of this channel's consumers.
+        self._consumer_callbacks: dict[str, tuple[Any, bool]] = {}
         self._vt_seconds = self.options.vt_seconds
         self._known_queues: set[str] = set()
         #: Kombu queues this channel declared without x-deduplicate-task-id.
@@ -384,6 +385,7 @@ class Channel(Publishing, virtual.Channel):
         else:
             self._no_ack_queues.discard(queue)
         result = super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
+        self._consumer_callbacks[queue] = (callback, no_ack)
         self.connection.register_consumer(queue, consumer_tag)
         self.connection.poller.on_consume(self.connection.bands(queue).queues)
         return result
@@ -394,6 +396,7 @@ class Channel(Publishing, virtual.Channel):
         if queue is not None:
             if queue not in self._active_queues:
                 self._no_ack_queues.discard(queue)
+                self._consumer_callbacks.pop(queue, None)
             if self.connection.release_consumer(queue, consumer_tag):
                 self._known_queues.discard(pgmq_queue_name(queue))
             self.connection.poller.on_cancel(self.connection.bands(queue).queues)
@@ -401,22 +404,28 @@ class Channel(Publishing, virtual.Channel):
 
     def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
         """Get one message synchronously (``None`` if the queue has none ready)."""
-        payloads = self._fetch(queue, 1, no_ack=no_ack)
+        message = self._read_one(queue, no_ack)
         if self._lifetime(queue)[1] is not None:
             self.pgmq.touch_queue(queue)  # basic.get counts as use (x-expires)
-        if not payloads:
-            return None
-        message = self.Message(payloads[0], channel=self)
-        if not no_ack:
+        if message is not None and not no_ack:
             self.qos.append(message, message.delivery_tag)
             self.connection.keep_leases()
         return message
 
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
-        payloads = self._fetch(queue, 1, no_ack=queue in self._no_ack_queues)
-        if not payloads:
+        """Kombu's raw read: the payload of one message (``Empty`` if none is ready)."""
+        message = self._read_one(queue, queue in self._no_ack_queues)
+        if message is None:
             raise Empty()
-        return payloads[0]
+        return dict(message._raw)
+
+    def _read_one(self, queue: str, no_ack: bool) -> Any:
+        """The next deliverable message of ``queue``, or None: rows dead-lettered
+        (undecodable, too many deliveries) or expired on the way are skipped."""
+        while True:
+            messages, read = self._fetch(queue, 1, no_ack=no_ack)
+            if messages or not read:
+                return messages[0] if messages else None
 
     def _consume(
         self, only: set[str] | None, acks: list[Receipt]
@@ -499,9 +508,9 @@ class Channel(Publishing, virtual.Channel):
                     if remaining > 0:
                         account(queue, name, by_name.get(name, []), False)
         deliveries = [
-            (payload, queue)
+            (message, queue)
             for queue, name, rows, no_ack in batches
-            for payload in self._to_payloads(queue, name, rows, no_ack=no_ack)
+            for message in self._to_messages(queue, name, rows, no_ack=no_ack)
         ]
         no_ack_read: dict[str, list[Receipt]] = defaultdict(list)
         for _, name, rows, no_ack in batches:
@@ -509,14 +518,19 @@ class Channel(Publishing, virtual.Channel):
                 no_ack_read[name].extend(
                     Receipt(name, r.msg_id, r.read_ct, r.enqueued_at) for r in rows
                 )
-        deliver = self.connection._deliver
-        undelivered: list[dict[str, Any]] = []
+        undelivered: list[Any] = []
         try:
-            for index, (payload, queue) in enumerate(deliveries):
+            for index, (message, queue) in enumerate(deliveries):
                 try:
-                    deliver(payload, queue)
+                    self._deliver(message, queue)
+                except Exception as exc:
+                    if self._callback_failed(message, exc):
+                        continue
+                    undelivered = [m for m, _ in deliveries[index + 1 :]]
+                    self._release(undelivered)
+                    raise
                 except BaseException:
-                    undelivered = [p for p, _ in deliveries[index + 1 :]]
+                    undelivered = [m for m, _ in deliveries[index + 1 :]]
                     self._release(undelivered)
                     raise
         finally:
@@ -524,15 +538,58 @@ class Channel(Publishing, virtual.Channel):
                 self._forget_no_ack(no_ack_read, undelivered)
         return len(deliveries), drained, full, acks_sent, False
 
-    def _forget_no_ack(
-        self, read: dict[str, list[Receipt]], undelivered: list[dict[str, Any]]
-    ) -> None:
+    def _deliver(self, message: Any, queue: str) -> None:
+        """Hand a message to the consumer of ``queue`` on this channel (held for its ack
+        unless the consumer is ``no_ack``), as kombu's virtual ``basic_consume`` does; a
+        consumer cancelled since the read gets nothing (the message is made visible
+        again, not counted)."""
+        consumer = self._consumer_callbacks.get(queue)
+        if consumer is None:
+            self._release([message])
+            return
+        callback, no_ack = consumer
+        if not no_ack:
+            self.qos.append(message, message.delivery_tag)
+        callback(message)
+
+    def _callback_failed(self, message: Any, exc: Exception) -> bool:
+        """In Celery's event loop, a consumer callback that raises (not a broker error)
+        would end the worker ("Unrecoverable error"), and the message, restored, would
+        end the next one: e.g. Celery's own ``on_task_received`` on a row with a ``task``
+        header and no ``id``. The message is dead-lettered alone (reason
+        ``consumer_error``, with the error) unless the callback settled it, the error is
+        logged with its traceback, and delivery goes on (True). Outside the event loop
+        (``drain_events``), or for a connection or statement error, the exception
+        propagates as in kombu's transports (False)."""
+        transport = self.connection
+        if not transport.poller.in_event_loop or isinstance(
+            exc, (*transport.connection_errors, *transport.channel_errors)
+        ):
+            return False
+        info = message.delivery_info
+        logger.error(
+            "the consumer of queue %r raised on message %s; it is dead-lettered "
+            "(reason consumer_error) and the queue goes on",
+            info["kombu_queue"],
+            info["pgmq_msg_id"],
+            exc_info=exc,
+        )
+        tag = message.delivery_tag
+        if tag in self.qos._delivered:  # not acked or rejected by the callback
+            held = receipt(info)
+            with transport.leases.lock:
+                error = [f"{type(exc).__name__}: {exc}"]
+                self._dead_letter(info["kombu_queue"], held.queue, [held], "consumer_error", error)
+                self.qos._quick_ack(tag)
+        return True
+
+    def _forget_no_ack(self, read: dict[str, list[Receipt]], undelivered: list[Any]) -> None:
         """Delete what ``no_ack`` consumers were handed (and expired rows read with
         them): as AMQP auto-ack, a message is gone once delivered, but one a failed
         callback kept from the application stays (it was requeued)."""
         kept = {
             (info["pgmq_queue"], info["pgmq_msg_id"])
-            for info in (p["properties"]["delivery_info"] for p in undelivered)
+            for info in (m.delivery_info for m in undelivered)
         }
         for name, held in read.items():
             gone = [r for r in held if (name, r.msg_id) not in kept]
@@ -540,16 +597,17 @@ class Channel(Publishing, virtual.Channel):
                 with contextlib.suppress(errors.QueueNotFound):
                     self.pgmq.discard(gone)
 
-    def _release(self, payloads: list[dict[str, Any]]) -> None:
+    def _release(self, messages: list[Any]) -> None:
         """Make read but undelivered messages visible again (a callback failed): the
         application never saw them, so the delivery does not count."""
-        held = [receipt(p["properties"]["delivery_info"]) for p in payloads]
+        held = [receipt(m.delivery_info) for m in messages]
         if held:
             self.pgmq.requeue(held, 0, uncount=True)
 
-    def _fetch(self, queue: str, qty: int, *, no_ack: bool) -> list[dict[str, Any]]:
+    def _fetch(self, queue: str, qty: int, *, no_ack: bool) -> tuple[list[Any], int]:
         """Read up to ``qty`` messages of one queue, priority bands highest first (all
-        bands in one round trip, unless popping)."""
+        bands in one round trip, unless popping). Returns ``(messages, rows read)``: rows
+        dead-lettered or expired on the way are read but not returned."""
         names = self.connection.bands(queue).read_order
         if len(names) > 1 and not no_ack:
             try:
@@ -563,18 +621,20 @@ class Channel(Publishing, virtual.Channel):
                 for row in rows:
                     by_name[row.queue].append(row)
                 return [
-                    payload
+                    message
                     for name in names
-                    for payload in self._to_payloads(queue, name, by_name[name], no_ack)
-                ]
-        payloads: list[dict[str, Any]] = []
+                    for message in self._to_messages(queue, name, by_name[name], no_ack)
+                ], len(rows)
+        messages: list[Any] = []
+        read = 0
         for name in names:
             if qty <= 0:
                 break
             rows = self._rows(queue, name, qty, no_ack)
             qty -= len(rows)
-            payloads += self._to_payloads(queue, name, rows, no_ack)
-        return payloads
+            read += len(rows)
+            messages += self._to_messages(queue, name, rows, no_ack)
+        return messages, read
 
     def _rows(self, queue: str, name: str, qty: int, no_ack: bool = False) -> list[Row]:
         """Read (or pop, for no_ack) up to ``qty`` rows of one queue; a consumed queue
@@ -590,23 +650,29 @@ class Channel(Publishing, virtual.Channel):
                 self._recreate(queue)
             return []
 
-    def _to_payloads(
-        self, queue: str, name: str, rows: list[Row], no_ack: bool
-    ) -> list[dict[str, Any]]:
-        """Rows -> Kombu payloads: poison messages dead-lettered (too many deliveries, or
-        undecodable), expired ones deleted."""
-        if self.options.max_deliveries is not None and not no_ack:
-            rows = self._drop_poison(queue, name, rows)
-        payloads: list[dict[str, Any]] = []
+    def _to_messages(self, queue: str, name: str, rows: list[Row], no_ack: bool) -> list[Any]:
+        """Rows -> Kombu messages: poison messages dead-lettered (undecodable: any
+        failure before the consumer's callback, e.g. an unknown body encoding; or
+        delivered more than ``max_deliveries`` times, restores not counted), expired
+        ones deleted."""
+        limit = None if no_ack else self.options.max_deliveries
+        messages: list[Any] = []
         decoded: list[Row] = []
         undecodable: list[tuple[Row, str]] = []
+        poison: list[Receipt] = []
         for row in rows:
             try:
-                payloads.append(self._payload(queue, name, row))
+                message = self._message(queue, name, row)
             except Exception as exc:  # one bad row never blocks its batch
                 undecodable.append((row, f"{type(exc).__name__}: {exc}"))
-            else:
-                decoded.append(row)
+                continue
+            if limit is not None and message.delivery_info["pgmq_deliveries"] > limit:
+                poison.append(Receipt(name, row.msg_id, row.read_ct, row.enqueued_at))
+                continue
+            messages.append(message)
+            decoded.append(row)
+        if poison:
+            self._dead_letter(queue, name, poison, "max_deliveries")
         if undecodable:
             self._dead_letter(
                 queue,
@@ -617,15 +683,17 @@ class Channel(Publishing, virtual.Channel):
             )
         rows = decoded
         ttl = self._queue_ttl_seconds(queue)
-        expired = [p for p, row in zip(payloads, rows, strict=True) if _expired(p, row, ttl)]
+        expired = [
+            m for m, row in zip(messages, rows, strict=True) if _expired(m.properties, row, ttl)
+        ]
         if expired:
             if not no_ack:
-                self.pgmq.discard([receipt(p["properties"]["delivery_info"]) for p in expired])
-            gone = {id(p) for p in expired}
-            payloads = [p for p in payloads if id(p) not in gone]
-        STATS.deliveries += len(payloads)
+                self.pgmq.discard([receipt(m.delivery_info) for m in expired])
+            gone = {id(m) for m in expired}
+            messages = [m for m in messages if id(m) not in gone]
+        STATS.deliveries += len(messages)
         STATS.redeliveries += sum(1 for row in rows if row.read_ct > 1)
-        return payloads
+        return messages
 
     def _lifetime(self, queue: str) -> tuple[int | None, int | None]:
         """``(x-message-ttl, x-expires)`` of ``queue`` in ms (cached per channel)."""
@@ -653,20 +721,12 @@ class Channel(Publishing, virtual.Channel):
             if consumed == queue:
                 self.connection.register_consumer(queue, tag)
 
-    def _drop_poison(self, queue: str, name: str, rows: list[Row]) -> list[Row]:
-        limit = self.options.max_deliveries
-        assert limit is not None
-        poison = [
-            Receipt(name, row.msg_id, row.read_ct, row.enqueued_at)
-            for row in rows
-            if row.read_ct > limit
-        ]
-        if not poison:
-            return rows
-        self._dead_letter(queue, name, poison, "max_deliveries")
-        return [row for row in rows if row.read_ct <= limit]
-
-    def _payload(self, queue: str, name: str, row: Row) -> dict[str, Any]:
+    def _message(self, queue: str, name: str, row: Row) -> Any:
+        """The Kombu message of a row, built here (not in kombu's consumer callback) so
+        that whatever cannot be turned into one (an unknown ``body-encoding``, a body
+        its encoding cannot decode, headers or properties of the wrong shape, a
+        compressed body that does not decompress) raises before any consumer is
+        involved."""
         payload = encoding.decode(row.message, row.headers)
         props = payload["properties"]
         props["delivery_tag"] = next(self._tags)
@@ -675,11 +735,19 @@ class Channel(Publishing, virtual.Channel):
         info["pgmq_queue"] = name
         info["pgmq_msg_id"] = row.msg_id
         info["pgmq_read_ct"] = row.read_ct
+        # deliveries that reached the application (this one included): restores (the
+        # x-kombu-restored header, migration 0015) do not count toward max_deliveries
+        info["pgmq_deliveries"] = row.read_ct - info.pop("pgmq_restored")
         info["pgmq_enqueued_at"] = row.enqueued_at
         info["kombu_queue"] = queue
         info.setdefault("routing_key", queue)
         info.setdefault("exchange", "")
-        return payload
+        message = self.Message(payload, channel=self)
+        if message.errors:  # kombu keeps decompression errors for the consumer
+            error = message.errors[0][1]
+            assert error is not None
+            raise error
+        return message
 
     def _dead_letter(
         self,
@@ -703,13 +771,22 @@ class Channel(Publishing, virtual.Channel):
             self._new_queue(dlq_kombu)
             moved = self.pgmq.dead_letter(name, receipts, **kwargs)
         STATS.dead_lettered += len(moved)
-        logger.warning(
-            "dead-lettered %d message(s) of queue %r to %r (reason: %s)",
-            len(moved),
-            kombu_queue,
-            dlq_kombu,
-            reason,
-        )
+        if moved:
+            logger.warning(
+                "dead-lettered %d message(s) of queue %r to %r (reason: %s)",
+                len(moved),
+                kombu_queue,
+                dlq_kombu,
+                reason,
+            )
+        if len(moved) < len(receipts):
+            logger.warning(
+                "stale %s of %d message(s) of queue %r not applied: their lease lapsed and "
+                "they were delivered again, or they are gone",
+                "reject" if reason == "rejected" else f"dead-letter ({reason})",
+                len(receipts) - len(moved),
+                kombu_queue,
+            )
 
     def _restore(self, message: Any) -> None:
         """Make one unacked message visible again (no copy is published; the delivery

@@ -6,9 +6,12 @@ connection sleeps on: *waiting*), the LISTEN connection and wake pipe
 (:class:`~kombu_pgmq.transport._listener.Listener`), the hub callbacks of Celery's event
 loop, the blocking :meth:`Poller.drain_events`, and the :class:`AckBatch`. A round reads
 the ready queues of every channel (pending acks ride along in the same round trip) and
-delivers; queues found empty go to sleep on LISTEN (``kombu_pgmq.wait_for``), queues that
-filled their read stay ready. A fallback poll every ``polling_interval`` seconds marks
-every consumed queue ready (messages that become visible without a publish).
+delivers; queues found empty go to sleep on LISTEN (``kombu_pgmq.wait_for_due``), queues
+that filled their read stay ready. A queue with a delayed message is read when it becomes
+due (*due*: learned from ``wait_for_due`` and from NOTIFY payloads, migration 0016; a
+timer of Celery's event loop, or the wait of ``drain_events``). A fallback poll every
+``polling_interval`` seconds marks every consumed queue ready (messages that become
+visible without a publish: a lapsed visibility timeout).
 
 Statements go through the transport's statement connection only (the channels'), never
 the lease or heartbeat connections.
@@ -18,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
+import time
 from collections.abc import Sequence
 from time import monotonic, sleep
 from typing import TYPE_CHECKING, Any
@@ -25,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from .. import errors
 from .._db.broker import Receipt
 from ._listener import Listener
-from .acks import AckBatch, archive
+from .acks import AckBatch, archive, archive_nowait
 
 if TYPE_CHECKING:
     from .transport import Transport
@@ -45,10 +50,11 @@ class Poller:
     #: it (a backlog: publishers stop notifying until it is drained again).
     busy_after_full_reads = 3
 
-    #: Seconds an ack may wait for the next read to ride along with while a channel's
-    #: read is put off (its prefetch window not yet half free, see
-    #: ``Channel.basic_qos``); then it is archived alone.
-    ack_hold_seconds = 0.1
+    #: Seconds, in Celery's event loop, between two statements of acks alone (not riding
+    #: with a read): an ack made sooner after the last one waits for a read or for this,
+    #: so a backlog drains with acks batched while a lone ack goes at once (issue 25,
+    #: item 11; Nagle's algorithm).
+    ack_batch_seconds = 0.002
 
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
@@ -57,15 +63,24 @@ class Poller:
         self._ready: set[str] = set()  # may hold visible messages: read when prefetch allows
         self._waiting: set[str] = set()  # our row is in kombu_pgmq.waiting: publishers notify
         self._full_reads: dict[str, int] = {}  # consecutive reads that filled the request
+        # PGMQ queue -> monotonic() when its next delayed message becomes visible (learned
+        # from wait_for and from NOTIFY payloads, migration 0016): read it then.
+        self._due: dict[str, float] = {}
+        self._clock_offset = 0.0  # the server's clock minus ours (time.time())
+        self._due_timer: Any = None  # (deadline, hub timer entry) of the next due read
         self._next_fallback = 0.0
         self._draining = 0
         self._hub: Any = None
         self._hub_fds: list[int] = []
         self._hub_listener = (-1, -1)  # (fd, generation) of the LISTEN socket watched
         self._hub_timer: Any = None
+        self._hub_thread = 0  # the event loop's thread (acks from others wait for it)
+        self._polling = False  # inside poll(): an ack made by a callback waits for its end
+        self._acks_sent_at = 0.0  # monotonic() when acks last went to the server
+        self._ack_timer_pending = False  # batched acks go at a timer of the loop
         self._connection_lost_at: float | None = None
+        self._canceled_at: float | None = None  # a read was cancelled (statement_timeout)
         self._retry_pending = False  # a reconnection attempt is scheduled in the event loop
-        self._ack_timer_pending = False  # held acks are archived by a timer of the loop
 
     @property
     def polling_interval(self) -> float:
@@ -101,6 +116,7 @@ class Poller:
                 continue
             self._ready.discard(name)
             self._full_reads.pop(name, None)
+            self._due.pop(name, None)
             if self._listener is not None:
                 self._listener.unlisten([name])
             if name in self._waiting:
@@ -138,6 +154,11 @@ class Poller:
     # -- acks ------------------------------------------------------------------------
 
     @property
+    def in_event_loop(self) -> bool:
+        """True once registered with Celery's event loop (kombu's hub)."""
+        return self._hub is not None
+
+    @property
     def defers_acks(self) -> bool:
         """True while acks are batched: inside :meth:`drain_events` (archived before it
         returns) and once registered with Celery's event loop (archived at the loop's
@@ -145,9 +166,58 @@ class Poller:
         return self._draining > 0 or self._hub is not None
 
     def defer_ack(self, held: Receipt) -> None:
-        """Queue an ack for the next read or flush (one statement for many)."""
+        """Queue an ack for the next read or flush (one statement for many). In Celery's
+        event loop, on the loop's thread, it is sent at once instead, without waiting
+        for its result, as kombu's AMQP and Redis transports write an ack in ``ack()``
+        (a worker killed right after its task finished then has its ack on the server;
+        issue 25, item 11): unless the last acks went less than ``ack_batch_seconds``
+        ago or the statement connection is busy, then with the next read or at a timer,
+        together."""
         self.acks.add(held)
-        self.wake()
+        if (
+            self._hub is not None
+            and not self._polling
+            and threading.get_ident() == self._hub_thread
+        ):
+            self._send_acks_soon()
+        self.wake()  # a prefetch slot is free: the loop's next turn reads if it may
+
+    def _send_acks_soon(self) -> None:
+        """In Celery's event loop: send the batched acks now if the last ones went at
+        least ``ack_batch_seconds`` ago and the statement connection is free, else at a
+        timer (one at a time) or with the next read, whichever comes first."""
+        wait = self._acks_sent_at + self.ack_batch_seconds - monotonic()
+        if wait <= 0:
+            self._send_acks_if_free()
+            if not self.acks:
+                return
+            wait = self.ack_batch_seconds  # the connection was busy: try again then
+        if not self._ack_timer_pending and self._hub is not None:
+            self._ack_timer_pending = True
+            self._hub.call_later(wait, self._on_ack_timer)
+
+    def _on_ack_timer(self) -> None:
+        self._ack_timer_pending = False
+        if self.acks and self._hub is not None:
+            self._send_acks_soon()
+
+    def _send_acks_if_free(self) -> None:
+        """Send the batched acks now if the statement connection is free (else the
+        loop's next turn sends them: :meth:`poll`)."""
+        broker = self.transport.broker_if_connected()
+        if broker is None:
+            return
+        try:
+            if not broker.db.free():
+                return
+            since = self.acks.since
+            acks = self.acks.take()
+            if acks:
+                self._send_acks(acks, since)
+        except errors.BrokerConnectionError as exc:
+            self._connection_lost(exc)
+        except errors.StatementCanceled as exc:
+            self._statement_canceled(exc)
 
     def flush_acks(self) -> None:
         """Archive the batched acks now (one ``pgmq.archive`` per queue)."""
@@ -186,23 +256,80 @@ class Poller:
                 monotonic() - self._connection_lost_at,
             )
             self._connection_lost_at = None
+        if self._canceled_at is not None:
+            logger.warning("reads work again after %.1f s", monotonic() - self._canceled_at)
+            self._canceled_at = None
+
+    def _statement_canceled(self, exc: errors.StatementCanceled) -> None:
+        """A read or ack was cancelled (``statement_timeout`` ran out, e.g. behind a lock
+        an open transaction holds on a queue table, or ``pg_cancel_backend``): nothing was
+        applied (the acks are kept) and the connection is fine. Not a lost connection:
+        keep it and every held message, try again at the next fallback poll."""
+        if self._canceled_at is None:
+            self._canceled_at = monotonic()
+            logger.warning(
+                "reading the consumed queues failed: %s; trying again every %.1f s, held "
+                "messages are kept",
+                exc,
+                self.polling_interval,
+            )
+        self._next_fallback = monotonic() + self.polling_interval
 
     # -- rounds ----------------------------------------------------------------------
 
     def _note_wakeups(self, listener: Listener) -> None:
-        """Mark notified queues ready; every consumed queue when the fallback poll is due
-        or notifications may have been missed."""
-        notified = listener.collect()
+        """Mark notified queues ready, and those whose delayed message is due; every
+        consumed queue when the fallback poll is due or notifications may have been
+        missed."""
+        collected = listener.collect()
         now = monotonic()
-        if notified is None:
+        if collected is None:
             # A new LISTEN connection: the database may have restarted and forgotten our
             # waiting rows; record them again as queues are found empty.
             self._waiting.clear()
-        if notified is None or now >= self._next_fallback:
+        else:
+            notified, due = collected
+            for name, epoch in due.items():
+                self._due_at(name, now + epoch - self._clock_offset - time.time())
+        if collected is None or now >= self._next_fallback:
             self._next_fallback = now + self.polling_interval
             self._ready |= self.consumed()
         else:
             self._ready |= notified
+        for name, deadline in list(self._due.items()):
+            if deadline <= now:
+                # Due: read it now; if it is found empty, wait_for runs again and tells
+                # when the next delayed message is due.
+                del self._due[name]
+                self._ready.add(name)
+                self._waiting.discard(name)
+        self._schedule_due()
+
+    def _due_at(self, name: str, deadline: float) -> None:
+        """Read queue ``name`` at ``deadline`` (monotonic; the earliest one wins)."""
+        current = self._due.get(name)
+        if current is None or deadline < current:
+            self._due[name] = deadline
+
+    def _schedule_due(self) -> None:
+        """In Celery's event loop: one timer, at the earliest due time."""
+        if self._hub is None:
+            return
+        earliest = min(self._due.values(), default=None)
+        timer = self._due_timer
+        if timer is not None:
+            if earliest is not None and timer[0] <= earliest:
+                return  # an earlier (or the same) read is scheduled already
+            with contextlib.suppress(Exception):
+                timer[1].cancel()
+            self._due_timer = None
+        if earliest is not None:
+            entry = self._hub.call_later(max(0.0, earliest - monotonic()), self._on_hub_due)
+            self._due_timer = (earliest, entry)
+
+    def _on_hub_due(self) -> None:
+        self._due_timer = None
+        self._on_hub_event()
 
     def poll(self) -> tuple[int, bool]:
         """One round: read the ready queues of every channel (batched acks ride along)
@@ -212,36 +339,36 @@ class Poller:
         transport = self.transport
         since = self.acks.since
         acks = self.acks.take()
+        taken = bool(acks)
         delivered = 0
         drained: set[str] = set()
         full: set[str] = set()
         ready = set(self._ready)
-        deferred = False
+        self._polling = True
         try:
             for channel in list(transport.channels):
                 if not channel._active_queues or not ready:
                     continue
-                n, empty, filled, sent, put_off = channel._consume(ready, acks)
+                n, empty, filled, sent, _ = channel._consume(ready, acks)
                 if sent:
                     acks = []
-                deferred = deferred or put_off
                 delivered += n
                 drained |= empty
                 full |= filled
         finally:
-            if acks and deferred and monotonic() - since < self.ack_hold_seconds:
-                # a read follows soon (half the prefetch window): the acks ride along
+            self._polling = False
+            if taken and not acks:
+                self._acks_sent_at = monotonic()  # they rode with the read
+            if self._hub is not None:
+                # Acks no read took (it was put off until half the prefetch window is
+                # free) or made while delivering: sent on their own soon, without
+                # waiting for the result, so a finished task's ack is on the server
+                # before its worker can die (issue 25, item 11).
                 self.acks.put_back(acks, since)
-                self._hold_acks(since)
-                acks = []
-            if acks:
-                # archived at the next round if the connection is gone
-                archive(
-                    transport.broker(),
-                    acks,
-                    durable=transport.options.durable_acks,
-                    on_lost=self.acks.put_back,
-                )
+                if self.acks:
+                    self._send_acks_soon()
+            elif acks:
+                self._send_acks(acks, since)  # drain_events: before it returns
         self._ready -= drained
         self._ready |= full
         to_wait = drained - self._waiting
@@ -258,36 +385,38 @@ class Poller:
             self._waiting.difference_update(to_busy)
         if to_wait:
             self.listener().fileno()  # LISTEN before publishers can see us waiting
-            unsettled = transport.broker().wait_for(transport.owner, sorted(to_wait))
-            if unsettled:
+            waiting = transport.broker().wait_for(transport.owner, sorted(to_wait))
+            if waiting.unsettled:
                 logger.debug(
                     "a publisher to %s is still in its transaction: its message is found by "
                     "the fallback poll",
-                    ", ".join(unsettled),
+                    ", ".join(waiting.unsettled),
                 )
+            self._clock_offset = waiting.clock_offset
+            now = monotonic()
+            for name, seconds in waiting.due.items():
+                self._due_at(name, now + seconds)
+            self._schedule_due()
             self._waiting |= to_wait
             self._ready |= to_wait  # the final read, after wait_for committed
         if full and self._hub is not None:
             self.wake()  # more may wait: read again after the loop's other work
         return delivered, bool(to_wait)
 
-    def _hold_acks(self, since: float) -> None:
-        """Acks wait for a read: archive them at ``since + ack_hold_seconds`` at the
-        latest (a timer in Celery's event loop; ``drain_events`` shortens its wait)."""
-        if self._hub is not None and not self._ack_timer_pending:
-            self._ack_timer_pending = True
-            delay = max(0.0, since + self.ack_hold_seconds - monotonic())
-            self._hub.call_later(delay, self._on_ack_timer)
+    def _send_acks(self, acks: list[Receipt], since: float) -> None:
+        """Archive ``acks`` now: sent without waiting for the result where the broker
+        can (:meth:`Broker.ack_nowait <kombu_pgmq._db.broker.Broker.ack_nowait>`: one
+        queue, its tables' own statement), else in one statement that waits."""
+        transport = self.transport
+        durable = transport.options.durable_acks
+        broker = transport.broker()
 
-    def _on_ack_timer(self) -> None:
-        self._ack_timer_pending = False
-        if self.acks and monotonic() - self.acks.since >= self.ack_hold_seconds:
-            try:
-                self.flush_acks()
-            except errors.BrokerConnectionError as exc:
-                self._connection_lost(exc)
-                return
-        self._on_hub_event()
+        def put_back(lost: list[Receipt]) -> None:
+            self.acks.put_back(lost, since)
+
+        self._acks_sent_at = monotonic()
+        if not archive_nowait(broker, acks, durable=durable, on_lost=put_back):
+            archive(broker, acks, durable=durable, on_lost=put_back)
 
     def drain_events(self, timeout: float | None = None) -> None:
         """See :meth:`kombu_pgmq.transport.Transport.drain_events`."""
@@ -305,6 +434,7 @@ class Poller:
         retried = False
         try:
             while True:
+                canceled = False
                 try:
                     self._note_wakeups(listener)
                     if self._ready or self.acks:
@@ -322,12 +452,17 @@ class Poller:
                     retried = True
                     self._connection_lost(exc)
                     continue
+                except errors.StatementCanceled as exc:
+                    self._statement_canceled(exc)  # acks too wait for the next poll
+                    canceled = True
                 now = monotonic()
                 if timeout is not None and now - start >= timeout:
                     raise TimeoutError()
                 wait = self._next_fallback - now
-                if self.acks:  # archived at the latest ack_hold_seconds after the oldest
-                    wait = min(wait, self.acks.since + self.ack_hold_seconds - now)
+                if self._due:  # a delayed message becomes visible
+                    wait = min(wait, min(self._due.values()) - now)
+                if self.acks and not canceled:
+                    wait = 0  # put back by a failed round: archived at the next one
                 if timeout is not None:
                     wait = min(wait, timeout - (now - start))
                 if wait > 0:
@@ -335,7 +470,10 @@ class Poller:
         finally:
             self._draining -= 1
             if not self._draining and self._hub is None:
-                self.flush_acks()
+                try:
+                    self.flush_acks()
+                except errors.StatementCanceled as exc:
+                    self._statement_canceled(exc)  # kept for the next flush or read
 
     # -- Celery's event loop (asynloop) ---------------------------------------------------
 
@@ -344,6 +482,7 @@ class Poller:
         ``polling_interval`` seconds. Acks are batched from here on."""
         self.unregister_from_event_loop()  # registered twice: the last loop wins
         self._hub = loop
+        self._hub_thread = threading.get_ident()
         listener = self.listener()
         self._hub_fds = [listener.wake_fileno]
         self._hub_listener = (-1, -1)
@@ -381,6 +520,8 @@ class Poller:
                     break
         except errors.BrokerConnectionError as exc:
             self._connection_lost(exc)  # the fallback poll retries
+        except errors.StatementCanceled as exc:
+            self._statement_canceled(exc)  # so does it here
         else:
             self._connection_ok()
 
@@ -395,6 +536,10 @@ class Poller:
         if self._hub_timer is not None:
             self._hub_timer.cancel()
             self._hub_timer = None
+        timer, self._due_timer = self._due_timer, None
+        if timer is not None:
+            with contextlib.suppress(Exception):
+                timer[1].cancel()
 
     # -- closing ---------------------------------------------------------------------
 
@@ -412,6 +557,7 @@ class Poller:
             logger.warning("closing: %s (unarchived acks are delivered again)", exc)
         finally:
             self._waiting.clear()
+            self._due.clear()
             self.acks.clear()
             listener, self._listener = self._listener, None
             if listener is not None:
@@ -423,6 +569,8 @@ class Poller:
         self._ready.clear()
         self._waiting.clear()
         self._full_reads.clear()
+        self._due.clear()
+        self._due_timer = None
         self._hub = None
         self._hub_fds = []
         self._hub_timer = None

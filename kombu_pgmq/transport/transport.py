@@ -28,6 +28,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import psycopg
+from kombu import Connection
 from kombu.transport import virtual
 from kombu.utils.objects import cached_property
 
@@ -95,7 +96,9 @@ class Transport(virtual.Transport):
 
     def __init__(self, client: Any, **kwargs: Any) -> None:
         #: The validated transport options (parsed once, here).
-        self.options = TransportOptions.parse(client.transport_options)
+        self.options = TransportOptions.parse(
+            {k: v for k, v in client.transport_options.items() if k != BINDING_OPTION}
+        )
         super().__init__(client, **kwargs)
         self.polling_interval = self.options.polling_interval
         #: An application's connection publishes go through (:func:`kombu_pgmq.using`).
@@ -470,6 +473,26 @@ class BoundTransport(Transport):
             raise errors.ConfigurationError(
                 "BoundTransport is made by kombu_pgmq.using(conn), not by a broker URL"
             )
+        url = getattr(client, "broker_url", None)
+        #: libpq string of the broker the publishes are for (None: the binding's database).
+        self.broker_dsn = self._make_dsn(Connection(url)) if url else None
+        self._broker_source: str = getattr(client, "broker_source", "given as broker_url=")
+        self._broker_checked = False
+
+    def _check_broker(self) -> None:
+        """Refuse an application connection to another database than the broker's,
+        before the first statement (declarations included); then never again."""
+        if not self._broker_checked and self.broker_dsn is not None:
+            self.binding.check_broker(self.broker_dsn, self._broker_source)
+        self._broker_checked = True
+
+    def broker(self) -> Broker:
+        self._check_broker()
+        return super().broker()
+
+    def publisher(self) -> Broker:
+        self._check_broker()
+        return super().publisher()
 
     def register_consumer(self, queue: str, consumer_tag: str) -> None:
         raise errors.ConfigurationError(

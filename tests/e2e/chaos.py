@@ -23,7 +23,8 @@ Counts: ``published``; ``executed`` (lines: task bodies that ran to their end);
 ``distinct``; ``lost`` = published but never executed (must be 0); ``duplicates`` =
 executed lines beyond the first of their task (at least once: each is a redelivery of
 a message whose ack did not land, e.g. its worker was killed after the task ran and
-before the ack committed, or the database crashed with asynchronously committed acks);
+before the ack committed, or the database crashed with asynchronously committed acks;
+``duplicate_gaps_ms``: how long before the next kill each one's first run ended);
 ``executed_unpublished``: executed though their ``apply_async`` raised (an ambiguous
 publish: committed, but the answer was lost).
 """
@@ -84,6 +85,10 @@ class ChaosResult:
     duplicates: int = 0
     executed_unpublished: int = 0
     kills: int = 0
+    #: ``time.time()`` just before each SIGKILL (to set against the executions' times).
+    kill_times: list[float] = field(default_factory=list)
+    #: Per duplicated task, ms between its first run's end and the next SIGKILL.
+    duplicate_gaps_ms: list[float] = field(default_factory=list)
     crashes: int = 0
     publish_s: float = 0.0
     total_s: float = 0.0
@@ -232,6 +237,7 @@ def run(config: ChaosConfig) -> ChaosResult:
                 if time.monotonic() >= tail_end:
                     break
             slot = rng.randrange(config.workers)
+            result.kill_times.append(time.time())
             workers[slot].kill()
             result.kills += 1
             workers[slot] = new_worker(slot)
@@ -276,4 +282,26 @@ def run(config: ChaosConfig) -> ChaosResult:
     result.duplicates = result.executed - result.distinct
     result.executed_unpublished = len(set(failed) & runs.keys())
     result.max_runs_of_one_task = max(runs.values(), default=0)
+    result.duplicate_gaps_ms = duplicate_gaps(log, result.kill_times)
     return result
+
+
+def duplicate_gaps(path: Path, kill_times: list[float]) -> list[float]:
+    """For each task that ran more than once: how long before the next SIGKILL its first
+    run ended (ms): the window in which a finished task's ack had not reached the broker.
+    Uses the end time of the executions file's lines (``n,pid,task_id,time``); tasks whose
+    first run no kill followed within 10 s are left out."""
+    first: dict[str, float] = {}
+    seen: Counter[str] = Counter()
+    with contextlib.suppress(FileNotFoundError):
+        for line in path.read_text().splitlines():
+            fields = line.split(",")
+            if len(fields) >= 4 and fields[0].isdigit():
+                seen[fields[0]] += 1
+                first.setdefault(fields[0], float(fields[3]))
+    gaps = []
+    for n, count in seen.items():
+        later = [k for k in kill_times if 0 <= k - first[n] < 10]
+        if count > 1 and later:
+            gaps.append(round((min(later) - first[n]) * 1000, 2))
+    return sorted(gaps)

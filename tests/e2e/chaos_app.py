@@ -1,11 +1,13 @@
 """Celery app of the fault-injection runs (:mod:`tests.e2e.chaos`), configured from the
 environment, the same for every broker (ours, Redis, RabbitMQ).
 
-No result backend: each execution of ``chaos.work(n)`` appends one line ``n,pid`` to a
-file (one ``write`` on an ``O_APPEND`` descriptor opened after the fork, so lines of
-concurrent pool processes never interleave, and a line written survives the kill of its
-process and a crash of the database). A line means "the task body ran to its end"; a task
-killed before it wrote its line did not run (its message is delivered again).
+No result backend: each execution of ``chaos.work(n)`` appends one line
+``n,pid,task_id,time`` (``time.time()`` when the body ended; ``benchmarks/ack_window.py``
+measures from it) to a file (one ``write`` on an ``O_APPEND`` descriptor opened after the
+fork, so lines of concurrent pool processes never interleave, and a line written survives
+the kill of its process and a crash of the database). A line means "the task body ran to
+its end"; a task killed before it wrote its line did not run (its message is delivered
+again).
 
 Environment
     ``KPT_CHAOS_BROKER`` broker URL; ``KPT_CHAOS_OPTIONS`` transport options (JSON);
@@ -58,11 +60,11 @@ def create_app(env: Any = os.environ) -> Celery:
     log = env.get("KPT_CHAOS_LOG", os.devnull)
     work_s = float(env.get("KPT_CHAOS_TASK_MS") or 0) / 1000
 
-    @app.task(name="chaos.work", shared=False)
-    def work(n: int) -> None:
+    @app.task(name="chaos.work", shared=False, bind=True)
+    def work(self: Any, n: int) -> None:
         if work_s:
             time.sleep(work_s)
-        record(log, f"{n},{os.getpid()}")
+        record(log, f"{n},{os.getpid()},{self.request.id},{time.time():.6f}")
 
     @app.task(name="chaos.ping", shared=False)
     def ping(token: str) -> None:

@@ -112,9 +112,11 @@ def test_warm_shutdown_makes_unacked_message_visible_again_without_a_copy(
     )
     assert worker.stop() == 0
     ((_, read_ct, task_id),) = queue_rows(db, "q_celery")
-    # the restored delivery is taken back from read_ct: it never counts toward
-    # max_deliveries (receipt handles, migration 0007)
-    assert (read_ct, task_id) == (0, result.id)
+    # read_ct only grows (a receipt names one delivery forever); the restore is counted
+    # in x-kombu-restored, so it never counts toward max_deliveries (migration 0015)
+    assert (read_ct, task_id) == (1, result.id)
+    (restored,) = db.execute("SELECT headers->'x-kombu-restored' FROM pgmq.q_celery").fetchone()
+    assert restored == 1
     (visible,) = db.execute("SELECT vt <= clock_timestamp() FROM pgmq.q_celery").fetchone() or ()
     assert visible
     assert "Traceback" not in worker.log()

@@ -4,6 +4,7 @@ a killed database connection during renewals."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable
@@ -91,6 +92,53 @@ def test_countdown_of_three_visibility_timeouts_runs_once_on_time(
     assert abs(run["started_at"] - eta) <= timedelta(seconds=1)
 
 
+def test_a_worker_fed_random_rows_runs_the_tasks_among_them_and_never_stops(
+    app: Celery, db: psycopg.Connection, start_worker: Callable[..., Worker]
+) -> None:
+    """The fault suite's fuzz under Celery (issue 25): 300 random rows inserted by SQL
+    (tests/support/fuzz_rows.py: envelopes of every wrong shape, unknown encodings,
+    valid Kombu messages that are no Celery task) among 20 real tasks. The worker runs
+    every task, never stops, and each row ends settled: archived (Celery acked it, e.g.
+    a body it could not decode), or in the dead-letter queue (undecodable before any
+    callback; or rejected by Celery as an unknown message)."""
+    from tests.support import fuzz_rows
+
+    add = app.tasks["e2e.add"]
+    results = [add.delay(i, 1) for i in range(10)]  # declares the queue
+    for message, headers, _ in fuzz_rows.rows(300, seed=2025):
+        db.execute("SELECT pgmq.send('celery', %s::jsonb, %s::jsonb)", (message, headers))
+    results += [add.delay(i, 1) for i in range(10, 20)]
+    worker = start_worker()
+    assert [r.get(timeout=RESULT_TIMEOUT_S) for r in results] == [i + 1 for i in range(20)]
+    wait_for(lambda: not _queue(db), 60, "every row settled")
+    (archived,) = db.execute("SELECT count(*) FROM pgmq.a_celery").fetchone() or ()
+    (dead,) = db.execute("SELECT count(*) FROM pgmq.q_kombu_pgmq_dlq").fetchone() or ()
+    assert archived + dead == 320
+    assert worker.alive()
+    assert "Unrecoverable error" not in worker.log()
+
+
+def test_a_due_countdown_task_wakes_the_worker_not_its_fallback_poll(
+    app: Celery, db: psycopg.Connection, start_worker: Callable[..., Worker], e2e_env: dict
+) -> None:
+    """Issue 25, item 5, in Celery's event loop: with a 30 s fallback poll and no ETA
+    lead, a countdown task becomes visible in its queue table and the idle worker reads
+    it then (a timer at the due time the publish announced), not 30 s later."""
+    settings = {"KPT_POLLING_INTERVAL": "30", "KPT_ETA_LEAD_SECONDS": "0"}
+    start_worker(**settings)
+    publisher = celery_app.create_app({**e2e_env, **settings})
+    try:
+        eta = datetime.now(timezone.utc) + timedelta(seconds=3)
+        result = publisher.tasks["e2e.record_and_sleep"].apply_async((0.0,), eta=eta)
+        assert result.get(timeout=RESULT_TIMEOUT_S)["runs"] == 1
+    finally:
+        publisher.close()
+    [run] = runs(db, result.id)
+    late = (run["started_at"] - eta).total_seconds()
+    print(f"countdown task started {late:+.3f} s from its ETA (fallback poll: 30 s)")
+    assert -0.5 <= late <= 2.0
+
+
 def test_priority_order_under_a_backlog(
     db: psycopg.Connection, start_worker: Callable[..., Worker], e2e_env: dict[str, str]
 ) -> None:
@@ -134,6 +182,77 @@ def test_task_crashing_its_worker_process_is_dead_lettered_after_max_deliveries(
     # The worker keeps serving others.
     assert app.tasks["e2e.add"].delay(20, 22).get(timeout=RESULT_TIMEOUT_S) == 42
     assert worker.alive()
+
+
+def test_rows_no_worker_can_decode_never_stop_the_queue(
+    app: Celery, db: psycopg.Connection, start_worker: Callable[..., Worker], db_dsn: str
+) -> None:
+    """Issue 25, item 1: rows naming a body encoding kombu does not know (``rot13``,
+    ``BASE64``) used to raise out of the worker's event loop ("Unrecoverable error") on
+    every start, so the tasks behind them never ran. Now each is dead-lettered alone
+    (reason ``undecodable``, with the error) and the worker runs the rest."""
+    add = app.tasks["e2e.add"]
+    first = add.delay(1, 1)  # declares the queue
+    for encoding in ("rot13", "BASE64"):
+        envelope = {
+            "x-kombu": {
+                "content-type": "application/json",
+                "content-encoding": "utf-8",
+                "body-encoding": encoding,
+                "properties": {},
+            }
+        }
+        db.execute(
+            "SELECT pgmq.send('celery', %s::jsonb, %s::jsonb)",
+            ('"cm90MTM="', json.dumps({"task": "e2e.add", "id": encoding, **envelope})),
+        )
+    later = [add.delay(i, i) for i in range(5)]
+    worker = start_worker()
+    assert first.get(timeout=RESULT_TIMEOUT_S) == 2
+    assert [r.get(timeout=RESULT_TIMEOUT_S) for r in later] == [0, 2, 4, 6, 8]
+    with DeadLetterQueue(db_dsn) as dlq:
+        letters = wait_for(lambda: len(dlq.list()) == 2 and dlq.list(), 30, "2 dead letters")
+    assert sorted((d.reason, d.task_id) for d in letters) == [
+        ("undecodable", "BASE64"),
+        ("undecodable", "rot13"),
+    ]
+    assert all(d.headers["x-dead-letter"]["error"] for d in letters)
+    assert worker.alive()
+    assert "Unrecoverable error" not in worker.log()
+
+
+def test_a_message_celery_itself_cannot_handle_is_dead_lettered_not_fatal(
+    app: Celery, db: psycopg.Connection, start_worker: Callable[..., Worker], db_dsn: str
+) -> None:
+    """A valid Kombu message with a ``task`` header, no ``id`` and a body that is no
+    Celery payload makes Celery's own ``on_task_received`` raise (``KeyError: 'id'``,
+    then ``TypeError``) out of the event loop: "Unrecoverable error", the worker exits,
+    and the restored message ends every next worker. The transport dead-letters it
+    alone (reason ``consumer_error``, with the error) and the worker runs the rest."""
+    from kombu_pgmq import _encoding
+
+    add = app.tasks["e2e.add"]
+    first = add.delay(1, 1)  # declares the queue
+    stored, headers = _encoding.encode(
+        {
+            "body": "false",
+            "content-type": "application/json",
+            "content-encoding": "utf-8",
+            "headers": {"task": "no.such.task"},
+            "properties": {"delivery_info": {"exchange": "", "routing_key": "celery"}},
+        }
+    )
+    db.execute("SELECT pgmq.send('celery', %s::jsonb, %s::jsonb)", (stored, headers))
+    later = [add.delay(i, i) for i in range(5)]
+    worker = start_worker()
+    assert first.get(timeout=RESULT_TIMEOUT_S) == 2
+    assert [r.get(timeout=RESULT_TIMEOUT_S) for r in later] == [0, 2, 4, 6, 8]
+    with DeadLetterQueue(db_dsn) as dlq:
+        [letter] = wait_for(lambda: dlq.list(), 30, "1 dead letter")
+    assert letter.reason == "consumer_error" and letter.task == "no.such.task"
+    assert "TypeError" in letter.headers["x-dead-letter"]["error"]
+    assert worker.alive()
+    assert "Unrecoverable error" not in worker.log()
 
 
 def test_database_connections_killed_during_renewals_cause_no_duplicate(

@@ -61,3 +61,43 @@ def sql(url: str, query: str, params: Any = None) -> list[tuple[Any, ...]]:
 
 def table(queue: str, prefix: str = "q") -> str:
     return f"pgmq.{prefix}_{pgmq_queue_name(queue)}"
+
+
+class FakeHub:
+    """The part of kombu's Hub the transport uses, run by hand (no real loop needed)."""
+
+    def __init__(self) -> None:
+        self.readers: dict[int, Any] = {}
+        self.soon: list[Any] = []
+
+    def add_reader(self, fd: int, callback: Any, *args: Any) -> None:
+        self.readers[fd] = (callback, args)
+
+    def remove_reader(self, fd: int) -> None:
+        self.readers.pop(fd, None)
+
+    def call_soon(self, callback: Any, *args: Any) -> None:
+        self.soon.append((callback, args))
+
+    def call_later(self, seconds: float, callback: Any, *args: Any) -> None:
+        self.soon.append((callback, args))  # at the next run_once
+
+    def call_repeatedly(self, seconds: float, callback: Any, *args: Any) -> Any:
+        class Entry:
+            def cancel(self) -> None:
+                pass
+
+        return Entry()
+
+    def run_once(self) -> None:
+        import select
+
+        soon, self.soon = self.soon, []
+        for callback, args in soon:
+            callback(*args)
+        if self.readers:
+            ready, _, _ = select.select(list(self.readers), [], [], 0.2)
+            for fd in ready:
+                if fd in self.readers:
+                    callback, args = self.readers[fd]
+                    callback(*args)

@@ -1,6 +1,6 @@
 """Coalesced reads (issue 17): while a channel holds messages it reads again only once
 half its prefetch window is free, so a backlog is read several messages per round trip;
-an ack made while the read is put off is still archived within ``ack_hold_seconds``."""
+an ack made while the read is put off is sent at once, without waiting for its result."""
 
 from __future__ import annotations
 
@@ -67,3 +67,48 @@ def test_floor_follows_the_first_window_not_celerys_eta_widening(db_dsn: str) ->
         assert channel._read_floor == 1
         channel.basic_qos(prefetch_count=0)  # unlimited: reads as they come
         assert channel._read_floor == 1
+
+
+KILLED_CONSUMER = r"""
+import os, signal, sys
+from kombu import Connection, Consumer, Queue
+from kombu.asynchronous import Hub
+import kombu_pgmq
+
+got = []
+with Connection(sys.argv[1]) as conn:
+    hub = Hub()
+    conn.transport.register_with_event_loop(conn.connection, hub)
+    consumer = Consumer(conn, [Queue("killed_acks")], on_message=got.append, prefetch_count=8)
+    consumer.consume()
+    loop = hub.create_loop()
+    while len(got) < 8:
+        next(loop)
+    got[0].ack()  # one slot of 8 free: the next read is put off (coalesced reads)
+    next(loop)  # one turn of the event loop: the ack's wake-up
+    os.kill(os.getpid(), signal.SIGKILL)  # the worker dies right after
+"""
+
+
+def test_an_ack_is_on_the_server_before_the_worker_can_die(db_dsn: str) -> None:
+    """Issue 25, item 11: in Celery's event loop an ack made while the read is put off
+    used to wait up to 0.1 s for the read to ride along with; a worker SIGKILLed in that
+    window ran the finished task again. Now the loop's next turn sends it at once
+    (without waiting for the result): it is archived even though the process is killed
+    right after that turn."""
+    import subprocess
+    import sys
+
+    with connect(db_dsn) as conn:
+        publish(conn, "killed_acks", list(range(8)))
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_CONSUMER, db_dsn], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == -9, proc.stderr
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        if sql(db_dsn, "SELECT count(*) FROM pgmq.a_killed_acks") == [(1,)]:
+            break
+        time.sleep(0.05)
+    assert sql(db_dsn, "SELECT count(*) FROM pgmq.a_killed_acks") == [(1,)]
+    assert sql(db_dsn, "SELECT count(*) FROM pgmq.q_killed_acks") == [(7,)]

@@ -154,3 +154,47 @@ def test_expired_claims_are_forgotten_by_the_reaper_round(db_dsn):
     assert sql(db_dsn, "SELECT count(*) FROM kombu_pgmq.deduplication") == [(0,)]
     with connect(db_dsn) as conn:
         assert len(drain(conn, "exp", expect=5)) == 5
+
+
+#: Header values of other headers that jsonb cannot store (Celery's argsrepr of a task
+#: called with a NUL character, a float NaN), which move the headers to the exact form.
+AWKWARD_HEADERS = [{"argsrepr": "('\x00',)"}, {"ratio": float("nan")}, {"note": "\ud800"}]
+
+
+@pytest.mark.parametrize("other", AWKWARD_HEADERS, ids=["nul", "nan", "surrogate"])
+@pytest.mark.parametrize("dedup_id", ["BANaNa-1", "acct-NaN-1", "Infinity", "a\\u0000b"])
+def test_an_id_that_looks_like_nan_or_nul_still_deduplicates(db_dsn, dedup_id, other):
+    """Issue 25, item 2: a substring test on the headers' JSON text used to move an id
+    containing 'NaN', 'Infinity' or an escaped backslash before 'u0000' into the exact
+    (base64) block whenever another header forced it: the server never saw the id and
+    deduplication silently switched off."""
+    with connect(db_dsn) as conn:
+        producer = Producer(conn)
+        for _ in range(3):
+            producer.publish(
+                {"n": 1},
+                routing_key="dedup_nan",
+                declare=[Queue("dedup_nan")],
+                headers={"x-deduplication-id": dedup_id, **other},
+            )
+        assert _count(db_dsn, "dedup_nan") == 1
+        [message] = drain(conn, "dedup_nan", expect=1, timeout=5)
+    assert message.headers["x-deduplication-id"] == dedup_id
+    assert message.headers.keys() == {"x-deduplication-id", *other}  # exact, all of them
+    assert sql(db_dsn, "SELECT headers->>'x-deduplication-id' FROM pgmq.a_dedup_nan") == [
+        (dedup_id,)
+    ]
+
+
+@pytest.mark.parametrize("bad", ["a\x00b", "\udc80", float("nan")], ids=["nul", "surrogate", "nan"])
+def test_an_id_jsonb_cannot_hold_is_refused_not_ignored(db_dsn, bad):
+    with connect(db_dsn) as conn:
+        producer = Producer(conn)
+        with pytest.raises(kombu_pgmq.errors.ConfigurationError, match="x-deduplication-id"):
+            producer.publish(
+                {"n": 1},
+                routing_key="dedup_bad",
+                declare=[Queue("dedup_bad")],
+                headers={"x-deduplication-id": bad},
+            )
+    assert _count(db_dsn, "dedup_bad") == 0

@@ -60,6 +60,22 @@ def test_list_with_filters(letters):
         assert len(dlq.list(limit=1)) == 1
 
 
+def test_task_filter_finds_a_task_whose_name_looks_like_nan(db_dsn):
+    """Issue 25, item 2: a task named with 'NaN' in it, published with a header jsonb
+    cannot hold (argsrepr with a NUL), used to lose its readable ``task`` header, so
+    ``kombu-pgmq dlq list --task`` never found it."""
+    with connect(db_dsn) as conn:
+        _dead_letter(
+            conn,
+            "nan",
+            [{"n": 1}],
+            headers={"task": "stats.NaN_guard", "id": "t-9", "argsrepr": "('\x00',)"},
+        )
+    with DeadLetterQueue(db_dsn) as dlq:
+        [letter] = dlq.list(task="stats.NaN_guard")
+    assert (letter.task, letter.task_id) == ("stats.NaN_guard", "t-9")
+
+
 def test_replay_by_id_returns_the_message_to_its_queue(letters):
     with DeadLetterQueue(letters) as dlq:
         first = dlq.list(queue="orders")[0]

@@ -105,3 +105,33 @@ def test_fifo_queues_cannot_have_priorities(db_dsn):
         ).declare()
     with connect(db_dsn) as conn, pytest.raises(errors.ConfigurationError, match="True or False"):
         Queue("bad", queue_arguments={"x-fifo-groups": "yes"})(conn.default_channel).declare()
+
+
+@pytest.mark.parametrize("group", ["acct-NaN-1", "Infinity", "BANaNa"])
+def test_a_group_id_that_looks_like_nan_keeps_its_order_beside_awkward_headers(db_dsn, group):
+    """Issue 25, item 2: with another header jsonb cannot hold (a NUL in argsrepr), a
+    group id containing 'NaN' used to vanish from the headers the server reads: the
+    group's messages were delivered all at once."""
+    with connect(db_dsn) as conn:
+        producer = Producer(conn)
+        for step in range(3):
+            producer.publish(
+                {"label": f"{group}-{step}"},
+                routing_key="fifo",
+                declare=[FIFO],
+                headers={"x-group-id": group, "argsrepr": "('\x00',)"},
+            )
+        first = _deliveries(conn, {"prefetch_count": 20})
+        assert [m.payload["label"] for m in first] == [f"{group}-0"]
+        first[0].ack()
+        second = _deliveries(conn, {"prefetch_count": 20})
+        assert [m.payload["label"] for m in second] == [f"{group}-1"]
+        assert second[0].headers == {"x-group-id": group, "argsrepr": "('\x00',)"}
+        second[0].ack()
+
+
+def test_a_group_id_jsonb_cannot_hold_is_refused(db_dsn):
+    with connect(db_dsn) as conn, pytest.raises(errors.ConfigurationError, match="x-group-id"):
+        Producer(conn).publish(
+            {}, routing_key="fifo", declare=[FIFO], headers={"x-group-id": "acct\x001"}
+        )

@@ -175,6 +175,112 @@ def test_worker_consumes_acks_rejects_and_declares_its_queues_nothing_else(least
         dlq.list()  # dead-letter admin is the owner's
 
 
+def _sql_invalid(url: str, statement: str) -> str:
+    """Run ``statement`` as the URL's role; return the server's refusal of a value."""
+    with (
+        psycopg.connect(url, autocommit=True) as conn,
+        pytest.raises(
+            (psycopg.errors.InvalidParameterValue, psycopg.errors.CheckViolation)
+        ) as info,
+    ):
+        conn.execute(statement)
+    return str(info.value)
+
+
+def test_a_worker_may_not_read_drain_or_purge_the_dead_letter_queue(least_privilege_db):
+    """Issue 25, item 6: the dead-letter queue is the owner's. The generic functions
+    (kombu_pgmq.read, pop, purge) used to serve it to a worker role too."""
+    db = least_privilege_db
+    _declare_as_worker(db)
+    with _connection(db.worker_url) as conn:
+        Producer(conn.default_channel).publish({"n": 1}, exchange=EXCHANGE, routing_key="orders")
+        conn.default_channel.basic_get("orders").reject()  # dead-lettered by the worker
+    assert _owner_count(db, "q_kombu_pgmq_dlq") == 1
+    for statement in (
+        "SELECT * FROM kombu_pgmq.read(ARRAY['kombu_pgmq_dlq'], 30, 10)",
+        "SELECT * FROM kombu_pgmq.read(ARRAY['orders', 'kombu_pgmq_dlq'], 30, 10)",
+        "SELECT * FROM kombu_pgmq.pop('kombu_pgmq_dlq', 10)",
+        "SELECT kombu_pgmq.purge('kombu_pgmq_dlq')",
+    ):
+        assert "dead-letter queue" in _sql_refused(db.worker_url, statement)
+    with _connection(db.worker_url) as conn:
+        channel = conn.default_channel
+        with pytest.raises(errors.PermissionDenied, match="dead-letter queue"):
+            channel.queue_purge("kombu_pgmq_dlq")
+        with pytest.raises(errors.PermissionDenied, match="dead-letter queue"):
+            channel.basic_get("kombu_pgmq_dlq", no_ack=True)
+        with pytest.raises(errors.PermissionDenied, match="dead-letter queue"):
+            _drain(conn, Queue("kombu_pgmq_dlq"), 1, lambda m: m.ack())
+    assert _owner_count(db, "q_kombu_pgmq_dlq") == 1  # still there, unread
+    with _connection(db.owner_url) as conn:  # the owner reads it through the same functions
+        message = conn.default_channel.basic_get("kombu_pgmq_dlq")
+        assert message is not None and message.payload == {"n": 1}
+        message.ack()
+    # the counting a worker or producer may do still works
+    with psycopg.connect(db.producer_url, autocommit=True) as conn:
+        assert conn.execute("SELECT kombu_pgmq.size('kombu_pgmq_dlq')").fetchone() == (0,)
+
+
+def test_a_producer_may_not_create_queues_through_send_task(least_privilege_db):
+    """Issue 25, item 6: kombu_pgmq.send_task created a plain-named queue it did not find,
+    for a producer too; creating queues is a worker's or the owner's."""
+    db = least_privilege_db
+    refusal = _sql_refused(
+        db.producer_url, "SELECT kombu_pgmq.send_task('tasks.t', '[]', '{}', 'brand_new')"
+    )
+    assert "may not create queues" in refusal
+    with psycopg.connect(db.owner_url, autocommit=True) as conn:
+        assert conn.execute(
+            "SELECT count(*) FROM kombu_pgmq.queues WHERE queue = 'brand_new'"
+        ).fetchone() == (0,)
+    with psycopg.connect(db.worker_url, autocommit=True) as conn:  # a worker may
+        conn.execute("SELECT kombu_pgmq.send_task('tasks.t', '[]', '{}', 'brand_new')")
+    with psycopg.connect(db.producer_url, autocommit=True) as conn:  # and then a producer
+        conn.execute("SELECT kombu_pgmq.send_task('tasks.t', '[]', '{}', 'brand_new')")
+    assert _owner_count(db, "q_brand_new") == 2
+
+
+def test_every_window_a_caller_sets_is_capped(least_privilege_db):
+    """Issue 25, item 6: a producer's deduplication claim lasted until the year 33715
+    (publish(..., 1e12)); a worker could hide a message for 68 years, hold every
+    publisher of a queue behind an endless lock wait, or keep a consumer alive forever."""
+    db = least_privilege_db
+    _declare_as_worker(db)
+    for statement in (
+        "SELECT kombu_pgmq.publish('orders', '{}', '{\"x-deduplication-id\": \"a\"}', 0, 1e12)",
+        "SELECT kombu_pgmq.publish('orders', '{}', '{\"x-deduplication-id\": \"a\"}', 0, 'NaN')",
+        "SELECT kombu_pgmq.send_task('tasks.t', '[]', '{}', 'orders',"
+        ' \'{"deduplication_id": "b", "deduplication_window": 1e9}\')',
+    ):
+        assert "deduplication_window" in _sql_invalid(db.producer_url, statement)
+    for statement in (
+        "SELECT * FROM kombu_pgmq.read(ARRAY['orders'], 2147483647, 1)",
+        "SELECT * FROM kombu_pgmq.requeue(ARRAY['orders'], ARRAY[1::bigint], ARRAY[1],"
+        " ARRAY[now()], 2147483647, false)",
+        "SELECT * FROM kombu_pgmq.renew(ARRAY['orders'], ARRAY[1::bigint], ARRAY[1],"
+        " ARRAY[now()], -5)",
+    ):
+        assert "visibility timeout" in _sql_invalid(db.worker_url, statement)
+    assert "max_wait_ms" in _sql_invalid(
+        db.worker_url, "SELECT * FROM kombu_pgmq.wait_for('me', ARRAY['orders'], 3600000)"
+    )
+    assert "stale_after" in _sql_invalid(
+        db.worker_url,
+        "INSERT INTO kombu_pgmq.consumers (queue, owner, consumer_tag, stale_after_seconds)"
+        " VALUES ('orders', 'me', 't', 1e12)",
+    )
+    with psycopg.connect(db.owner_url, autocommit=True) as conn:
+        assert conn.execute("SELECT count(*) FROM kombu_pgmq.deduplication").fetchone() == (0,)
+    # the transport's own options stop at the same caps, before anything is sent
+    for option, value in (
+        ("visibility_timeout", 43_201),
+        ("deduplication_window", 1e12),
+        ("consumer_stale_after", 86_401),
+    ):
+        with pytest.raises(errors.ConfigurationError, match=option):
+            _connection(db.worker_url, **{option: value}).connect()
+
+
 def test_a_role_revoked_or_made_producer_loses_the_worker_privileges(least_privilege_db):
     db = least_privilege_db
     _declare_as_worker(db)

@@ -10,6 +10,7 @@ import logging
 import time
 from typing import Any
 
+import psycopg
 import pytest
 from kombu import Consumer, Queue
 
@@ -58,17 +59,47 @@ def test_a_stale_holders_restore_leaves_the_new_delivery_alone(db_dsn):
 
 def test_restores_do_not_count_toward_max_deliveries(db_dsn):
     """Prefetched messages returned on channel close (a deploy) were never run: three
-    restores do not dead-letter a message with max_deliveries=2."""
+    restores do not dead-letter a message with max_deliveries=2. read_ct counts every
+    read (PGMQ's meaning); the restores are counted in x-kombu-restored, which the
+    application never sees."""
     with connect(db_dsn, max_deliveries=2) as conn:
-        publish(conn, "deploys", ["job"])
+        publish(conn, "deploys", ["job"], headers={"h": 1})
         for _ in range(3):
             channel = conn.channel()
             assert channel.basic_get("deploys") is not None
             channel.close()
+        assert sql(db_dsn, f"SELECT headers->'x-kombu-restored' FROM {table('deploys')}") == [(3,)]
         got = drain(conn, "deploys", expect=1, timeout=5)
     assert [m.payload for m in got] == ["job"]
-    assert got[0].delivery_info["pgmq_read_ct"] == 1
+    info = got[0].delivery_info
+    assert (info["pgmq_read_ct"], info["pgmq_deliveries"], info["redelivered"]) == (4, 1, True)
+    assert got[0].headers == {"h": 1}
     assert not _dlq_exists(db_dsn) or _count(db_dsn, "kombu_pgmq_dlq") == 0
+
+
+def test_a_stale_receipt_never_matches_a_later_delivery_after_a_restore(db_dsn, caplog):
+    """Issue 25, item 4: A's delivery lapses, B gets the message (read_ct 2) and closes
+    its channel (a restore). read_ct used to go back to 1, so A's stale receipt matched
+    again and A's late reject dead-lettered the message. Now read_ct stays 2: A's reject
+    is stale, logged, not applied; the message is delivered again."""
+    with connect(db_dsn, visibility_timeout=1, lease_renewal_interval=0) as a:
+        publish(a, "restored_again", ["x"])
+        old = a.channel().basic_get("restored_again")
+        assert old is not None and old.delivery_info["pgmq_read_ct"] == 1
+        time.sleep(1.3)  # A's lease lapses
+        with connect(db_dsn) as b:
+            channel = b.channel()
+            new = channel.basic_get("restored_again")
+            assert new is not None and new.delivery_info["pgmq_read_ct"] == 2
+            channel.close()  # B restores it
+            with caplog.at_level(logging.WARNING):
+                old.reject(requeue=False)  # A's late reject
+            assert "stale" in caplog.text
+            again = b.channel().basic_get("restored_again")
+            assert again is not None and again.delivery_info["pgmq_read_ct"] == 3
+            again.ack()
+    assert not _dlq_exists(db_dsn) or _count(db_dsn, "kombu_pgmq_dlq") == 0
+    assert _count(db_dsn, "restored_again", "a") == 1
 
 
 def _dlq_exists(db_dsn: str) -> bool:
@@ -96,9 +127,20 @@ def test_reused_ids_of_an_unlogged_queue_are_never_acked_by_an_old_receipt(db_ds
     assert sql(db_dsn, f"SELECT message->>'m' FROM {table('volatile', 'a')}") == [("new",)]
 
 
-def test_an_archive_conflict_never_fails_a_read(db_dsn):
-    """The archive of an UNLOGGED queue is logged: after a crash reused ids, an ack of a
-    new message whose id is already archived settles it and the reads go on."""
+def _archive(db_dsn: str, queue: str) -> list[tuple[Any, ...]]:
+    return sql(
+        db_dsn,
+        f"SELECT message->>'m', headers->>'x-queue-msg-id' FROM {table(queue, 'a')} "
+        "ORDER BY msg_id",
+    )
+
+
+def test_an_ack_of_a_reused_id_is_archived_under_a_new_one(db_dsn):
+    """Issue 25, item 3: after a crash emptied an UNLOGGED queue and restarted its ids
+    (simulated: TRUNCATE ... RESTART IDENTITY), an ack of a new message whose id is
+    already archived used to drop it (neither queued nor archived). Now it is archived
+    under a fresh id (header x-queue-msg-id: the id it had), the queue's ids move past
+    the archive's, and the reads go on."""
     with connect(db_dsn) as conn:
         Queue("reused", durable=False)(conn.channel()).declare()
         publish(conn, "reused", [{"m": "first"}])
@@ -107,11 +149,92 @@ def test_an_archive_conflict_never_fails_a_read(db_dsn):
         publish(conn, "reused", [{"m": "second"}, {"m": "third"}])
         got = drain(conn, "reused", expect=2, prefetch=1)  # acks ride with the next read
         assert [m.payload["m"] for m in got] == ["second", "third"]
+        publish(conn, "reused", [{"m": "fourth"}])
+        [fourth] = drain(conn, "reused", expect=1)
     assert _count(db_dsn, "reused") == 0
-    assert sql(db_dsn, f"SELECT message->>'m' FROM {table('reused', 'a')} ORDER BY msg_id") == [
-        ("first",),
-        ("third",),
+    assert _archive(db_dsn, "reused") == [
+        ("first", None),
+        ("third", None),  # id 2: free in the archive
+        ("second", "1"),  # id 1 was taken: archived under the next id after the archive's
+        ("fourth", None),
     ]
+    assert fourth.delivery_info["pgmq_msg_id"] > 2  # the queue no longer reuses ids
+
+
+def test_a_reused_id_is_archived_by_every_ack_path(db_dsn):
+    """The same through kombu_pgmq.ack (acks of several queues in one statement, and
+    least-privilege roles) and kombu_pgmq.cancel_task (a durable revoke)."""
+    from kombu_pgmq._db.broker import Broker, Receipt
+    from kombu_pgmq._db.connector import Connector
+    from kombu_pgmq.management import Management
+
+    with connect(db_dsn) as conn:
+        for name in ("ra", "rb"):
+            Queue(name, durable=False)(conn.channel()).declare()
+            publish(conn, name, [{"m": f"{name}-old"}])
+            drain(conn, name, expect=1)
+            sql(db_dsn, f"TRUNCATE {table(name)} RESTART IDENTITY")
+            publish(conn, name, [{"m": f"{name}-new"}], headers={"id": f"task-{name}"})
+        info = conn.channel().basic_get("ra").delivery_info
+        receipts = [
+            Receipt(
+                info["pgmq_queue"],
+                info["pgmq_msg_id"],
+                info["pgmq_read_ct"],
+                info["pgmq_enqueued_at"],
+            ),
+            Receipt("rb", 999, 1, None),  # a second queue: the function path
+        ]
+        connector = Connector(db_dsn)
+        try:
+            settled = Broker(connector).ack(receipts)
+        finally:
+            connector.close()
+    assert settled == {("ra", 1)}
+    assert _archive(db_dsn, "ra") == [("ra-old", None), ("ra-new", "1")]
+    with Management(db_dsn) as management:
+        result = management.cancel_task("task-rb", revoke=False)
+    assert result.cancelled == (("rb", 1),)
+    rows = sql(
+        db_dsn,
+        f"SELECT message->>'m', headers->>'x-queue-msg-id', headers->>'x-archive-reason' "
+        f"FROM {table('rb', 'a')} ORDER BY msg_id",
+    )
+    assert rows == [("rb-old", None, None), ("rb-new", "1", "cancelled")]
+
+
+def test_acks_after_a_real_crash_of_an_unlogged_queue_lose_nothing():
+    """A real crash (``pg_ctl stop -m immediate``) of a throwaway server: the UNLOGGED
+    queue comes back empty with its ids restarted, its archive keeps ids 1-3; the new
+    messages (ids 1-3 again) are all archived once acked, none dropped."""
+    from kombu_pgmq import schema
+    from tests.support import pgserver
+
+    try:
+        server = pgserver.start_server()
+    except pgserver.EmbeddedPostgresMissing as exc:
+        pytest.skip(str(exc))
+    try:
+        with psycopg.connect(server.dsn, autocommit=True) as admin:
+            admin.execute("CREATE DATABASE broker")
+        url = pgserver.socket_url(server)
+        schema.bootstrap(url)
+        with connect(url) as conn:
+            Queue("volatile", durable=False)(conn.channel()).declare()
+            publish(conn, "volatile", [{"m": f"before-{i}"} for i in range(3)])
+            drain(conn, "volatile", expect=3)
+        sql(url, "CHECKPOINT")  # the acks committed asynchronously: flushed before the crash
+        server.crash()
+        server.start_again()
+        with connect(url) as conn:
+            publish(conn, "volatile", [{"m": f"after-{i}"} for i in range(3)])
+            got = drain(conn, "volatile", expect=3)
+            assert sorted(m.delivery_info["pgmq_msg_id"] for m in got) == [1, 2, 3]
+        archived = sorted(m for m, _ in _archive(url, "volatile"))
+        assert archived == [*(f"after-{i}" for i in range(3)), *(f"before-{i}" for i in range(3))]
+        assert _count(url, "volatile") == 0
+    finally:
+        server.stop()
 
 
 def test_no_ack_consumer_loses_nothing_when_a_callback_raises(db_dsn):

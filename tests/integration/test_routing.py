@@ -102,6 +102,39 @@ def test_exchange_declare_rules(db_dsn):
         ]
 
 
+def test_workers_declaring_a_new_exchange_at_once_both_succeed(db_dsn):
+    """Found by the fault suite (issue 25): workers started together declare Celery's
+    pidbox exchange at the same moment; the one whose insert waited for the other's
+    commit found nothing in its statement's snapshot and died with NotEquivalentError
+    ("different type 'fanout': it is 'None'")."""
+    import threading
+
+    import psycopg
+
+    with connect(db_dsn) as conn, psycopg.connect(db_dsn) as first:
+        conn.channel()  # the schema is there
+        first.execute(
+            "INSERT INTO kombu_pgmq.exchanges (exchange, type, durable, auto_delete)"
+            " VALUES ('started.together', 'fanout', false, false)"
+        )  # not committed yet: the second declaration waits on the unique key
+        outcome: list[object] = []
+
+        def declare() -> None:
+            try:
+                Exchange("started.together", type="fanout")(conn.channel()).declare()
+                outcome.append("declared")
+            except Exception as exc:
+                outcome.append(exc)
+
+        second = threading.Thread(target=declare)
+        second.start()
+        second.join(0.5)
+        assert second.is_alive()  # waiting for the first one's commit
+        first.commit()
+        second.join(10)
+    assert outcome == ["declared"]
+
+
 def test_queue_delete_removes_its_bindings(db_dsn):
     ex = Exchange("direct.ex", type="direct")
     with connect(db_dsn) as conn:

@@ -118,7 +118,14 @@ def test_bad_calls_are_clear_errors_and_send_nothing(db_dsn):
 
 
 def test_a_producer_role_may_call_it(least_privilege_db):
+    """On a queue that exists: creating one is a worker's or the owner's (issue 25,
+    item 6; tests/integration/test_privileges.py)."""
     db = least_privilege_db
+    with psycopg.connect(db.worker_url, autocommit=True) as conn:
+        conn.execute(
+            "SELECT kombu_pgmq.declare_queue('celery', 'celery', true, false, NULL, NULL,"
+            " NULL, NULL, NULL)"
+        )
     with psycopg.connect(db.producer_url, autocommit=True) as conn:
         task_id = conn.execute("SELECT kombu_pgmq.send_task('t.role', '[1]')").fetchone()[0]
     with psycopg.connect(db.owner_url) as conn:

@@ -16,7 +16,7 @@ from kombu_pgmq._db.connector import Connector
 from kombu_pgmq._naming import pgmq_queue_name
 from kombu_pgmq.errors import ConfigurationError
 
-from .helpers import connect, publish, sql, table
+from .helpers import FakeHub, connect, publish, sql, table
 
 # Long enough that a test passing within it cannot be explained by the fallback poll.
 NO_FALLBACK = 60.0
@@ -70,13 +70,13 @@ def test_publish_from_another_process_wakes_a_sleeping_consumer(db_dsn, via_exch
 
 
 def test_wait_for_waits_for_publishers_that_missed_the_waiting_row(db_dsn):
-    """The protocol of migration 0003: no wake-up is lost to a race (here with a long
-    wait, max_wait_ms=10 s: the publisher commits after 0.5 s)."""
+    """The protocol of migration 0003: no wake-up is lost to a race (here with the
+    longest wait, max_wait_ms=1 s, migration 0017: the publisher commits after 0.5 s)."""
     with connect(db_dsn) as conn:
         conn.channel().queue_declare("race")
     consumer = Connector(db_dsn)
     notified: list[str] = []
-    listener = Connector(db_dsn, on_notify=notified.append)
+    listener = Connector(db_dsn, on_notify=lambda channel, _payload: notified.append(channel))
     try:
         Broker(listener).listen(["kombu_pgmq.race"])
         with psycopg.connect(db_dsn) as publisher:  # a transaction left open on purpose
@@ -85,7 +85,7 @@ def test_wait_for_waits_for_publishers_that_missed_the_waiting_row(db_dsn):
             # not notify. wait_for must therefore wait for its commit.
             result: list[list[str]] = []
             waiter = threading.Thread(
-                target=lambda: result.append(consumer.column(sql_wait_for("me", "race", 10_000)))
+                target=lambda: result.append(consumer.column(sql_wait_for("me", "race", 1_000)))
             )
             waiter.start()
             time.sleep(0.5)
@@ -130,7 +130,7 @@ def test_wait_for_does_not_wait_for_a_long_open_enqueue_transaction(db_dsn):
         with psycopg.connect(db_dsn) as app:
             app.execute("SELECT kombu_pgmq.publish('longtx', '{\"n\": 1}', '{}')")
             start = time.monotonic()
-            assert Broker(consumer).wait_for("me", ["longtx"]) == ["longtx"]
+            assert Broker(consumer).wait_for("me", ["longtx"]).unsettled == ["longtx"]
             assert time.monotonic() - start < 2.0
             assert Broker(consumer).read("longtx", 30, 10) == []  # not committed yet
             app.commit()
@@ -211,20 +211,27 @@ def test_an_ack_outside_drain_events_is_archived_at_once(db_dsn):
         assert sql(db_dsn, f"SELECT count(*) FROM {table('single')}") == [(0,)]
 
 
-def test_acks_ride_with_the_next_read_in_the_event_loop(db_dsn):
-    """Registered with an event loop, acks wait for the next read (one transaction)."""
+def test_acks_in_the_event_loop_are_sent_at_once_not_held_for_the_next_read(db_dsn):
+    """Registered with an event loop, acks go to the server on their own right after the
+    read that delivered them, without waiting for the result (issue 25, item 11; before,
+    they waited for the next read)."""
     with connect(db_dsn) as conn:
         publish(conn, "hubacks", list(range(6)))
         transport = conn.transport
         client = conn.default_channel.pgmq
         acked_in_reads: list[int] = []
-        read_many = client.read_many
+        sent_alone: list[int] = []
+        read_many, ack_nowait = client.read_many, client.ack_nowait
 
         def spy_read_many(queues, vt_seconds, qty, acks=(), **kwargs):
             acked_in_reads.append(len(acks))
             return read_many(queues, vt_seconds, qty, acks, **kwargs)
 
-        client.read_many = spy_read_many
+        def spy_ack_nowait(receipts, **kwargs):
+            sent_alone.append(len(receipts))
+            return ack_nowait(receipts, **kwargs)
+
+        client.read_many, client.ack_nowait = spy_read_many, spy_ack_nowait
         loop = FakeHub()
         conn.transport.register_with_event_loop(conn.connection, loop)
         got: list[Any] = []
@@ -237,47 +244,12 @@ def test_acks_ride_with_the_next_read_in_the_event_loop(db_dsn):
             for _ in range(10):
                 loop.run_once()
             assert len(got) == 6
-            assert acked_in_reads[:2] == [0, 3]  # the first 3 acks came with the 2nd read
+            assert acked_in_reads[:2] == [0, 0]  # the second read carried no ack...
+            assert sent_alone[0] == 3  # ...the first 3 had gone on their own
+            assert sum(acked_in_reads) + sum(sent_alone) == 6
             assert sql(db_dsn, f"SELECT count(*) FROM {table('hubacks', 'a')}") == [(6,)]
         transport._unregister_from_event_loop()
     assert loop.readers == {}
-
-
-class FakeHub:
-    """The part of kombu's Hub the transport uses, run by hand (no real loop needed)."""
-
-    def __init__(self) -> None:
-        self.readers: dict[int, Any] = {}
-        self.soon: list[Any] = []
-
-    def add_reader(self, fd: int, callback: Any, *args: Any) -> None:
-        self.readers[fd] = (callback, args)
-
-    def remove_reader(self, fd: int) -> None:
-        self.readers.pop(fd, None)
-
-    def call_soon(self, callback: Any, *args: Any) -> None:
-        self.soon.append((callback, args))
-
-    def call_repeatedly(self, seconds: float, callback: Any, *args: Any) -> Any:
-        class Entry:
-            def cancel(self) -> None:
-                pass
-
-        return Entry()
-
-    def run_once(self) -> None:
-        import select
-
-        soon, self.soon = self.soon, []
-        for callback, args in soon:
-            callback(*args)
-        if self.readers:
-            ready, _, _ = select.select(list(self.readers), [], [], 0.2)
-            for fd in ready:
-                if fd in self.readers:
-                    callback, args = self.readers[fd]
-                    callback(*args)
 
 
 def test_one_round_trip_reads_several_queues_in_turn(db_dsn):

@@ -146,3 +146,47 @@ def test_headers_jsonb_cannot_hold_round_trip_exactly(value):
     else:
         assert got == value
     assert back["properties"]["correlation_id"] == "c-1"
+
+
+@pytest.mark.parametrize(
+    "body",
+    ['["BANaNa", "Infinity and beyond"]', '{"path": "C:\\\\u0000dir"}', '{"x": "\\"NaN\\""}'],
+    ids=["nan-in-strings", "escaped-backslash", "escaped-quote"],
+)
+def test_json_that_only_looks_unsafe_is_stored_as_json(body):
+    """Issue 25, item 2: the text NaN/Infinity inside a string, or an escaped backslash
+    before u0000, is JSON jsonb stores as is (before: base64, unreadable in SQL)."""
+    stored, back = roundtrip(kombu_message(body))
+    assert stored == body
+    assert json.loads(back["body"]) == json.loads(body)
+
+
+@pytest.mark.parametrize("header", ["x-deduplication-id", "x-group-id", "task", "id"])
+@pytest.mark.parametrize("text", ["BANaNa-1", "acct-NaN-1", "Infinity", "a\\u0000"])
+def test_headers_the_server_reads_stay_readable_whatever_their_text(header, text):
+    message = kombu_message("{}", headers={header: text, "argsrepr": "('\x00',)"})
+    _, headers = encode(message)
+    assert json.loads(headers)[header] == text  # where SQL reads it
+    assert "argsrepr" not in json.loads(headers)  # that one only in the exact block
+    assert decode(*encode(message))["headers"] == {header: text, "argsrepr": "('\x00',)"}
+
+
+@pytest.mark.parametrize("header", ["x-deduplication-id", "x-group-id", "task", "id"])
+@pytest.mark.parametrize("value", ["a\x00", "\udc80", float("nan"), float("-inf")])
+def test_headers_the_server_reads_are_refused_when_jsonb_cannot_hold_them(header, value):
+    with pytest.raises(ConfigurationError, match=f"message header '{header}'"):
+        encode(kombu_message("{}", headers={header: value}))
+
+
+@pytest.mark.parametrize(
+    ("envelope", "error"),
+    [
+        ({"body-encoding": "base64"}, "base64"),
+        ({"properties": [1]}, "must be JSON objects"),
+        ({"properties": {"delivery_info": [1]}}, "delivery_info"),
+    ],
+)
+def test_rows_that_cannot_be_kombu_messages_raise(envelope, error):
+    headers = json.dumps({ENVELOPE_KEY: {"content-type": "application/json", **envelope}})
+    with pytest.raises(Exception, match=error):
+        decode('"%%% not base64"', headers)
