@@ -213,7 +213,8 @@ def test_the_check_costs_no_round_trip_per_publish(db_dsn, monkeypatch):
         return fetch(self, query, *args, **kwargs)
 
     monkeypatch.setattr(Connector, "fetch", spy)
-    same_database = f"{db_dsn}?application_name=another_spelling"
+    joiner = "&" if "?" in db_dsn else "?"  # an embedded server's URL has ?host=
+    same_database = f"{db_dsn}{joiner}application_name=another_spelling"
     with _current_celery_app(same_database) as app:
 
         @app.task(name="using_check.record")
