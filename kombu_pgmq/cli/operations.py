@@ -22,7 +22,7 @@ from rich.table import Table
 
 from ..dlq import DEFAULT_DEAD_LETTER_QUEUE
 from ..management import Management, QueueStats
-from . import _console, _examples, _fail, _Group, _run, main, url_option
+from ._base import _console, _examples, _fail, _Group, _run, main, url_option
 
 T = TypeVar("T")
 
