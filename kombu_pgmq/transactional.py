@@ -71,15 +71,17 @@ from ._conninfo import is_ours, redact
 from ._db.broker import Broker
 from ._db.connector import Connector, ExternalConnector
 from .schema import ensure_schema
+from .transport._binding import BINDING_OPTION, CURRENT_BINDING, current_binding
+from .transport.transport import Transport
 
-__all__ = ["BINDING_OPTION", "Binding", "BoundConnection", "current_binding", "using"]
-
-#: Transport option carrying the :class:`Binding` of a :class:`BoundConnection`.
-BINDING_OPTION = "kombu_pgmq_binding"
-
-_CURRENT: contextvars.ContextVar[Binding | None] = contextvars.ContextVar(
-    "kombu_pgmq_binding", default=None
-)
+__all__ = [
+    "BINDING_OPTION",
+    "Binding",
+    "BoundConnection",
+    "BoundTransport",
+    "current_binding",
+    "using",
+]
 # One statement connection per process and database for bound publishes' declarations.
 _SHARED: dict[tuple[int, str], Connector] = {}
 _SHARED_LOCK = threading.Lock()
@@ -96,11 +98,6 @@ def _close_shared() -> None:
         if key[0] == os.getpid():
             connector.close()
     _SHARED.clear()
-
-
-def current_binding() -> Binding | None:
-    """The binding of the innermost ``with using(conn):`` block, if any."""
-    return _CURRENT.get()
 
 
 class Binding:
@@ -218,6 +215,48 @@ class Binding:
         )
 
 
+class BoundTransport(Transport):
+    """The transport of :func:`kombu_pgmq.using`'s connections: publishes only, on the
+    application's connection. Nothing it does is retried by kombu (a failed statement
+    aborted the application's transaction; another try in it would fail too)."""
+
+    recoverable_connection_errors = ()
+    recoverable_channel_errors = ()
+
+    def __init__(self, client: Any, **kwargs: Any) -> None:
+        super().__init__(client, **kwargs)
+        if self.binding is None:
+            raise errors.ConfigurationError(
+                "BoundTransport is made by kombu_pgmq.using(conn), not by a broker URL"
+            )
+        url = getattr(client, "broker_url", None)
+        #: libpq string of the broker the publishes are for (None: the binding's database).
+        self.broker_dsn = self._make_dsn(Connection(url)) if url else None
+        self._broker_source: str = getattr(client, "broker_source", "given as broker_url=")
+        self._broker_checked = False
+
+    def _check_broker(self) -> None:
+        """Refuse an application connection to another database than the broker's,
+        before the first statement (declarations included); then never again."""
+        if not self._broker_checked and self.broker_dsn is not None:
+            self.binding.check_broker(self.broker_dsn, self._broker_source)
+        self._broker_checked = True
+
+    def broker(self) -> Broker:
+        self._check_broker()
+        return super().broker()
+
+    def publisher(self) -> Broker:
+        self._check_broker()
+        return super().publisher()
+
+    def register_consumer(self, queue: str, consumer_tag: str) -> None:
+        raise errors.ConfigurationError(
+            "a kombu_pgmq.using() connection only publishes (in the application's "
+            "transaction): consume from a connection to the broker URL"
+        )
+
+
 class BoundConnection(Connection):
     """A Kombu connection whose publishes run on an application's connection (see the
     module docstring); also a context manager binding every kombu_pgmq publish of the
@@ -230,8 +269,6 @@ class BoundConnection(Connection):
         broker_url: str | None = None,
         broker_source: str = "given as broker_url=",
     ):
-        from .transport.transport import BoundTransport
-
         #: The transport options given (kombu adds a publish's retry policy to
         #: ``transport_options``: those are not compared by :func:`using`).
         self.options_given = dict(transport_options or {})
@@ -245,11 +282,11 @@ class BoundConnection(Connection):
         self._tokens: list[contextvars.Token[Binding | None]] = []
 
     def __enter__(self) -> BoundConnection:
-        self._tokens.append(_CURRENT.set(self.binding))
+        self._tokens.append(CURRENT_BINDING.set(self.binding))
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
-        _CURRENT.reset(self._tokens.pop())
+        CURRENT_BINDING.reset(self._tokens.pop())
 
     def clone(self, **kwargs: Any) -> BoundConnection:
         return BoundConnection(

@@ -28,7 +28,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import psycopg
-from kombu import Connection
 from kombu.transport import virtual
 from kombu.utils.objects import cached_property
 
@@ -40,9 +39,7 @@ from .._db.connector import Connector
 from .._naming import pgmq_queue_name
 from .._priorities import Bands
 from ..schema import ensure_schema, verify
-
-# Imported last: kombu_pgmq.transactional imports this module's package lazily.
-from ..transactional import BINDING_OPTION, current_binding
+from ._binding import BINDING_OPTION, current_binding
 from ._leases import LeaseKeeper, held_by
 from ._maintenance import Maintainer
 from ._routing import Routes
@@ -457,45 +454,3 @@ class Transport(virtual.Transport):
     @property
     def default_connection_params(self) -> dict[str, Any]:
         return {"port": self.default_port, "hostname": "localhost"}
-
-
-class BoundTransport(Transport):
-    """The transport of :func:`kombu_pgmq.using`'s connections: publishes only, on the
-    application's connection. Nothing it does is retried by kombu (a failed statement
-    aborted the application's transaction; another try in it would fail too)."""
-
-    recoverable_connection_errors = ()
-    recoverable_channel_errors = ()
-
-    def __init__(self, client: Any, **kwargs: Any) -> None:
-        super().__init__(client, **kwargs)
-        if self.binding is None:
-            raise errors.ConfigurationError(
-                "BoundTransport is made by kombu_pgmq.using(conn), not by a broker URL"
-            )
-        url = getattr(client, "broker_url", None)
-        #: libpq string of the broker the publishes are for (None: the binding's database).
-        self.broker_dsn = self._make_dsn(Connection(url)) if url else None
-        self._broker_source: str = getattr(client, "broker_source", "given as broker_url=")
-        self._broker_checked = False
-
-    def _check_broker(self) -> None:
-        """Refuse an application connection to another database than the broker's,
-        before the first statement (declarations included); then never again."""
-        if not self._broker_checked and self.broker_dsn is not None:
-            self.binding.check_broker(self.broker_dsn, self._broker_source)
-        self._broker_checked = True
-
-    def broker(self) -> Broker:
-        self._check_broker()
-        return super().broker()
-
-    def publisher(self) -> Broker:
-        self._check_broker()
-        return super().publisher()
-
-    def register_consumer(self, queue: str, consumer_tag: str) -> None:
-        raise errors.ConfigurationError(
-            "a kombu_pgmq.using() connection only publishes (in the application's "
-            "transaction): consume from a connection to the broker URL"
-        )

@@ -1,0 +1,27 @@
+"""Which application connection a publish goes through (:func:`kombu_pgmq.using`): the
+transport option naming a bound connection's binding, and the binding of the innermost
+``with using(conn):`` block. Kept here, below both, so the transport reads what
+:mod:`kombu_pgmq.transactional` sets without importing it."""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Any
+
+__all__ = ["BINDING_OPTION", "CURRENT_BINDING", "current_binding"]
+
+#: Transport option carrying the :class:`~kombu_pgmq.transactional.Binding` of a
+#: :class:`~kombu_pgmq.transactional.BoundConnection`.
+BINDING_OPTION = "kombu_pgmq_binding"
+
+#: The binding of the innermost ``with using(conn):`` block (set by
+#: :class:`~kombu_pgmq.transactional.BoundConnection`).
+CURRENT_BINDING: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "kombu_pgmq_binding", default=None
+)
+
+
+def current_binding() -> Any:
+    """The binding of the innermost ``with using(conn):`` block, if any (a
+    :class:`~kombu_pgmq.transactional.Binding`, or None)."""
+    return CURRENT_BINDING.get()
