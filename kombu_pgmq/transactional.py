@@ -156,7 +156,7 @@ class Binding:
         """``(name, server start)`` of the application connection's database (one query,
         the first time)."""
         if self._database is None:
-            self._database = self.publisher.db.fetch("database_identity")[0]
+            self._database = self.publisher.database_identity()
         return self._database
 
     def publisher_for(self, transport: Any) -> Broker:
@@ -169,7 +169,7 @@ class Binding:
         same = self._same.get(transport)
         broker: Any = None
         if same is None:
-            broker = transport.broker().db.fetch("database_identity")[0]
+            broker = transport.broker().database_identity()
             same = self._same[transport] = broker == self.database()
         if not same:
             self._refuse(
@@ -410,7 +410,7 @@ def _broker_database(dsn: str, *, fresh: bool = False) -> Any:
     if found is None:
         connector = Connector(dsn)
         try:
-            found = _BROKER_DATABASES[key] = connector.fetch("database_identity")[0]
+            found = _BROKER_DATABASES[key] = Broker(connector).database_identity()
         finally:
             connector.close()
     return found

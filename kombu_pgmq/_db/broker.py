@@ -191,6 +191,11 @@ class Broker:
         #: role turns out not to have the privileges for it.
         self.direct_writes = not isinstance(db, ExternalConnector)
 
+    def database_identity(self) -> tuple[str, Any]:
+        """``(database name, server start time)`` of the database this connection
+        reaches: two connections with the same identity reach the same database."""
+        return tuple(self.db.fetch("database_identity")[0])  # type: ignore[return-value]
+
     # -- messages --------------------------------------------------------------------
 
     def send(
