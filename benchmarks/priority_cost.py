@@ -79,7 +79,7 @@ def measure(url: str, case: str, messages: int) -> dict[str, float]:
 
 def idle_read_ms(conn: Connection, queue: str, calls: int = 200) -> float:
     transport = conn.transport
-    names = list(transport.bands(queue).read_order)
+    names = list(transport.topology.bands(queue).read_order)
     client = transport.broker()
     start = time.perf_counter()
     for _ in range(calls):

@@ -57,8 +57,3 @@ def pgmq_queue_name(queue: str) -> str:
     digest = hashlib.blake2b(queue.encode("utf-8"), digest_size=8).hexdigest()[:HASH_HEX_DIGITS]
     slug = _NOT_SLUG.sub("_", queue.lower()).strip("_")[:_SLUG_LENGTH].rstrip("_") or "q"
     return f"{slug}{_SEPARATOR}{digest}"
-
-
-def is_plain(queue: str) -> bool:
-    """Return True if *queue* maps to itself (see the module docstring)."""
-    return pgmq_queue_name(queue) == queue

@@ -82,7 +82,7 @@ def held_by(channels: Iterable[Any]) -> list[Held]:
                 continue
         else:
             continue
-        vt = channel._vt_seconds
+        vt = channel.reader.vt_seconds
         for message in messages:
             if message.delivery_tag in settled:
                 continue

@@ -187,23 +187,27 @@ class Publishing:
             self._bound.get(queue, set()).discard((exchange, routing_key or ""))
 
     def list_bindings(self) -> Any:
-        return iter(self.connection.routes().bindings())
+        return iter(self.connection.topology.routes().bindings())
 
     def get_table(self, exchange: str) -> list[tuple[str, str, str]]:
         """Bindings of ``exchange`` as kombu's ``(routing_key, pattern, queue)`` rows."""
         return [
             (routing_key, routing_key, queue)
-            for queue, bound, routing_key in self.connection.routes().bindings()
+            for queue, bound, routing_key in self.connection.topology.routes().bindings()
             if bound == exchange
         ]
 
     def typeof(self, exchange: str, default: str = "direct") -> Any:
-        return self.exchange_types[self.connection.routes().exchanges.get(exchange, default)]
+        return self.exchange_types[
+            self.connection.topology.routes().exchanges.get(exchange, default)
+        ]
 
     def _lookup(self, exchange: str, routing_key: str, default: Any = None) -> list[str]:
         if not exchange:
             return [routing_key]
-        return [queue for queue, _ in self.connection.routes().route(exchange, routing_key)]
+        return [
+            queue for queue, _ in self.connection.topology.routes().route(exchange, routing_key)
+        ]
 
     # -- publish ---------------------------------------------------------------------
 
@@ -257,16 +261,16 @@ class Publishing:
         mandatory: bool = False,
     ) -> None:
         transport = self.connection
-        fresh = transport._routes is None  # routes (re)loaded during this publish
+        fresh = not transport.topology.routes_loaded  # routes (re)loaded during this publish
         for attempt in range(3):
-            routes = transport.routes()
+            routes = transport.topology.routes()
             targets = routes.route(exchange, routing_key)
             if not targets:
                 # Maybe bound since we loaded the table: a version check (one tiny query,
                 # not a reload) decides. Celery's events take this path whenever no
                 # monitor listens.
                 if not fresh and self.pgmq.routing_version() != routes.version:
-                    transport.reload_routes()
+                    transport.topology.reload_routes()
                     fresh = True
                     continue
                 if self.deadletter_queue:
@@ -287,7 +291,9 @@ class Publishing:
                 )
                 return
             if priority:
-                names = [transport.bands(queue).queue_for(priority) for queue, _ in targets]
+                names = [
+                    transport.topology.bands(queue).queue_for(priority) for queue, _ in targets
+                ]
             else:
                 names = [pgmq for _, pgmq in targets]
             try:
@@ -320,7 +326,7 @@ class Publishing:
                         ]
                     )
                 return
-            transport.reload_routes()
+            transport.topology.reload_routes()
             fresh = True
         raise errors.StatementError(
             f"routing for exchange {exchange!r} kept changing while publishing; try again"
@@ -344,7 +350,7 @@ class Publishing:
 
     def _send(self, queue: str, body: str, headers: str, priority: int, delay: int) -> None:
         if priority:
-            name = self.connection.bands(queue).queue_for(priority)
+            name = self.connection.topology.bands(queue).queue_for(priority)
         else:
             name = pgmq_queue_name(queue)
         window = self.options.deduplication_window
@@ -357,7 +363,7 @@ class Publishing:
             # make sure the queue exists first (declared on our own connection).
             self._new_queue(queue)
             if priority:
-                name = self.connection.bands(queue).queue_for(priority)
+                name = self.connection.topology.bands(queue).queue_for(priority)
         try:
             msg_id = publisher.send(
                 name, body, headers, delay, deduplication_window=window, deduplicated=not plain
@@ -366,10 +372,10 @@ class Publishing:
             # Dropped by another process (or never declared): AMQP would drop the
             # message; we create the queue so nothing is lost.
             self._known_queues.discard(pgmq_queue_name(queue))
-            self.connection.forget_bands(queue)
+            self.connection.topology.forget_bands(queue)
             self._new_queue(queue)
             if priority:
-                name = self.connection.bands(queue).queue_for(priority)
+                name = self.connection.topology.bands(queue).queue_for(priority)
             msg_id = publisher.send(name, body, headers, delay, deduplication_window=window)
         if msg_id is None:
             _log_duplicates([name])

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from time import monotonic
 
 from .._db.broker import Broker, Receipt
@@ -106,17 +106,40 @@ def archive(
         if on_lost is not None:
             on_lost(acks)
         raise
-    _log_stale(acks, settled)
+    warn_stale("ack", acks, settled)
 
 
-def _log_stale(acks: list[Receipt], settled: set[tuple[str, int]]) -> None:
-    for held in acks:
+def warn_stale(
+    action: str,
+    given: Sequence[Receipt],
+    settled: set[tuple[str, int]] | None = None,
+    *,
+    applied: int | None = None,
+) -> None:
+    """Log the receipts of ``given`` that were not applied: their lease lapsed and the
+    message was delivered again (read_ct moved on), or it is gone. ``settled``: the
+    ``(queue, msg_id)`` applied; or ``applied``: how many were, when which is not known
+    (one line for the lot). The one place this warning is worded."""
+    if settled is None:
+        stale = len(given) - (applied or 0)
+        if stale > 0:
+            logger.warning(
+                "stale %s of %d message(s) in PGMQ queue %r not applied: their lease lapsed "
+                "and they were delivered again, or they are gone",
+                action,
+                stale,
+                given[0].queue,
+            )
+        return
+    for held in given:
         if (held.queue, held.msg_id) not in settled:
             logger.warning(
-                "stale ack of message %s in PGMQ queue %r not applied: it was delivered "
-                "again after its visibility timeout, or it is gone",
+                "stale %s of message %s in PGMQ queue %r not applied: its lease lapsed and "
+                "it was delivered again (read_ct moved past %d), or it is gone",
+                action,
                 held.msg_id,
                 held.queue,
+                held.read_ct,
             )
 
 
@@ -141,7 +164,7 @@ def archive_nowait(
     """
 
     def settled(done: set[tuple[str, int]]) -> None:
-        _log_stale(acks, done)
+        warn_stale("ack", acks, done)
 
     def failed(error: KombuPgmqError) -> None:
         if isinstance(error, (BrokerConnectionError, StatementCanceled, PermissionDenied)):

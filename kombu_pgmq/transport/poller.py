@@ -129,7 +129,7 @@ class Poller:
 
     def consumed(self) -> set[str]:
         """PGMQ queues (every priority band) of the queues consumed now."""
-        bands = self.transport.bands
+        bands = self.transport.topology.bands
         return {
             name
             for c in self.transport.channels
@@ -347,9 +347,9 @@ class Poller:
         self._polling = True
         try:
             for channel in list(transport.channels):
-                if not channel._active_queues or not ready:
+                if not channel.consumed_queues or not ready:
                     continue
-                n, empty, filled, sent, _ = channel._consume(ready, acks)
+                n, empty, filled, sent, _ = channel.reader.consume(ready, acks)
                 if sent:
                     acks = []
                 delivered += n

@@ -24,7 +24,6 @@ import socket
 import threading
 import uuid
 import weakref
-from collections.abc import Iterable
 from typing import Any
 
 import psycopg
@@ -32,20 +31,17 @@ from kombu.transport import virtual
 from kombu.utils.objects import cached_property
 
 from .. import _conninfo as conninfo
-from .. import _priorities as priorities
 from .. import errors
 from .._db.broker import Broker
 from .._db.connector import Connector
-from .._naming import pgmq_queue_name
-from .._priorities import Bands
 from ..schema import ensure_schema, verify
 from ._binding import BINDING_OPTION, current_binding
 from ._leases import LeaseKeeper, held_by
 from ._maintenance import Maintainer
-from ._routing import Routes
 from .channel import Channel
 from .options import TransportOptions
 from .poller import Poller
+from .topology import Topology
 
 logger = logging.getLogger(__name__)
 
@@ -105,9 +101,8 @@ class Transport(virtual.Transport):
         self._pid = os.getpid()
         self._statements: Connector | None = None
         self._broker: Broker | None = None  # operations on _statements
-        self._routes: Routes | None = None
-        self._bands: dict[str, Bands] = {}  # Kombu queue -> priority bands, as stored
-        self._fifo: set[str] = set()  # PGMQ names of FIFO queues (x-fifo-groups), as stored
+        #: Priority bands, FIFO queues and the routing table, as stored (cached).
+        self.topology = Topology(self.broker)
         #: Identifies this connection's consumers in kombu_pgmq.consumers.
         self.owner = self._new_owner()
         self._consumers: set[tuple[str, str]] = set()
@@ -227,42 +222,6 @@ class Transport(virtual.Transport):
     def _still_held(self, queue: str, msg_id: int) -> bool:
         return any(h.queue == queue and h.msg_id == msg_id for h in held_by(self.channels))
 
-    # -- priority bands (kombu_pgmq._priorities) -------------------------------------------
-
-    def bands(self, queue: str) -> Bands:
-        """Priority bands of Kombu queue ``queue`` as stored in the database (cached; a
-        queue without x-max-priority, or unknown yet, has one band: its PGMQ queue)."""
-        bands = self._bands.get(queue)
-        if bands is None:
-            name = pgmq_queue_name(queue)
-            info = self.broker().queue_info(queue)
-            if info is None:  # not declared yet: ask again next time
-                return priorities.single(name)
-            bands = self._bands[queue] = priorities.stored(name, info.floors, info.band_queues)
-            if info.fifo_groups:
-                self._fifo.add(name)
-        return bands
-
-    def known_bands(self, queue: str) -> Bands:
-        """:meth:`bands` as cached, without a query (for threads that must not reopen a
-        closed connection)."""
-        return self._bands.get(queue) or priorities.single(pgmq_queue_name(queue))
-
-    def set_bands(self, queue: str, bands: Bands, *, fifo: bool = False) -> None:
-        self._bands[queue] = bands
-        if fifo:
-            self._fifo.update(bands.queues)
-        else:
-            self._fifo.difference_update(bands.queues)
-
-    def fifo_queues(self, names: Iterable[str]) -> list[str]:
-        """The FIFO queues (``x-fifo-groups``, as stored) among PGMQ queue ``names``."""
-        fifo = self._fifo
-        return [n for n in names if n in fifo] if fifo else []
-
-    def forget_bands(self, queue: str) -> None:
-        self._bands.pop(queue, None)
-
     @cached_property
     def _url(self) -> str:
         client: Any = self.client
@@ -278,20 +237,6 @@ class Transport(virtual.Transport):
         parts.append(f"{host or 'localhost'}:{client.port or self.default_port}")
         parts.append(f"/{client.virtual_host or ''}".replace("//", "/"))
         return "".join(parts)
-
-    def routes(self) -> Routes:
-        """The cached routing table (loaded on first use; see :mod:`._routing`)."""
-        routes = self._routes
-        if routes is None:
-            routes = self.reload_routes()
-        return routes
-
-    def reload_routes(self) -> Routes:
-        table = self.broker().routing_table()
-        for queue, (floors, queues) in table.bands.items():
-            self._bands[queue] = priorities.stored(pgmq_queue_name(queue), floors, queues)
-        routes = self._routes = Routes(table)
-        return routes
 
     # -- consumers and queue lifetime ---------------------------------------------------
 
@@ -329,7 +274,9 @@ class Transport(virtual.Transport):
     def _consumed_tables(self) -> list[str]:
         """PGMQ tables of the consumed queues, every band (for the heartbeat thread: uses
         cached bands only, never a query)."""
-        return sorted({n for queue, _ in self.consumers() for n in self.known_bands(queue).queues})
+        return sorted(
+            {n for queue, _ in self.consumers() for n in self.topology.known_bands(queue).queues}
+        )
 
     def reap(self, broker: Broker | None = None) -> list[str]:
         """Drop queues whose consumers are gone (auto_delete) or unused too long (x-expires).
@@ -371,9 +318,6 @@ class Transport(virtual.Transport):
         here on (archived at the loop's next turn, with the next read)."""
         self._check_fork()
         self.poller.register_with_event_loop(loop)
-
-    def _unregister_from_event_loop(self) -> None:
-        self.poller.unregister_from_event_loop()
 
     # -- connection lifetime -----------------------------------------------------------
 

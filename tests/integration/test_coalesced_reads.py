@@ -28,7 +28,7 @@ def test_reads_wait_for_half_the_prefetch_window(db_dsn: str) -> None:
             with contextlib.suppress(TimeoutError):
                 conn.drain_events(timeout=0.5)
             assert len(got) == 8
-            assert channel.deferred_reads >= 1
+            assert channel.reader.deferred_reads >= 1
             assert sql(db_dsn, "SELECT count(*) FROM pgmq.a_coalesce") == [(1,)]
             # half the window free: one read fills it (4 messages at once)
             for message in got[1:4]:
@@ -60,13 +60,13 @@ def test_floor_follows_the_first_window_not_celerys_eta_widening(db_dsn: str) ->
     with connect(db_dsn) as conn:
         channel = conn.channel()
         channel.basic_qos(prefetch_count=8)
-        assert channel._read_floor == 4
+        assert channel.reader.read_floor == 4
         channel.basic_qos(prefetch_count=108)
-        assert channel._read_floor == 4
+        assert channel.reader.read_floor == 4
         channel.basic_qos(prefetch_count=2)  # narrowed (autoscale down): half of it
-        assert channel._read_floor == 1
+        assert channel.reader.read_floor == 1
         channel.basic_qos(prefetch_count=0)  # unlimited: reads as they come
-        assert channel._read_floor == 1
+        assert channel.reader.read_floor == 1
 
 
 KILLED_CONSUMER = r"""

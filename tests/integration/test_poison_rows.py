@@ -196,7 +196,7 @@ def test_a_callback_that_raises_in_the_event_loop_dead_letters_its_message_alone
             for _ in range(6):
                 loop.run_once()
             assert got == ["ok-0", "ok-1"]
-        conn.transport._unregister_from_event_loop()
+        conn.transport.poller.unregister_from_event_loop()
     with DeadLetterQueue(db_dsn) as dlq:
         [letter] = dlq.list()
     assert letter.reason == "consumer_error"

@@ -160,13 +160,13 @@ def test_unroutable_publishes_check_the_version_instead_of_reloading(db_dsn):
         publish_to(conn, events, "worker.heartbeat", {"n": 0})  # loads the table once
         transport = conn.transport
         reloads = []
-        original = transport.reload_routes
+        original = transport.topology.reload_routes
 
         def counting_reload():
             reloads.append(1)
             return original()
 
-        transport.reload_routes = counting_reload
+        transport.topology.reload_routes = counting_reload
         for n in range(5):
             publish_to(conn, events, "worker.heartbeat", {"n": n})
         assert reloads == []  # routes unchanged: no reload, messages dropped as in AMQP

@@ -145,6 +145,6 @@ def test_in_the_event_loop_a_cancelled_read_reaches_neither_celery_nor_the_conne
             conn.transport.poller._on_hub_fallback()  # the fallback poll's timer
             assert len(got) == 2
             assert conn.transport.broker().db.backend_pid == pid
-        conn.transport._unregister_from_event_loop()
+        conn.transport.poller.unregister_from_event_loop()
     assert "database connection lost" not in caplog.text
     assert "reading the consumed queues failed: 57014" in caplog.text

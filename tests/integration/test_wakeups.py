@@ -248,7 +248,7 @@ def test_acks_in_the_event_loop_are_sent_at_once_not_held_for_the_next_read(db_d
             assert sent_alone[0] == 3  # ...the first 3 had gone on their own
             assert sum(acked_in_reads) + sum(sent_alone) == 6
             assert sql(db_dsn, f"SELECT count(*) FROM {table('hubacks', 'a')}") == [(6,)]
-        transport._unregister_from_event_loop()
+        transport.poller.unregister_from_event_loop()
     assert loop.readers == {}
 
 
