@@ -45,14 +45,17 @@ Delivery semantics
 * A consumer reads up to its free prefetch in one round trip, from all of a channel's
   queues at once (``kombu_pgmq.read``; the first queue read rotates, so none starves);
   ``read_batch_size`` caps it when prefetch is unlimited. Consumers with ``no_ack=True``
-  use ``pgmq.pop`` (delete on delivery, as AMQP auto-ack).
-* Acks are batched. Inside ``drain_events``, the acks its callbacks make are archived in
-  one statement per queue before it returns; in Celery's event loop they are archived at
-  the loop's next turn, with the read of that turn if there is one, else on their own,
-  sent without waiting for the result. ``message.ack()`` thus
-  returns before the archive commits: if the process dies in between, the message is
-  delivered again after its visibility timeout (at least once). An ack made outside both
-  (e.g. after ``SimpleQueue.get``) is archived at once.
+  get what is read and it is deleted once delivered, as AMQP auto-ack (``basic_get`` of
+  one queue uses ``pgmq.pop``).
+* Acks. Inside ``drain_events``, the acks its callbacks make are archived in one
+  statement per queue before it returns. In Celery's event loop an ack is sent at once,
+  from ``ack()``, without waiting for its result, as kombu's AMQP and Redis transports
+  write an ack in ``ack()``; acks made within ``Poller.ack_batch_seconds`` (2 ms) of the
+  last ones, or while the statement connection is busy, go together with the next read
+  or at a timer. ``message.ack()`` thus returns before the archive commits: if the
+  process dies in between, the message is delivered again after its visibility timeout
+  (at least once). An ack made outside both (e.g. after ``SimpleQueue.get``) is archived
+  at once, waiting for the result.
 * Closing a channel archives its batched acks and makes its unacked messages visible at
   once; it never publishes copies, unlike kombu's default ``_restore``. A restored
   delivery (and one whose delivery callback failed) does not count toward

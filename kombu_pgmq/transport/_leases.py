@@ -130,9 +130,9 @@ class LeaseKeeper(Service):
         self.lock = threading.Lock()
         self.statements = 0
 
-    def _after_fork(self) -> None:
+    def after_fork(self) -> None:
         forked = self._pid != os.getpid()
-        super()._after_fork()
+        super().after_fork()
         if forked:
             self.lock = threading.Lock()  # may have been held by the parent's thread
 

@@ -67,7 +67,9 @@ class Service:
             self._connector = Connector(self._dsn, settings={"lock_timeout": LOCK_TIMEOUT})
         return self._connector
 
-    def _after_fork(self) -> None:
+    def after_fork(self) -> None:
+        """In a forked child: forget the parent's thread and abandon its connection
+        (nothing is sent); the next :meth:`start` starts this process's own. Idempotent."""
         if self._pid != os.getpid():
             self._pid = os.getpid()
             self._thread = None
@@ -79,12 +81,12 @@ class Service:
 
     @property
     def running(self) -> bool:
-        self._after_fork()
+        self.after_fork()
         return self._thread is not None and self._thread.is_alive()
 
     def start(self) -> None:
         """Start the loop (idempotent; again after :meth:`stop`, or after a fork)."""
-        self._after_fork()
+        self.after_fork()
         with self._lock:
             if self.interval_seconds <= 0 or (self._thread and self._thread.is_alive()):
                 return

@@ -18,9 +18,9 @@ from .. import errors
 from .._db.broker import Broker, QueueInfo
 from .._naming import pgmq_queue_name
 from .._stats import STATS
-from ._publishing import Publishing
 from .acks import warn_stale
 from .options import TransportOptions
+from .publisher import Publisher
 from .reader import Reader, receipt
 
 if TYPE_CHECKING:
@@ -141,7 +141,7 @@ class QoS(virtual.QoS):
         return []  # nothing is lost on failure: the visibility timeout restores it
 
 
-class Channel(Publishing, virtual.Channel):
+class Channel(virtual.Channel):
     """One Kombu channel; all channels of a connection share its PostgreSQL connection."""
 
     QoS = QoS
@@ -161,12 +161,13 @@ class Channel(Publishing, virtual.Channel):
         # What this channel declared and bound, to recreate a consumed queue that was
         # dropped under it (by an operator, or reaped after a long database outage).
         self._declared: dict[str, dict[str, Any]] = {}
-        self._bound: dict[str, set[tuple[str, str]]] = {}
         # Connects now (and bootstraps the schema once per process), so connection
         # errors surface at channel creation as kombu expects.
         self.connection.broker()
         #: The read path: coalesced reads, poison rows, TTL, deliveries to consumers.
         self.reader = Reader(self)
+        #: The publishing side: exchanges, bindings, publish.
+        self.publisher = Publisher(self)
 
     @property
     def pgmq(self) -> Broker:
@@ -179,6 +180,27 @@ class Channel(Publishing, virtual.Channel):
     def consumed_queues(self) -> list[str]:
         """The Kombu queues this channel consumes now, in the order they were consumed."""
         return list(self._active_queues)
+
+    def forget_held(self) -> None:
+        """In a forked child: drop the parent's held messages without a word to the
+        server (they are the parent's to settle)."""
+        qos = self._qos
+        if qos is not None:
+            qos._delivered.clear()
+            qos._dirty.clear()
+
+    def declared(self, queue: str) -> bool:
+        """Whether this channel declared Kombu queue ``queue`` (and it was not dropped)."""
+        return pgmq_queue_name(queue) in self._known_queues
+
+    def plain(self, queue: str) -> bool:
+        """Whether this channel declared ``queue`` without ``x-deduplicate-task-id``."""
+        return queue in self._plain_queues
+
+    def forget_queue(self, queue: str) -> None:
+        """``queue`` was found dropped: declare it again on next use."""
+        self._known_queues.discard(pgmq_queue_name(queue))
+        self.connection.topology.forget_bands(queue)
 
     def declare_queue(self, queue: str) -> None:
         """Declare ``queue`` with default arguments unless this channel did already (the
@@ -321,6 +343,80 @@ class Channel(Publishing, virtual.Channel):
             return
         self._delete(queue)
 
+    # -- exchanges, bindings, publish (publisher.py) ------------------------------------
+
+    def exchange_declare(
+        self,
+        exchange: str | None = None,
+        type: str = "direct",
+        durable: bool = False,
+        auto_delete: bool = False,
+        arguments: Any = None,
+        nowait: bool = False,
+        passive: bool = False,
+    ) -> None:
+        """Declare an exchange in the database, visible to every process (see
+        :meth:`kombu_pgmq.transport.publisher.Publisher.exchange_declare`)."""
+        self.publisher.exchange_declare(
+            exchange, type, durable, auto_delete, arguments, nowait, passive
+        )
+
+    def exchange_delete(self, exchange: str, if_unused: bool = False, nowait: bool = False) -> None:
+        """Delete the exchange and its bindings (queues stay)."""
+        self.publisher.exchange_delete(exchange, if_unused, nowait)
+
+    def queue_bind(
+        self,
+        queue: str,
+        exchange: str | None = None,
+        routing_key: str = "",
+        arguments: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        """Bind in the database: every process routes by it from its next publish."""
+        self.publisher.queue_bind(queue, exchange, routing_key, arguments, **kwargs)
+
+    def queue_unbind(
+        self,
+        queue: str,
+        exchange: str | None = None,
+        routing_key: str = "",
+        arguments: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        self.publisher.queue_unbind(queue, exchange, routing_key, arguments, **kwargs)
+
+    def list_bindings(self) -> Any:
+        return self.publisher.list_bindings()
+
+    def get_table(self, exchange: str) -> list[tuple[str, str, str]]:
+        return self.publisher.get_table(exchange)
+
+    def typeof(self, exchange: str, default: str = "direct") -> Any:
+        return self.publisher.typeof(exchange, default)
+
+    def _lookup(self, exchange: str, routing_key: str, default: Any = None) -> list[str]:
+        return self.publisher.lookup(exchange, routing_key, default)
+
+    def basic_publish(
+        self, message: dict[str, Any], exchange: str, routing_key: str, **kwargs: Any
+    ) -> None:
+        """Publish: to the queue named ``routing_key`` on the default exchange, else to
+        every queue the exchange routes it to, in one statement (all or none). See
+        :meth:`Publisher.publish <kombu_pgmq.transport.publisher.Publisher.publish>`.
+
+        Raises:
+            Unroutable: ``mandatory=True`` and no binding matches.
+            ConfigurationError: an ``x-delay`` or ETA PGMQ cannot take; a message over
+                ``max_message_bytes``.
+        """
+        self._inplace_augment_message(message, exchange, routing_key)
+        priority = self._get_message_priority(message)
+        self.publisher.publish(message, exchange, routing_key, priority, **kwargs)
+
+    def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+        self.publisher.put(queue, message, self._get_message_priority(message))
+
     # -- consume ---------------------------------------------------------------------
 
     def basic_qos(
@@ -384,7 +480,7 @@ class Channel(Publishing, virtual.Channel):
         )
         self._known_queues.discard(pgmq_queue_name(queue))
         self._new_queue(queue, **self._declared.get(queue, {}))
-        for exchange, routing_key in self._bound.get(queue, ()):
+        for exchange, routing_key in self.publisher.bindings_made.get(queue, ()):
             self.pgmq.bind(exchange, routing_key, queue)
         for tag, consumed in self._tag_to_queue.items():
             if consumed == queue:

@@ -133,7 +133,7 @@ class Poller:
         return {
             name
             for c in self.transport.channels
-            for q in c._active_queues
+            for q in c.consumed_queues
             for name in bands(q).queues
         }
 
@@ -160,9 +160,9 @@ class Poller:
 
     @property
     def defers_acks(self) -> bool:
-        """True while acks are batched: inside :meth:`drain_events` (archived before it
-        returns) and once registered with Celery's event loop (archived at the loop's
-        next turn, with the next read)."""
+        """True while acks go through :meth:`defer_ack`: inside :meth:`drain_events`
+        (archived before it returns) and once registered with Celery's event loop (sent
+        at once, or batched for ``ack_batch_seconds``)."""
         return self._draining > 0 or self._hub is not None
 
     def defer_ack(self, held: Receipt) -> None:

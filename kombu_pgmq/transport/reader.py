@@ -26,8 +26,8 @@ from .. import errors
 from .._db.broker import Broker, Receipt, Row
 from .._naming import pgmq_queue_name
 from .._stats import STATS
-from ._publishing import DELAY_PROPERTY
 from .acks import warn_stale
+from .publisher import DELAY_PROPERTY
 
 if TYPE_CHECKING:
     from .channel import Channel, QoS

@@ -314,8 +314,9 @@ class Transport(virtual.Transport):
 
     def register_with_event_loop(self, connection: Any, loop: Any) -> None:
         """Run consumers in Celery's event loop: readers on the LISTEN socket and the wake
-        pipe, a fallback poll every ``polling_interval`` seconds. Acks are batched from
-        here on (archived at the loop's next turn, with the next read)."""
+        pipe, a fallback poll every ``polling_interval`` seconds. Acks are sent from
+        ``ack()`` from here on (see :meth:`Poller.defer_ack
+        <kombu_pgmq.transport.poller.Poller.defer_ack>`)."""
         self._check_fork()
         self.poller.register_with_event_loop(loop)
 
@@ -384,13 +385,10 @@ class Transport(virtual.Transport):
         if statements is not None:
             statements.close()  # abandons: nothing is sent
         self.poller.after_fork()
-        self.leases._after_fork()
-        self.maintainer._after_fork()
+        self.leases.after_fork()
+        self.maintainer.after_fork()
         for channel in list(self.channels):
-            qos = channel._qos
-            if qos is not None:
-                qos._delivered.clear()
-                qos._dirty.clear()
+            channel.forget_held()
 
     def verify_connection(self, connection: Any) -> bool:
         return self._statements is not None and self._statements.connected
