@@ -1,5 +1,5 @@
-"""TransportOptions: parsed and validated once; README's table and the transport's
-docstring list exactly these options."""
+"""TransportOptions: parsed and validated once; the docs' table (docs/guides/celery.md)
+and the transport's docstring list exactly these options."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import kombu_pgmq.transport as transport_module
 from kombu_pgmq.errors import ConfigurationError
 from kombu_pgmq.transport.options import KOMBU_OPTIONS, OPTIONS, TransportOptions
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[2] / "docs" / "guides" / "celery.md"
 
 
 def _readme_table() -> dict[str, tuple[str, str]]:
