@@ -10,169 +10,34 @@ reconnects) or :class:`~kombu_pgmq.errors.StatementError` (the statement failed)
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable, Iterable, Sequence
-from datetime import datetime
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from psycopg import sql
 
 from ..errors import KombuPgmqError, PermissionDenied, QueueNotFound, StatementError
 from .connector import Connector, ExternalConnector
+from .rows import (
+    QueueArgs,
+    QueueInfo,
+    ReadRow,
+    Receipt,
+    Renewed,
+    RoutingRow,
+    RoutingTable,
+    Row,
+    VersionRow,
+    receipt_handles,
+    text_array,
+    to_queue_info,
+)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Broker", "QueueInfo", "Receipt", "RoutingTable", "Row", "Waiting"]
-
-
-class Row(NamedTuple):
-    """One delivered message: ``message`` and ``headers`` are JSON text (headers may be
-    None); ``age_seconds`` is the time since it was sent, by the server's clock; ``queue``
-    the PGMQ queue it was read from; ``enqueued_at`` its send time (with ``msg_id`` and
-    ``read_ct``, the receipt of this delivery)."""
-
-    msg_id: int
-    read_ct: int
-    message: str
-    headers: str | None
-    age_seconds: float
-    queue: str = ""
-    enqueued_at: datetime | None = None
-
-
-class Receipt(NamedTuple):
-    """A receipt handle (SQS's model): one delivery of one message. Settling it (ack,
-    requeue, dead-letter, lease renewal) touches the row only while this delivery still
-    holds it: same ``msg_id``, same ``read_ct`` (not read again since) and same
-    ``enqueued_at`` (not a new message that reused the id of an UNLOGGED queue emptied by
-    a crash). Migration 0007."""
-
-    queue: str
-    msg_id: int
-    read_ct: int
-    enqueued_at: datetime | None
-
-
-def _handles(receipts: Sequence[Receipt]) -> dict[str, list[Any]]:
-    return {
-        "queues": [r.queue for r in receipts],
-        "msg_ids": [r.msg_id for r in receipts],
-        "read_cts": [r.read_ct for r in receipts],
-        "enqueued": [r.enqueued_at for r in receipts],
-    }
-
-
-def _text_array(values: Iterable[Any]) -> bytes:
-    """A PostgreSQL array literal of ints or datetimes (text format, for
-    :meth:`Connector.send_nowait`)."""
-    items = (
-        "NULL" if v is None else f'"{v.isoformat()}"' if isinstance(v, datetime) else str(int(v))
-        for v in values
-    )
-    return ("{" + ",".join(items) + "}").encode()
-
-
-class RoutingTable(NamedTuple):
-    """Exchanges and bindings as of ``version`` (see :mod:`kombu_pgmq.transport._routing`).
-
-    ``exchanges``: ``{exchange: type}``; ``bindings``: ``[(exchange, routing_key, queue,
-    pgmq_queue)]`` where ``queue`` is the Kombu name.
-    """
-
-    version: int
-    exchanges: dict[str, str]
-    bindings: list[tuple[str, str, str, str]]
-    #: ``{queue: (priority_floors, band_pgmq_queues)}`` of bound queues with priorities.
-    bands: dict[str, tuple[list[int], list[str]]] = {}
-
-
-class QueueInfo(NamedTuple):
-    """A queue's arguments in force (as first declared): ``message_ttl_ms`` (None:
-    unlimited), ``max_priority`` (None: no priorities), the priority band ``floors`` and
-    the PGMQ queue of each band (None, None without priorities), ``expires_ms``
-    (x-expires; None: never), ``fifo_groups`` (x-fifo-groups) and
-    ``deduplicate_task_id`` (x-deduplicate-task-id)."""
-
-    message_ttl_ms: int | None
-    max_priority: int | None
-    floors: list[int] | None
-    band_queues: list[str] | None
-    expires_ms: int | None = None
-    fifo_groups: bool = False
-    deduplicate_task_id: bool = False
-
-
-class _QueueArgs(NamedTuple):
-    message_ttl_ms: int | None = None
-    expires_ms: int | None = None
-    max_priority: int | None = None
-    priority_bands: list[int] | None = None
-    band_queues: list[str] | None = None
-    fifo_groups: bool = False
-    deduplicate_task_id: bool = False
-
-
-class _Routing(NamedTuple):
-    version: int
-    exchanges: dict[str, str]
-    bindings: list[dict[str, Any]]
-
-
-class _Version(NamedTuple):
-    version: int
-    msg_ids: list[int | None]
-
-
-class Waiting(NamedTuple):
-    """What :meth:`Broker.wait_for` learned (see there)."""
-
-    unsettled: list[str]
-    due: dict[str, float]
-    clock_offset: float
-
-
-class _Wait(NamedTuple):
-    queue: str
-    unsettled: bool
-    due_in_seconds: float | None
-    server_epoch: float
-
-
-class _DeadTuples(NamedTuple):
-    relname: str
-    n_dead_tup: int
-
-
-class _ReadRow(NamedTuple):
-    msg_id: int
-    read_ct: int
-    enqueued_at: datetime
-    message: str | None
-    headers: str | None
-    age_seconds: float | None
-    acked: bool
-
-
-#: Columns pgmq.archive moves to the archive (those the tables have: PGMQ < 1.11 has no
-#: last_read_at; archived_at takes its default).
 _ARCHIVE_COLUMNS = ("msg_id", "read_ct", "enqueued_at", "last_read_at", "vt", "message", "headers")
 
 
-class _Renewed(NamedTuple):
-    queue: str
-    msg_id: int
-
-
-def _info(args: _QueueArgs) -> QueueInfo:
-    return QueueInfo(
-        None if args.message_ttl_ms is None else int(args.message_ttl_ms),
-        None if args.max_priority is None else int(args.max_priority),
-        None if args.priority_bands is None else [int(f) for f in args.priority_bands],
-        None if args.band_queues is None else [str(q) for q in args.band_queues],
-        None if args.expires_ms is None else int(args.expires_ms),
-        bool(args.fifo_groups),
-        bool(args.deduplicate_task_id),
-    )
+__all__ = ["Broker", "QueueInfo", "Receipt", "RoutingTable", "Row"]
 
 
 class Broker:
@@ -350,7 +215,7 @@ class Broker:
             queue,
             lambda: self._compose_read_queue(queue),
             params,
-            _ReadRow,
+            ReadRow,
             synchronous=bool(acks) and durable_acks,
         )
         delivered = [
@@ -415,9 +280,9 @@ class Broker:
             name,
             statement,
             [
-                _text_array(r.msg_id for r in receipts),
-                _text_array(r.read_ct for r in receipts),
-                _text_array(r.enqueued_at for r in receipts),
+                text_array(r.msg_id for r in receipts),
+                text_array(r.read_ct for r in receipts),
+                text_array(r.enqueued_at for r in receipts),
                 b"on" if durable else b"off",
                 queue.encode(),
             ],
@@ -489,8 +354,8 @@ class Broker:
                 self.direct_reads = False
         rows = self.db.fetch(
             "ack" if durable else "ack_async",
-            _handles(receipts),
-            _Renewed,
+            receipt_handles(receipts),
+            Renewed,
             synchronous=True if durable else None,  # ack_async sets it off itself
         )
         return {(r.queue, int(r.msg_id)) for r in rows}
@@ -503,8 +368,8 @@ class Broker:
         application never ran it, so it does not count toward ``max_deliveries``;
         ``read_ct`` is left alone, migration 0015). Returns the ``(queue, msg_id)``
         settled."""
-        params = {**_handles(receipts), "vt_seconds": vt_seconds, "uncount": uncount}
-        return {(r.queue, int(r.msg_id)) for r in self.db.fetch("requeue", params, _Renewed)}
+        params = {**receipt_handles(receipts), "vt_seconds": vt_seconds, "uncount": uncount}
+        return {(r.queue, int(r.msg_id)) for r in self.db.fetch("requeue", params, Renewed)}
 
     def discard(self, receipts: Sequence[Receipt]) -> list[int]:
         """Delete, for good (no archive), the messages these deliveries still hold
@@ -512,15 +377,15 @@ class Broker:
         ``receipts`` are of one queue."""
         if not receipts:
             return []
-        params = {"queue": receipts[0].queue, **_handles(receipts)}
+        params = {"queue": receipts[0].queue, **receipt_handles(receipts)}
         return [int(i) for i in self.db.column("discard", params)]
 
     def renew(self, held: Sequence[Receipt], vt_seconds: int) -> set[tuple[str, int]]:
         """Extend the leases of held messages (receipts) to now + ``vt_seconds``, in one
         round trip. Returns the ``(queue, msg_id)`` renewed; the others lost their lease
         (read again elsewhere after their visibility timeout passed, or gone)."""
-        params = {**_handles(held), "vt_seconds": vt_seconds}
-        return {(r.queue, int(r.msg_id)) for r in self.db.fetch("renew", params, _Renewed)}
+        params = {**receipt_handles(held), "vt_seconds": vt_seconds}
+        return {(r.queue, int(r.msg_id)) for r in self.db.fetch("renew", params, Renewed)}
 
     def dead_letter(
         self,
@@ -546,51 +411,13 @@ class Broker:
         """
         params = {
             "queue": queue,
-            **_handles(receipts),
+            **receipt_handles(receipts),
             "dead_letter_queue": dead_letter_queue,
             "reason": reason,
             "kombu_queue": kombu_queue,
             "errors": list(errors) if errors is not None else [None] * len(receipts),
         }
         return [int(i) for i in self.db.column("dead_letter", params)]
-
-    # -- wake-ups (migration 0003) ----------------------------------------------------
-
-    def wait_for(self, owner: str, queues: Sequence[str]) -> Waiting:
-        """Record that ``owner`` sleeps until notified on ``queues`` (publishers then
-        NOTIFY); returns once publishers that missed the record have committed, so a
-        read of the queues after this call sees their messages (see migration 0003).
-
-        A publisher still in its transaction after a short wait (an application that
-        enqueued inside a long transaction) is not waited for: the queues it holds are
-        ``unsettled``, to be polled (migration 0006). ``due``: seconds until each queue's
-        next delayed message becomes visible (queues without one are left out; migration
-        0016); ``clock_offset``: the server's clock minus this host's (``time.time()``),
-        to read the due times NOTIFY payloads carry."""
-        sent = time.time()
-        rows = self.db.fetch("wait_for", {"owner": owner, "queues": list(queues)}, _Wait)
-        now = (sent + time.time()) / 2.0
-        return Waiting(
-            [str(r.queue) for r in rows if r.unsettled],
-            {str(r.queue): float(r.due_in_seconds) for r in rows if r.due_in_seconds is not None},
-            float(rows[0].server_epoch) - now if rows else 0.0,
-        )
-
-    def stop_waiting(self, owner: str, queues: Sequence[str] | None = None) -> None:
-        """Publishers need not notify ``owner`` for ``queues`` (None: any queue) any more."""
-        if queues is None:
-            self.db.execute("stop_waiting_all", {"owner": owner})
-        else:
-            self.db.execute("stop_waiting", {"owner": owner, "queues": list(queues)})
-
-    def listen(self, channels: Iterable[str]) -> None:
-        """``LISTEN`` on each channel (names are quoted identifiers, case kept)."""
-        for channel in channels:
-            self.db.execute(self.db.compose("listen", channel=channel))
-
-    def unlisten(self, channels: Iterable[str]) -> None:
-        for channel in channels:
-            self.db.execute(self.db.compose("unlisten", channel=channel))
 
     # -- queues ----------------------------------------------------------------------
 
@@ -626,12 +453,12 @@ class Broker:
             "fifo_groups": fifo_groups,
             "deduplicate_task_id": deduplicate_task_id,
         }
-        return _info(self.db.fetch("declare_queue", params, _QueueArgs)[0])
+        return to_queue_info(self.db.fetch("declare_queue", params, QueueArgs)[0])
 
     def queue_info(self, kombu_queue: str) -> QueueInfo | None:
         """Priority arguments of a Kombu queue as stored (None: no such queue recorded)."""
-        rows = self.db.fetch("queue_bands", {"kombu_queue": kombu_queue}, _QueueArgs)
-        return _info(rows[0])._replace(message_ttl_ms=None) if rows else None
+        rows = self.db.fetch("queue_bands", {"kombu_queue": kombu_queue}, QueueArgs)
+        return to_queue_info(rows[0])._replace(message_ttl_ms=None) if rows else None
 
     def drop_queue(self, queue: str, kombu_queue: str) -> bool:
         """Drop the queue, its archive, bindings and consumers; False if it did not exist."""
@@ -645,10 +472,10 @@ class Broker:
     def lifetime(self, kombu_queue: str) -> tuple[int | None, int | None]:
         """``(x-message-ttl, x-expires)`` of a Kombu queue in milliseconds (None: not set,
         or unknown queue)."""
-        rows = self.db.fetch("message_ttl", {"kombu_queue": kombu_queue}, _QueueArgs)
+        rows = self.db.fetch("message_ttl", {"kombu_queue": kombu_queue}, QueueArgs)
         if not rows:
             return None, None
-        info = _info(rows[0])
+        info = to_queue_info(rows[0])
         return info.message_ttl_ms, info.expires_ms
 
     def touch_queue(self, kombu_queue: str) -> None:
@@ -718,7 +545,7 @@ class Broker:
 
     def routing_table(self) -> RoutingTable:
         """Every exchange and binding, with the routing version, from one snapshot."""
-        table = self.db.fetch("routing_table", None, _Routing)[0]
+        table = self.db.fetch("routing_table", None, RoutingRow)[0]
         bindings = table.bindings
         return RoutingTable(
             int(table.version),
@@ -760,49 +587,5 @@ class Broker:
             "delay_seconds": delay_seconds,
             "deduplication_window": deduplication_window,
         }
-        row = self.db.fetch("send_routed", params, _Version)[0]
+        row = self.db.fetch("send_routed", params, VersionRow)[0]
         return int(row.version), list(row.msg_ids)
-
-    # -- consumers and queue lifetime ----------------------------------------------------
-
-    def register_consumer(
-        self, kombu_queue: str, owner: str, consumer_tag: str, *, stale_after_seconds: float
-    ) -> None:
-        """Record a live consumer; it counts as gone ``stale_after_seconds`` after its last
-        heartbeat (the owner's setting, not the reaper's)."""
-        params = {
-            "kombu_queue": kombu_queue,
-            "owner": owner,
-            "consumer_tag": consumer_tag,
-            "stale_after_seconds": stale_after_seconds,
-        }
-        self.db.execute("register_consumer", params)
-
-    def release_consumer(self, kombu_queue: str, owner: str, consumer_tag: str) -> bool:
-        """Forget a consumer; True if its queue was auto-deleted as a result."""
-        params = {"kombu_queue": kombu_queue, "owner": owner, "consumer_tag": consumer_tag}
-        return bool(self.db.scalar("release_consumer", params))
-
-    def heartbeat(self, owner: str) -> None:
-        """Mark ``owner``'s consumers live and their queues used, now."""
-        self.db.execute("heartbeat", {"owner": owner})
-
-    def reap(self) -> list[str]:
-        """Drop queues AMQP would have deleted (see ``kombu_pgmq.reap``); return their
-        Kombu names. A queue whose table is locked (a reader's open transaction) is
-        skipped this round instead of waited for (migration 0006)."""
-        return [str(q) for q in self.db.column("reap")]
-
-    def dead_tuples(self, queues: Sequence[str]) -> dict[str, int]:
-        """Dead row versions of each queue's table ``pgmq.q_<queue>`` (from the server's
-        cumulative statistics; queues without statistics yet are left out)."""
-        rows = self.db.fetch("dead_tuples", {"tables": [f"q_{q}" for q in queues]}, _DeadTuples)
-        return {str(r.relname)[2:]: int(r.n_dead_tup) for r in rows}
-
-    def vacuum(self, queue: str) -> None:
-        """``VACUUM`` the queue's table (skipped if another VACUUM holds it).
-
-        Raises:
-            StatementError: e.g. the role does not own the table.
-        """
-        self.db.execute(self.db.compose("vacuum", queue_table=("pgmq", f"q_{queue}")))

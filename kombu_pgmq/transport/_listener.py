@@ -23,6 +23,7 @@ from collections.abc import Iterable
 
 from .._db.broker import Broker
 from .._db.connector import Connector
+from .._db.consumers import Consumers
 from ..errors import KombuPgmqError
 
 __all__ = ["CHANNEL_PREFIX", "Listener"]
@@ -61,7 +62,7 @@ class Listener:
         if connector is None:
             connector = Connector(self._dsn, on_notify=self._on_notify)
             try:
-                Broker(connector).listen(CHANNEL_PREFIX + q for q in sorted(self._queues))
+                Consumers(connector).listen(CHANNEL_PREFIX + q for q in sorted(self._queues))
             except BaseException:
                 connector.close()
                 raise
@@ -79,14 +80,14 @@ class Listener:
             return
         self._queues |= new
         if self._connector is not None:
-            Broker(self._connector).listen(CHANNEL_PREFIX + q for q in sorted(new))
+            Consumers(self._connector).listen(CHANNEL_PREFIX + q for q in sorted(new))
 
     def unlisten(self, queues: Iterable[str]) -> None:
         gone = set(queues) & self._queues
         self._queues -= gone
         if gone and self._connector is not None:
             try:
-                Broker(self._connector).unlisten(CHANNEL_PREFIX + q for q in sorted(gone))
+                Consumers(self._connector).unlisten(CHANNEL_PREFIX + q for q in sorted(gone))
             except KombuPgmqError:
                 self._drop()  # reconnects listening to the rest
 

@@ -31,8 +31,8 @@ import logging
 from collections.abc import Callable
 
 from .. import errors
-from .._db.broker import Broker
 from .._db.connector import Connector
+from .._db.consumers import Consumers
 from ._service import Service
 
 logger = logging.getLogger(__name__)
@@ -77,19 +77,19 @@ class Maintainer(Service):
         tables = self._consumed_tables()
         if not tables:
             return
-        broker = Broker(self.connector)
-        broker.heartbeat(self._owner())
-        dropped = broker.reap()
+        consumers = Consumers(self.connector)
+        consumers.heartbeat(self._owner())
+        dropped = consumers.reap()
         if dropped:
             logger.info("dropped %d abandoned queue(s): %s", len(dropped), ", ".join(dropped))
         if self.vacuum_threshold:
-            self.vacuum(broker, tables)
+            self.vacuum(consumers, tables)
 
-    def vacuum(self, broker: Broker, tables: list[str]) -> None:
+    def vacuum(self, consumers: Consumers, tables: list[str]) -> None:
         """VACUUM consumed queue tables with more than ``vacuum_threshold`` dead tuples."""
         due = [
             name
-            for name, dead in broker.dead_tuples(tables).items()
+            for name, dead in consumers.dead_tuples(tables).items()
             if dead > self.vacuum_threshold and name not in self._refused
         ]
         if not due:
@@ -98,7 +98,7 @@ class Maintainer(Service):
         try:
             for name in due:
                 try:
-                    Broker(vacuumer).vacuum(name)
+                    Consumers(vacuumer).vacuum(name)
                 except errors.QueueNotFound:
                     continue
                 except errors.BrokerConnectionError:

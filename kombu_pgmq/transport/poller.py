@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import errors
 from .._db.broker import Receipt
+from .._db.consumers import Consumers
 from ._listener import Listener
 from .acks import AckBatch, archive, archive_nowait
 
@@ -125,7 +126,7 @@ class Poller:
                 if broker is not None:
                     # the reaper removes the row with our consumers
                     with contextlib.suppress(errors.KombuPgmqError):
-                        broker.stop_waiting(self.transport.owner, [name])
+                        Consumers(broker.db).stop_waiting(self.transport.owner, [name])
 
     def consumed(self) -> set[str]:
         """PGMQ queues (every priority band) of the queues consumed now."""
@@ -381,11 +382,11 @@ class Poller:
                 to_busy.append(name)
         if to_busy:
             # A backlog: publishers stop notifying (their commits would serialize).
-            transport.broker().stop_waiting(transport.owner, sorted(to_busy))
+            Consumers(transport.broker().db).stop_waiting(transport.owner, sorted(to_busy))
             self._waiting.difference_update(to_busy)
         if to_wait:
             self.listener().fileno()  # LISTEN before publishers can see us waiting
-            waiting = transport.broker().wait_for(transport.owner, sorted(to_wait))
+            waiting = Consumers(transport.broker().db).wait_for(transport.owner, sorted(to_wait))
             if waiting.unsettled:
                 logger.debug(
                     "a publisher to %s is still in its transaction: its message is found by "
@@ -552,7 +553,7 @@ class Poller:
                 if self.acks:
                     self.acks.flush(broker, durable=self.transport.options.durable_acks)
                 if self._waiting:
-                    broker.stop_waiting(self.transport.owner)
+                    Consumers(broker.db).stop_waiting(self.transport.owner)
         except errors.KombuPgmqError as exc:
             logger.warning("closing: %s (unarchived acks are delivered again)", exc)
         finally:

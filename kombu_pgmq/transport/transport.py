@@ -34,6 +34,7 @@ from .. import _conninfo as conninfo
 from .. import errors
 from .._db.broker import Broker
 from .._db.connector import Connector
+from .._db.consumers import Consumers
 from ..schema import ensure_schema, verify
 from ._binding import BINDING_OPTION, current_binding
 from ._leases import LeaseKeeper, held_by
@@ -190,7 +191,7 @@ class Transport(virtual.Transport):
                 raise
             self._statements = connector
             try:
-                self.reap(Broker(connector))
+                self.reap(Consumers(connector))
             except errors.PermissionDenied:
                 logger.debug("not reaping abandoned queues: this role is not a worker")
             except errors.KombuPgmqError as exc:
@@ -242,7 +243,7 @@ class Transport(virtual.Transport):
 
     def register_consumer(self, queue: str, consumer_tag: str) -> None:
         """Record a consumer (its heartbeats keep auto_delete/x-expires queues alive)."""
-        self.broker().register_consumer(
+        Consumers(self.broker().db).register_consumer(
             queue, self.owner, consumer_tag, stale_after_seconds=self.options.consumer_stale_after
         )
         with self._consumers_lock:
@@ -260,7 +261,7 @@ class Transport(virtual.Transport):
         if broker is None:
             return False
         try:
-            return broker.release_consumer(queue, self.owner, consumer_tag)
+            return Consumers(broker.db).release_consumer(queue, self.owner, consumer_tag)
         except errors.KombuPgmqError as exc:
             logger.warning("could not release consumer of %r (%s); it goes stale", queue, exc)
             return False
@@ -278,14 +279,14 @@ class Transport(virtual.Transport):
             {n for queue, _ in self.consumers() for n in self.topology.known_bands(queue).queues}
         )
 
-    def reap(self, broker: Broker | None = None) -> list[str]:
+    def reap(self, consumers: Consumers | None = None) -> list[str]:
         """Drop queues whose consumers are gone (auto_delete) or unused too long (x-expires).
 
         Runs on connect and in each consuming process's heartbeat thread; a queue whose
         tables are locked by an open transaction is skipped until the next run. Returns
         the Kombu names dropped.
         """
-        dropped = (broker or self.broker()).reap()
+        dropped = (consumers or Consumers(self.broker().db)).reap()
         if dropped:
             logger.info("dropped %d abandoned queue(s): %s", len(dropped), ", ".join(dropped))
         return dropped

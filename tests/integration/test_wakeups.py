@@ -13,6 +13,7 @@ from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 from kombu_pgmq._db.broker import Broker
 from kombu_pgmq._db.connector import Connector
+from kombu_pgmq._db.consumers import Consumers
 from kombu_pgmq._naming import pgmq_queue_name
 from kombu_pgmq.errors import ConfigurationError
 
@@ -78,7 +79,7 @@ def test_wait_for_waits_for_publishers_that_missed_the_waiting_row(db_dsn):
     notified: list[str] = []
     listener = Connector(db_dsn, on_notify=lambda channel, _payload: notified.append(channel))
     try:
-        Broker(listener).listen(["kombu_pgmq.race"])
+        Consumers(listener).listen(["kombu_pgmq.race"])
         with psycopg.connect(db_dsn) as publisher:  # a transaction left open on purpose
             publisher.execute("SELECT kombu_pgmq.publish('race', '{\"n\": 1}', '{}')")
             # It checked kombu_pgmq.waiting before the consumer's row existed: it will
@@ -130,7 +131,7 @@ def test_wait_for_does_not_wait_for_a_long_open_enqueue_transaction(db_dsn):
         with psycopg.connect(db_dsn) as app:
             app.execute("SELECT kombu_pgmq.publish('longtx', '{\"n\": 1}', '{}')")
             start = time.monotonic()
-            assert Broker(consumer).wait_for("me", ["longtx"]).unsettled == ["longtx"]
+            assert Consumers(consumer).wait_for("me", ["longtx"]).unsettled == ["longtx"]
             assert time.monotonic() - start < 2.0
             assert Broker(consumer).read("longtx", 30, 10) == []  # not committed yet
             app.commit()

@@ -1,0 +1,150 @@
+"""Rows and receipts of the broker's statements (:mod:`kombu_pgmq._db.broker`): what a
+read returns, a delivery's receipt handle, a queue's stored arguments, the routing table."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from typing import Any, NamedTuple
+
+__all__ = [
+    "QueueArgs",
+    "QueueInfo",
+    "ReadRow",
+    "Receipt",
+    "Renewed",
+    "RoutingRow",
+    "RoutingTable",
+    "Row",
+    "VersionRow",
+    "receipt_handles",
+    "text_array",
+    "to_queue_info",
+]
+
+
+class Row(NamedTuple):
+    """One delivered message: ``message`` and ``headers`` are JSON text (headers may be
+    None); ``age_seconds`` is the time since it was sent, by the server's clock; ``queue``
+    the PGMQ queue it was read from; ``enqueued_at`` its send time (with ``msg_id`` and
+    ``read_ct``, the receipt of this delivery)."""
+
+    msg_id: int
+    read_ct: int
+    message: str
+    headers: str | None
+    age_seconds: float
+    queue: str = ""
+    enqueued_at: datetime | None = None
+
+
+class Receipt(NamedTuple):
+    """A receipt handle (SQS's model): one delivery of one message. Settling it (ack,
+    requeue, dead-letter, lease renewal) touches the row only while this delivery still
+    holds it: same ``msg_id``, same ``read_ct`` (not read again since) and same
+    ``enqueued_at`` (not a new message that reused the id of an UNLOGGED queue emptied by
+    a crash). Migration 0007."""
+
+    queue: str
+    msg_id: int
+    read_ct: int
+    enqueued_at: datetime | None
+
+
+def receipt_handles(receipts: Sequence[Receipt]) -> dict[str, list[Any]]:
+    return {
+        "queues": [r.queue for r in receipts],
+        "msg_ids": [r.msg_id for r in receipts],
+        "read_cts": [r.read_ct for r in receipts],
+        "enqueued": [r.enqueued_at for r in receipts],
+    }
+
+
+def text_array(values: Iterable[Any]) -> bytes:
+    """A PostgreSQL array literal of ints or datetimes (text format, for
+    :meth:`Connector.send_nowait`)."""
+    items = (
+        "NULL" if v is None else f'"{v.isoformat()}"' if isinstance(v, datetime) else str(int(v))
+        for v in values
+    )
+    return ("{" + ",".join(items) + "}").encode()
+
+
+class RoutingTable(NamedTuple):
+    """Exchanges and bindings as of ``version`` (see :mod:`kombu_pgmq.transport._routing`).
+
+    ``exchanges``: ``{exchange: type}``; ``bindings``: ``[(exchange, routing_key, queue,
+    pgmq_queue)]`` where ``queue`` is the Kombu name.
+    """
+
+    version: int
+    exchanges: dict[str, str]
+    bindings: list[tuple[str, str, str, str]]
+    #: ``{queue: (priority_floors, band_pgmq_queues)}`` of bound queues with priorities.
+    bands: dict[str, tuple[list[int], list[str]]] = {}
+
+
+class QueueInfo(NamedTuple):
+    """A queue's arguments in force (as first declared): ``message_ttl_ms`` (None:
+    unlimited), ``max_priority`` (None: no priorities), the priority band ``floors`` and
+    the PGMQ queue of each band (None, None without priorities), ``expires_ms``
+    (x-expires; None: never), ``fifo_groups`` (x-fifo-groups) and
+    ``deduplicate_task_id`` (x-deduplicate-task-id)."""
+
+    message_ttl_ms: int | None
+    max_priority: int | None
+    floors: list[int] | None
+    band_queues: list[str] | None
+    expires_ms: int | None = None
+    fifo_groups: bool = False
+    deduplicate_task_id: bool = False
+
+
+class QueueArgs(NamedTuple):
+    message_ttl_ms: int | None = None
+    expires_ms: int | None = None
+    max_priority: int | None = None
+    priority_bands: list[int] | None = None
+    band_queues: list[str] | None = None
+    fifo_groups: bool = False
+    deduplicate_task_id: bool = False
+
+
+class RoutingRow(NamedTuple):
+    version: int
+    exchanges: dict[str, str]
+    bindings: list[dict[str, Any]]
+
+
+class VersionRow(NamedTuple):
+    version: int
+    msg_ids: list[int | None]
+
+
+class ReadRow(NamedTuple):
+    msg_id: int
+    read_ct: int
+    enqueued_at: datetime
+    message: str | None
+    headers: str | None
+    age_seconds: float | None
+    acked: bool
+
+
+#: Columns pgmq.archive moves to the archive (those the tables have: PGMQ < 1.11 has no
+#: last_read_at; archived_at takes its default).
+class Renewed(NamedTuple):
+    queue: str
+    msg_id: int
+
+
+def to_queue_info(args: QueueArgs) -> QueueInfo:
+    return QueueInfo(
+        None if args.message_ttl_ms is None else int(args.message_ttl_ms),
+        None if args.max_priority is None else int(args.max_priority),
+        None if args.priority_bands is None else [int(f) for f in args.priority_bands],
+        None if args.band_queues is None else [str(q) for q in args.band_queues],
+        None if args.expires_ms is None else int(args.expires_ms),
+        bool(args.fifo_groups),
+        bool(args.deduplicate_task_id),
+    )
