@@ -350,12 +350,12 @@ class Poller:
             for channel in list(transport.channels):
                 if not channel.consumed_queues or not ready:
                     continue
-                n, empty, filled, sent, _ = channel.reader.consume(ready, acks)
-                if sent:
+                consumed = channel.reader.consume(ready, acks)
+                if consumed.acks_sent:
                     acks = []
-                delivered += n
-                drained |= empty
-                full |= filled
+                delivered += consumed.delivered
+                drained |= consumed.drained
+                full |= consumed.full
         finally:
             self._polling = False
             if taken and not acks:
