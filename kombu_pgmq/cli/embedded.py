@@ -4,11 +4,10 @@
 from __future__ import annotations
 
 import logging
-import sys
 
 import click
 
-from ._base import _examples, _Group, _run_group, main
+from ._base import _examples, _Group, main
 
 # -- embedded PostgreSQL ----------------------------------------------------------------
 
@@ -24,8 +23,6 @@ from ._base import _examples, _Group, _run_group, main
 def embedded_group() -> None:
     """The embedded PostgreSQL used when no broker URL is configured (the 'embedded'
     extra; data in $KOMBU_PGMQ_EMBEDDED_DIR, else a per-user directory).
-
-    Alias: python -m kombu_pgmq.embedded [url|start|stop|status] (default: url).
     """
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
 
@@ -77,10 +74,3 @@ def embedded_status() -> None:
         click.echo(f"url:      {info['url']}")
     if not info["running"]:
         raise SystemExit(1)
-
-
-def embedded_alias(argv: list[str] | None = None) -> int:
-    """``python -m kombu_pgmq.embedded [url|start|stop|status]`` (default ``url``):
-    ``kombu-pgmq embedded ...``. Returns the exit status."""
-    args = list(sys.argv[1:] if argv is None else argv) or ["url"]
-    return _run_group(embedded_group, args, "python -m kombu_pgmq.embedded")
