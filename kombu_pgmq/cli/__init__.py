@@ -2,7 +2,9 @@
 PostgreSQL, Spark server).
 
 The commands that talk to the database take ``--url`` (default: ``$KOMBU_PGMQ_URL``, then
-``$DATABASE_URL``, then the embedded PostgreSQL of :mod:`kombu_pgmq.embedded`)::
+``$DATABASE_URL``, then the embedded PostgreSQL of :mod:`kombu_pgmq.embedded` if it is
+running) and ``--embedded`` (the embedded PostgreSQL, started if needed: nothing else
+starts it); each names the database it reads on stderr (``database: ...``, no password)::
 
     kombu-pgmq schema install [--url URL]     # PGMQ + kombu_pgmq's migrations (idempotent)
     kombu-pgmq schema status  [--url URL]     # what is installed; installs nothing

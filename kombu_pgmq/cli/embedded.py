@@ -7,7 +7,7 @@ import logging
 
 import click
 
-from ._base import _examples, _Group, main
+from ._base import _examples, _fail, _Group, main
 
 # -- embedded PostgreSQL ----------------------------------------------------------------
 
@@ -21,8 +21,9 @@ from ._base import _examples, _Group, main
     ),
 )
 def embedded_group() -> None:
-    """The embedded PostgreSQL used when no broker URL is configured (the 'embedded'
-    extra; data in $KOMBU_PGMQ_EMBEDDED_DIR, else a per-user directory).
+    """The embedded PostgreSQL (the 'embedded' extra; data in $KOMBU_PGMQ_EMBEDDED_DIR,
+    else a per-user directory). Other commands use it with --embedded (starting it), or
+    while it runs when no URL is configured; none of them starts it otherwise.
     """
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
 
@@ -33,10 +34,17 @@ def embedded_group() -> None:
 )
 def embedded_url() -> None:
     """Print the broker URL to use: $KOMBU_PGMQ_URL, else a PostgreSQL $DATABASE_URL,
-    else the embedded server's (started if needed)."""
-    from ..embedded import default_broker_url
+    else the running embedded server's. Starts nothing ('kombu-pgmq embedded start' does,
+    and prints the URL too): exit status 1 when there is no URL."""
+    from ..embedded import configured_url, running_url
 
-    click.echo(default_broker_url())
+    url = configured_url() or running_url()
+    if url is None:
+        _fail(
+            "no broker URL is configured and the embedded PostgreSQL is not running: "
+            "start it with kombu-pgmq embedded start (it prints its URL)"
+        )
+    click.echo(url)
 
 
 @embedded_group.command("start", epilog=_examples("kombu-pgmq embedded start"))

@@ -79,7 +79,6 @@ def schema_status(url: str | None) -> None:
         how = "extension" if state.method == "extension" else "SQL-only, no extension"
         pgmq = f"{state.pgmq_version} ({how})"
     needs = f"this release needs {state.required_version}"
-    click.echo(f"database:          {shown}")
     click.echo(f"PGMQ:              {pgmq}")
     click.echo(f"kombu_pgmq schema: version {state.schema_version} ({needs})")
     if state.pgmq_problem:

@@ -8,6 +8,7 @@ never started or stopped here (see test_embedded.py).
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 from kombu_pgmq import cli, embedded, schema
+from kombu_pgmq._conninfo import redact
 from kombu_pgmq._db.queries import migrations
 
 from .helpers import sql
@@ -32,12 +34,15 @@ def invoke(*args: str, env: dict[str, str | None] | None = None) -> Result:
 
 
 def assert_one_error_line(result: Result, *fragments: str) -> None:
-    """Exit status 1, stderr one ``error: ...`` line holding ``fragments``, no traceback."""
+    """Exit status 1, stderr one ``error: ...`` line holding ``fragments`` (after the
+    ``database: ...`` line of a command that got as far as choosing one), no traceback."""
     assert result.exit_code == 1, (result.output, result.exception)
     assert result.exception is None or isinstance(result.exception, SystemExit), repr(
         result.exception
     )
     lines = result.stderr.splitlines()
+    if lines and lines[0].startswith("database: "):
+        lines = lines[1:]
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     assert "Traceback" not in result.output
     for fragment in fragments:
@@ -66,7 +71,8 @@ def test_schema_status_install_status(empty_db_dsn: str) -> None:
     assert after.exit_code == 0, after.output
     assert "(SQL-only, no extension)" in after.stdout
     assert f"version {LATEST} (this release needs {LATEST})" in after.stdout
-    assert after.stdout.splitlines()[-1] == "ready" and after.stderr == ""
+    assert after.stdout.splitlines()[-1] == "ready"
+    assert after.stderr == f"database: {redact(empty_db_dsn)}\n"
 
     again = invoke("schema", "install", "--url", empty_db_dsn)
     assert again.exit_code == 0 and "applied now: nothing" in again.stdout
@@ -91,13 +97,117 @@ def test_schema_status_of_an_older_schema_and_pgmq(db_dsn: str) -> None:
 
 def test_url_defaults_to_kombu_pgmq_url_then_database_url(db_dsn: str) -> None:
     from_kombu_url = invoke("schema", "status", env={"KOMBU_PGMQ_URL": db_dsn})
-    assert from_kombu_url.exit_code == 0 and db_dsn in from_kombu_url.stdout
+    assert from_kombu_url.exit_code == 0, from_kombu_url.output
+    assert from_kombu_url.stderr == f"database: {redact(db_dsn)}\n"
     from_database_url = invoke(
         "schema", "status", env={"KOMBU_PGMQ_URL": None, "DATABASE_URL": db_dsn}
     )
-    assert from_database_url.exit_code == 0 and db_dsn in from_database_url.stdout
+    assert from_database_url.exit_code == 0, from_database_url.output
+    assert from_database_url.stderr == f"database: {redact(db_dsn)}\n"
     given = invoke("schema", "status", "--url", db_dsn, env={"KOMBU_PGMQ_URL": UNREACHABLE})
     assert given.exit_code == 0, given.output
+
+
+DATABASE_COMMANDS = [
+    ["schema", "install"],
+    ["schema", "status"],
+    ["schema", "grant", "--list"],
+    ["dlq", "list"],
+    ["dlq", "replay", "--all"],
+    ["dlq", "purge", "--all", "--yes"],
+    ["archive", "prune", "--older-than", "7d"],
+    ["queues"],
+    ["messages", "celery"],
+    ["queue", "pause", "celery"],
+    ["queue", "resume", "celery"],
+    ["task", "find", "0b5c4a9e"],
+    ["task", "cancel", "0b5c4a9e"],
+    ["metrics", "serve", "--port", "0"],
+]
+
+
+@pytest.fixture
+def no_database(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[None]:
+    """No URL in the environment and no embedded server running (an empty data
+    directory); ``embedded.start`` replaced by a stub that records its calls."""
+    for name in ("KOMBU_PGMQ_URL", "DATABASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(embedded.ENV_DIR, str(tmp_path / "embedded"))
+    started: list[None] = []
+    monkeypatch.setattr(embedded, "start", lambda: started.append(None) or UNREACHABLE)
+    return started
+
+
+@pytest.mark.parametrize("command", DATABASE_COMMANDS, ids=" ".join)
+def test_no_database_is_one_line_and_starts_nothing(
+    no_database: list[None], command: list[str]
+) -> None:
+    result = invoke(*command)
+    assert_one_error_line(result, cli._base.NO_DATABASE)
+    assert result.stderr == f"error: {cli._base.NO_DATABASE}\n"
+    assert no_database == []  # the embedded server was not started
+
+
+def test_embedded_flag_starts_the_embedded_server(no_database: list[None]) -> None:
+    result = invoke("queues", "--embedded")  # the stub's URL: nothing listens there
+    assert no_database == [None]
+    assert result.stderr.splitlines()[0] == (
+        f"database: {UNREACHABLE} (the embedded PostgreSQL, --embedded)"
+    )
+    assert_one_error_line(result, "check the URL")
+    both = invoke("queues", "--embedded", "--url", UNREACHABLE)
+    assert both.exit_code == 2 and "give one of them" in both.stderr, both.output
+    assert no_database == [None]
+    # --embedded wins over a URL of the environment (it is the explicit choice)
+    from_env = invoke("queues", "--embedded", env={"KOMBU_PGMQ_URL": "postgresql://x@y/z"})
+    assert no_database == [None, None] and "postgresql://x@y/z" not in from_env.output
+
+
+def test_a_running_embedded_server_is_used_and_named(
+    no_database: list[None], db_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(embedded, "running_url", lambda: db_dsn)
+    result = invoke("schema", "status")
+    assert result.exit_code == 0, result.output
+    assert result.stderr == (
+        f"database: {redact(db_dsn)} (the embedded PostgreSQL, running; no --url given)\n"
+    )
+    assert no_database == []
+
+
+def _with_password(dsn: str, password: str) -> str:
+    """``dsn`` (a URL) with ``password`` added to its user (trust auth ignores it)."""
+    scheme, rest = dsn.split("://", 1)
+    user, at, host = rest.partition("@")
+    assert at, dsn
+    return f"{scheme}://{user.split(':')[0]}:{password}@{host}"
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["queues", "--json"],
+        ["dlq", "list", "--json"],
+        ["task", "find", "0b5c4a9e", "--json"],
+        ["schema", "status"],
+        ["archive", "prune", "--older-than", "7d"],
+    ],
+    ids=" ".join,
+)
+def test_commands_name_their_database_on_stderr_without_password(
+    db_dsn: str, command: list[str]
+) -> None:
+    secret_url = _with_password(db_dsn, "s3cretpw")
+    for result in (
+        invoke(*command, "--url", secret_url),
+        invoke(*command, env={"KOMBU_PGMQ_URL": secret_url}),
+    ):
+        assert "s3cretpw" not in result.output + result.stderr, result.output
+        assert result.stderr.splitlines()[0] == f"database: {redact(secret_url)}"
+        assert ":**@" in result.stderr.splitlines()[0]
+        if "--json" in command:  # stdout stays JSON lines (or nothing)
+            for line in result.stdout.splitlines():
+                json.loads(line)
 
 
 @pytest.mark.parametrize(

