@@ -26,8 +26,9 @@ starts it); each names the database it reads on stderr (``database: ...``, no pa
 Library modules never import this package (tests/unit/test_import_graph.py).
 
 Exit status: 0 on success, 1 on an error (one line on stderr, ``error: ...``, naming the
-fix), 2 on bad usage. ``schema status`` exits 1 when something is missing or too old,
-``embedded status`` when the server is not running.
+fix; a server's error without its PL/pgSQL context), 2 on bad usage. ``schema status``
+exits 1 when something is missing or too old, ``embedded status`` when the server is not
+running, ``embedded url`` when there is no URL.
 """
 
 from __future__ import annotations

@@ -93,9 +93,46 @@ def _console() -> Console:
     return console if console.is_terminal else Console(width=160)
 
 
+#: Prefix of the errors kombu_pgmq's SQL functions raise (they name the thing and the fix).
+_SQL_FUNCTION_PREFIX = "kombu_pgmq: "
+
+
+def error_text(error: object) -> str:
+    """The one-line text of an error: a server's error without its ``CONTEXT`` (the
+    PL/pgSQL call stack) and line breaks.
+
+    Shapes: a :class:`~kombu_pgmq.errors.KombuPgmqError` translated from a psycopg error
+    (``__cause__`` with ``diag``): the server's full text in the message is replaced by
+    its primary message (with ``DETAIL``/``HINT`` if any); an error raised by one of
+    kombu_pgmq's SQL functions (``kombu_pgmq: queue "x" is not declared (see ...)``) as a
+    missing queue or a failed statement is that message alone, without the prefix:
+    ``queue "x" is not declared (see ...)``. Anything else: ``str(error)`` on one line.
+    """
+    text = str(error)
+    cause = error.__cause__ if isinstance(error, BaseException) else None
+    diag: Any = getattr(cause, "diag", None)
+    primary = getattr(diag, "message_primary", None) or ""
+    if primary:
+        if type(error) in (errors.StatementError, errors.QueueNotFound) and primary.startswith(
+            _SQL_FUNCTION_PREFIX
+        ):
+            text = primary[len(_SQL_FUNCTION_PREFIX) :]
+        else:
+            text = text.replace(str(cause).strip(), primary)
+        extra = [
+            f"{label}: {value}"
+            for label, value in (("DETAIL", diag.message_detail), ("HINT", diag.message_hint))
+            if value
+        ]
+        if extra:
+            text = f"{text} ({'; '.join(extra)})"
+    return " ".join(text.split())  # psycopg's messages span lines
+
+
 def _fail(message: object) -> NoReturn:
-    """Print ``error: <message>`` on one line of stderr; exit with status 1."""
-    text = " ".join(str(message).split())  # psycopg's messages span lines
+    """Print ``error: <message>`` on one line of stderr (see :func:`error_text`); exit
+    with status 1."""
+    text = error_text(message)
     click.echo(f"{click.style('error:', fg='red', bold=True)} {text}", err=True)
     raise SystemExit(1)
 

@@ -238,6 +238,28 @@ def test_unreachable_database_is_one_line_naming_the_fix(command: list[str]) -> 
     assert_one_error_line(from_env, UNREACHABLE, "check the URL")
 
 
+@pytest.mark.parametrize(
+    ("command", "message"),
+    [
+        (["queue", "pause", "cli_nosuch"], 'queue "cli_nosuch" is not declared'),
+        (["queue", "resume", "cli_nosuch"], 'queue "cli_nosuch" is not declared'),
+        (["messages", "cli_nosuch"], 'queue "cli_nosuch" does not exist'),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else "",
+)
+def test_a_server_error_is_one_line_without_its_plpgsql_context(
+    db_dsn: str, command: list[str], message: str
+) -> None:
+    """The server's message says what is wrong and the fix; its CONTEXT (the PL/pgSQL
+    call stack) and the translation's prefixes are noise on a terminal."""
+    result = invoke(*command, "--url", db_dsn)
+    assert_one_error_line(result)
+    error = result.stderr.splitlines()[-1]
+    assert error == f"error: {message} (see kombu-pgmq queues)", result.stderr
+    for noise in ("CONTEXT", "PL/pgSQL", "kombu_pgmq:", "queue table does not exist"):
+        assert noise not in result.stderr, result.stderr
+
+
 def test_an_invalid_url_is_one_line() -> None:
     assert_one_error_line(invoke("schema", "status", "--url", "http://db/x"), "postgresql://")
 
