@@ -8,6 +8,7 @@ never started or stopped here (see test_embedded.py).
 
 from __future__ import annotations
 
+import getpass
 import json
 import subprocess
 import sys
@@ -16,10 +17,12 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner, Result
+from psycopg.conninfo import conninfo_to_dict
 
 from kombu_pgmq import cli, embedded, schema
 from kombu_pgmq._conninfo import redact
 from kombu_pgmq._db.queries import migrations
+from tests.support import pgserver
 
 from .helpers import sql
 
@@ -176,11 +179,10 @@ def test_a_running_embedded_server_is_used_and_named(
 
 
 def _with_password(dsn: str, password: str) -> str:
-    """``dsn`` (a URL) with ``password`` added to its user (trust auth ignores it)."""
-    scheme, rest = dsn.split("://", 1)
-    user, at, host = rest.partition("@")
-    assert at, dsn
-    return f"{scheme}://{user.split(':')[0]}:{password}@{host}"
+    """``dsn`` as a URL with ``password`` added (the test servers trust: it is ignored)."""
+    params = conninfo_to_dict(dsn)
+    user = str(params.get("user") or getpass.getuser())
+    return pgserver.database_url(dsn, str(params["dbname"]), user=user, password=password)
 
 
 @pytest.mark.parametrize(
