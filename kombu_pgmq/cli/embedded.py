@@ -4,11 +4,10 @@
 from __future__ import annotations
 
 import logging
-import sys
 
 import click
 
-from ._base import _examples, _Group, _run_group, main
+from ._base import _examples, _fail, _Group, main
 
 # -- embedded PostgreSQL ----------------------------------------------------------------
 
@@ -22,10 +21,9 @@ from ._base import _examples, _Group, _run_group, main
     ),
 )
 def embedded_group() -> None:
-    """The embedded PostgreSQL used when no broker URL is configured (the 'embedded'
-    extra; data in $KOMBU_PGMQ_EMBEDDED_DIR, else a per-user directory).
-
-    Alias: python -m kombu_pgmq.embedded [url|start|stop|status] (default: url).
+    """The embedded PostgreSQL (the 'embedded' extra; data in $KOMBU_PGMQ_EMBEDDED_DIR,
+    else a per-user directory). Other commands use it with --embedded (starting it), or
+    while it runs when no URL is configured; none of them starts it otherwise.
     """
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
 
@@ -36,10 +34,17 @@ def embedded_group() -> None:
 )
 def embedded_url() -> None:
     """Print the broker URL to use: $KOMBU_PGMQ_URL, else a PostgreSQL $DATABASE_URL,
-    else the embedded server's (started if needed)."""
-    from ..embedded import default_broker_url
+    else the running embedded server's. Starts nothing ('kombu-pgmq embedded start' does,
+    and prints the URL too): exit status 1 when there is no URL."""
+    from ..embedded import configured_url, running_url
 
-    click.echo(default_broker_url())
+    url = configured_url() or running_url()
+    if url is None:
+        _fail(
+            "no broker URL is configured and the embedded PostgreSQL is not running: "
+            "start it with kombu-pgmq embedded start (it prints its URL)"
+        )
+    click.echo(url)
 
 
 @embedded_group.command("start", epilog=_examples("kombu-pgmq embedded start"))
@@ -77,10 +82,3 @@ def embedded_status() -> None:
         click.echo(f"url:      {info['url']}")
     if not info["running"]:
         raise SystemExit(1)
-
-
-def embedded_alias(argv: list[str] | None = None) -> int:
-    """``python -m kombu_pgmq.embedded [url|start|stop|status]`` (default ``url``):
-    ``kombu-pgmq embedded ...``. Returns the exit status."""
-    args = list(sys.argv[1:] if argv is None else argv) or ["url"]
-    return _run_group(embedded_group, args, "python -m kombu_pgmq.embedded")

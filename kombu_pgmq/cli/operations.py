@@ -2,7 +2,8 @@
 (:mod:`kombu_pgmq.management`, :mod:`kombu_pgmq.metrics`).
 
 Every command takes ``--url`` (default ``$KOMBU_PGMQ_URL``, ``$DATABASE_URL``, then the
-embedded PostgreSQL) and ``--json`` where it prints rows (one JSON object per line).
+embedded PostgreSQL if it runs; ``--embedded`` starts it) and ``--json`` where it prints
+rows (one JSON object per line, on stdout; the database line is on stderr).
 """
 
 from __future__ import annotations

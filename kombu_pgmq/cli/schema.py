@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import sys
-
 import click
 
 from .. import schema
 from .._conninfo import redact, to_dsn
-from ._base import _EXAMPLE_URL, _examples, _fail, _Group, _run, _run_group, main, url_option
+from ._base import _EXAMPLE_URL, _examples, _fail, _Group, _run, main, url_option
 
 # -- schema -----------------------------------------------------------------------------
 
@@ -22,10 +20,7 @@ from ._base import _EXAMPLE_URL, _examples, _fail, _Group, _run, _run_group, mai
     ),
 )
 def schema_group() -> None:
-    """The database schema: PGMQ and kombu_pgmq's tables (migrations).
-
-    Alias: python -m kombu_pgmq.schema [URL] (kombu-pgmq schema install --url URL).
-    """
+    """The database schema: PGMQ and kombu_pgmq's tables (migrations)."""
 
 
 @schema_group.command(
@@ -84,7 +79,6 @@ def schema_status(url: str | None) -> None:
         how = "extension" if state.method == "extension" else "SQL-only, no extension"
         pgmq = f"{state.pgmq_version} ({how})"
     needs = f"this release needs {state.required_version}"
-    click.echo(f"database:          {shown}")
     click.echo(f"PGMQ:              {pgmq}")
     click.echo(f"kombu_pgmq schema: version {state.schema_version} ({needs})")
     if state.pgmq_problem:
@@ -141,15 +135,3 @@ def schema_grant(
         raise click.UsageError("give KIND and ROLE (or --revoke ROLE, or --list)")
     _run(url, lambda resolved: schema.grant(to_dsn(resolved), role, kind))
     click.echo(f"granted {kind} privileges to {role}")
-
-
-def schema_alias(argv: list[str] | None = None) -> int:
-    """``python -m kombu_pgmq.schema [URL]``: ``kombu-pgmq schema install [--url URL]``
-    (``install``/``status`` and options are passed on as they are). Returns the exit
-    status."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if not args:
-        args = ["install"]
-    elif args[0] not in schema_group.commands and not args[0].startswith("-"):
-        args = ["install", "--url", *args]
-    return _run_group(schema_group, args, "python -m kombu_pgmq.schema")

@@ -65,7 +65,8 @@ def spark_server_status(port: int | None) -> None:
     if info["problem"] is not None:  # another process listens on the port
         _fail(info["problem"])
     state = "running" if info["accepting"] else "not running"
-    click.echo(f"{state}: port {info['port']}, pid {info['pid']}, log {info['log']}")
+    pid = f", pid {info['pid']}" if info["pid"] is not None else ""
+    click.echo(f"{state}: port {info['port']}{pid}, log {info['log']}")
 
 
 @spark.group(
@@ -103,6 +104,12 @@ def _cluster_options(func: F) -> F:
 @click.option("--workers", type=int, default=2, show_default=True, help="Worker processes.")
 @click.option("--cores", type=int, default=1, show_default=True, help="Cores per worker.")
 @click.option("--memory", default="1g", show_default=True, help="Memory per worker (1g, 512m).")
+@click.option(
+    "--replace",
+    is_flag=True,
+    help="If the local Connect server runs on another master (e.g. local[*]), stop it and "
+    "start it on this cluster (its running Spark jobs are cancelled).",
+)
 def spark_cluster_start(
     port: int | None,
     webui_port: int | None,
@@ -110,9 +117,14 @@ def spark_cluster_start(
     workers: int,
     cores: int,
     memory: str,
+    replace: bool,
 ) -> None:
     """Start a master, workers and the local Connect server on the cluster (they keep
-    running after this command); Spark tasks on this host then run on the cluster."""
+    running after this command); Spark tasks on this host then run on the cluster.
+
+    A Connect server already running on the port on another master is left alone (exit
+    1, naming the fix) unless --replace.
+    """
     from ..spark import cluster, server
 
     port = port or cluster.DEFAULT_MASTER_PORT
@@ -120,10 +132,17 @@ def spark_cluster_start(
     connect_port = connect_port or server.local_port()
     running = server.running_master(connect_port)
     if running is not None and running != cluster.master_url(port):
-        _fail(
-            f"the local Spark Connect server on port {connect_port} runs on --master {running}, "
-            "not on this cluster: stop it first (kombu-pgmq spark server stop) or choose "
-            "--connect-port"
+        if not replace:
+            _fail(
+                f"the local Spark Connect server on port {connect_port} runs on --master "
+                f"{running}, not on this cluster ({cluster.master_url(port)}): add --replace "
+                "to stop it and start it on the cluster (its running Spark jobs are "
+                "cancelled), or stop it yourself (kombu-pgmq spark server stop), or choose "
+                "another --connect-port"
+            )
+        server.stop(connect_port)
+        click.echo(
+            f"stopped the Connect server on port {connect_port} (it ran on --master {running})"
         )
     info = cluster.start(
         workers=workers, cores=cores, memory=memory, port=port, webui_port=webui_port
@@ -169,7 +188,8 @@ def spark_cluster_status(
     if not info["running"]:
         click.echo(f"not running: {info['master']} (files {info['dir']})")
         return
-    click.echo(f"running: {info['master']}, pid {info['pid']}, web UI {info['webui']}")
+    pid = f", pid {info['pid']}" if info.get("pid") is not None else ""
+    click.echo(f"running: {info['master']}{pid}, web UI {info['webui']}")
     executors = cluster.executors_by_worker(webui_port)
     for worker in info["workers"]:
         apps = sorted({e["appid"] for e in executors.get(worker["id"], [])})

@@ -131,7 +131,7 @@ def _queue_rows(driver: Any) -> dict[str, list[str]]:
 def test_flower_broker_page_shows_our_queues(start_worker, app, db_dsn, e2e_env, tmp_path, browser):
     start_worker(KPT_POLLING_INTERVAL="0.5")
     done = subprocess.run(
-        [sys.executable, "-m", "kombu_pgmq.cli", "queue", "pause", "celery", "--url", db_dsn],
+        [sys.executable, "-m", "kombu_pgmq", "queue", "pause", "celery", "--url", db_dsn],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -179,7 +179,7 @@ def test_flower_broker_page_shows_our_queues(start_worker, app, db_dsn, e2e_env,
     finally:
         flower.stop()
         subprocess.run(
-            [sys.executable, "-m", "kombu_pgmq.cli", "queue", "resume", "celery", "--url", db_dsn],
+            [sys.executable, "-m", "kombu_pgmq", "queue", "resume", "celery", "--url", db_dsn],
             cwd=REPO_ROOT,
             capture_output=True,
             timeout=60,

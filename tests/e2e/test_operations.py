@@ -17,7 +17,7 @@ from tests.e2e.helpers import REPO_ROOT, celery_cli, runs, wait_for
 
 def kombu_pgmq(db_dsn: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "kombu_pgmq.cli", *args, "--url", db_dsn],
+        [sys.executable, "-m", "kombu_pgmq", *args, "--url", db_dsn],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

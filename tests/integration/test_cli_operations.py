@@ -133,7 +133,7 @@ def test_metrics_serve_answers_scrapes_and_stops_on_sigterm(db_dsn: str) -> None
         [
             sys.executable,
             "-m",
-            "kombu_pgmq.cli",
+            "kombu_pgmq",
             "metrics",
             "serve",
             "--url",
@@ -165,7 +165,7 @@ def test_metrics_serve_answers_scrapes_and_stops_on_sigterm(db_dsn: str) -> None
             [
                 sys.executable,
                 "-m",
-                "kombu_pgmq.cli",
+                "kombu_pgmq",
                 "metrics",
                 "serve",
                 "--url",
@@ -201,7 +201,7 @@ def metrics_serve(*args: str, env: dict[str, str] | None = None) -> Iterator[Ser
     """Run ``kombu-pgmq metrics serve --port 0 ARGS`` until it serves (``url``: on
     127.0.0.1 whatever the host); SIGTERM after."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kombu_pgmq.cli", "metrics", "serve", "--port", "0", *args],
+        [sys.executable, "-m", "kombu_pgmq", "metrics", "serve", "--port", "0", *args],
         cwd=REPO_ROOT,
         env={**os.environ, **(env or {})},
         stdout=subprocess.PIPE,

