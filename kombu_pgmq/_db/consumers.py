@@ -77,6 +77,7 @@ class Consumers:
             self.db.execute(self.db.compose("listen", channel=channel))
 
     def unlisten(self, channels: Iterable[str]) -> None:
+        """``UNLISTEN`` each channel."""
         for channel in channels:
             self.db.execute(self.db.compose("unlisten", channel=channel))
 

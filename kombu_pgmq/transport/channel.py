@@ -90,6 +90,8 @@ class QoS(virtual.QoS):
             transport.poller.wake()  # a prefetch slot is free: read now
 
     def reject(self, delivery_tag: Any, requeue: bool = False) -> None:
+        """Requeue the message (visible again at once), or dead-letter it (reason
+        ``rejected``); a stale receipt is logged, never applied."""
         message = self._delivered.get(delivery_tag)
         if message is None:
             return
@@ -384,15 +386,19 @@ class Channel(virtual.Channel):
         arguments: Any = None,
         **kwargs: Any,
     ) -> None:
+        """Remove the binding in the database."""
         self.publisher.queue_unbind(queue, exchange, routing_key, arguments, **kwargs)
 
     def list_bindings(self) -> Any:
+        """Every binding as ``(queue, exchange, routing_key)``."""
         return self.publisher.list_bindings()
 
     def get_table(self, exchange: str) -> list[tuple[str, str, str]]:
+        """Bindings of ``exchange`` as kombu's ``(routing_key, pattern, queue)`` rows."""
         return self.publisher.get_table(exchange)
 
     def typeof(self, exchange: str, default: str = "direct") -> Any:
+        """Kombu's exchange type object of ``exchange``."""
         return self.publisher.typeof(exchange, default)
 
     def _lookup(self, exchange: str, routing_key: str, default: Any = None) -> list[str]:
@@ -437,6 +443,8 @@ class Channel(virtual.Channel):
     def basic_consume(
         self, queue: str, no_ack: bool, callback: Any, consumer_tag: str, **kwargs: Any
     ) -> Any:
+        """Consume ``queue``: its messages go to ``callback`` (held for an ack unless
+        ``no_ack``); registers the consumer (heartbeats keep auto_delete queues alive)."""
         result = super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
         self.reader.add_consumer(queue, callback, no_ack)
         self.connection.register_consumer(queue, consumer_tag)
@@ -444,6 +452,8 @@ class Channel(virtual.Channel):
         return result
 
     def basic_cancel(self, consumer_tag: str) -> Any:
+        """Stop the consumer ``consumer_tag``; its queue is dropped if it was auto_delete
+        and this was its last consumer."""
         queue = self._tag_to_queue.get(consumer_tag)
         result = super().basic_cancel(consumer_tag)
         if queue is not None:

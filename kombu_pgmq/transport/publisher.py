@@ -79,10 +79,12 @@ class Publisher:
 
     @property
     def connection(self) -> Transport:
+        """The channel's transport."""
         return self.channel.connection
 
     @property
     def pgmq(self) -> Broker:
+        """Broker operations on the transport's statement connection."""
         return self.channel.pgmq
 
     # -- exchanges and bindings --------------------------------------------------------
@@ -180,11 +182,14 @@ class Publisher:
         arguments: Any = None,
         **kwargs: Any,
     ) -> None:
+        """Remove the binding in the database (every process routes without it from its
+        next publish)."""
         if exchange:
             self.pgmq.unbind(exchange, routing_key or "", queue)
             self.bindings_made.get(queue, set()).discard((exchange, routing_key or ""))
 
     def list_bindings(self) -> Any:
+        """Every binding as kombu's ``(queue, exchange, routing_key)`` rows (cached routes)."""
         return iter(self.connection.topology.routes().bindings())
 
     def get_table(self, exchange: str) -> list[tuple[str, str, str]]:
@@ -196,11 +201,14 @@ class Publisher:
         ]
 
     def typeof(self, exchange: str, default: str = "direct") -> Any:
+        """Kombu's exchange type object of ``exchange`` (as stored; ``default`` if unknown)."""
         return self.channel.exchange_types[
             self.connection.topology.routes().exchanges.get(exchange, default)
         ]
 
     def lookup(self, exchange: str, routing_key: str, default: Any = None) -> list[str]:
+        """Kombu queues ``routing_key`` on ``exchange`` routes to (the default exchange:
+        the queue named ``routing_key``)."""
         if not exchange:
             return [routing_key]
         return [

@@ -106,14 +106,17 @@ class Reader:
 
     @property
     def connection(self) -> Transport:
+        """The channel's transport."""
         return self.channel.connection
 
     @property
     def pgmq(self) -> Broker:
+        """Broker operations on the transport's statement connection."""
         return self.channel.pgmq
 
     @property
     def qos(self) -> QoS:
+        """The channel's QoS: prefetch window and held messages."""
         return self.channel.qos
 
     # -- consumers and windows -------------------------------------------------------
@@ -473,6 +476,10 @@ class Reader:
         reason: str,
         error_texts: list[str] | None = None,
     ) -> None:
+        """Move these deliveries of PGMQ queue ``name`` (of Kombu queue ``kombu_queue``) to the
+        dead-letter queue with ``reason`` (and one error text per receipt, if given), declaring
+        the dead-letter queue first if it is missing; receipts no longer held (stale) are
+        logged, never applied (mirrors SQS redrive to a dead-letter queue)."""
         dlq_kombu = self.options.dead_letter_queue
         dlq = pgmq_queue_name(dlq_kombu)
         kwargs: dict[str, Any] = {

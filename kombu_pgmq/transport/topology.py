@@ -53,6 +53,7 @@ class Topology:
         return self._bands.get(queue) or priorities.single(pgmq_queue_name(queue))
 
     def set_bands(self, queue: str, bands: Bands, *, fifo: bool = False) -> None:
+        """Record ``queue``'s bands as declared (and whether its PGMQ queues are FIFO)."""
         self._bands[queue] = bands
         if fifo:
             self._fifo.update(bands.queues)
@@ -65,6 +66,7 @@ class Topology:
         return [n for n in names if n in fifo] if fifo else []
 
     def forget_bands(self, queue: str) -> None:
+        """Forget ``queue``'s cached bands (dropped or redeclared): read again on next use."""
         self._bands.pop(queue, None)
 
     def routes(self) -> Routes:
@@ -75,6 +77,7 @@ class Topology:
         return routes
 
     def reload_routes(self) -> Routes:
+        """Load the routing table (and every queue's bands with it) in one statement."""
         table = self._broker().routing_table()
         for queue, (floors, queues) in table.bands.items():
             self._bands[queue] = priorities.stored(pgmq_queue_name(queue), floors, queues)
