@@ -72,24 +72,21 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import itertools
 import logging
 import os
 import re
 import secrets
-import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..errors import ConfigurationError, SparkServerError
-from . import _sockets
+from . import _sockets, _state
 
 __all__ = [
     "DEFAULT_PORT",
@@ -110,7 +107,7 @@ DEFAULT_PORT = 15002
 ENV_REMOTE = "SPARK_REMOTE"
 ENV_PORT = "KOMBU_PGMQ_SPARK_CONNECT_PORT"
 ENV_MASTER = "KOMBU_PGMQ_SPARK_MASTER"
-ENV_DIR = "KOMBU_PGMQ_SPARK_DIR"
+ENV_DIR = _state.ENV_DIR
 #: Environment variable of the Connect server's (and pyspark client's) token.
 ENV_TOKEN = "SPARK_CONNECT_AUTHENTICATE_TOKEN"
 #: Seconds a starting server gets to accept connections (JVM start: ~5-7 s on 2 cores).
@@ -139,7 +136,6 @@ _RESERVED_CONF = (
 )
 _TOKEN_FILE = "server.token"
 _PROPERTIES_FILE = "server.properties"
-_PROPERTY_ESCAPES = {"\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t", "\f": "\\f"}
 _TOKEN_PARAM = re.compile(r"(;token=)[^;]*")
 _FIX = (
     "Stop that process, or give the local server another port (Celery setting "
@@ -234,39 +230,6 @@ def state_dir(port: int = DEFAULT_PORT) -> Path:
         return Path(override).expanduser().absolute()
     base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local/share")
     return Path(base) / "kombu_pgmq" / f"spark-connect-{port}"
-
-
-def _private_dir(directory: Path) -> Path:
-    """Create ``directory`` (mode 0700), or check an existing one is the user's and make it
-    0700: it holds the server's token.
-
-    Raises:
-        ConfigurationError: it belongs to another user.
-    """
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = directory.stat()
-    if st.st_uid != os.getuid():
-        raise ConfigurationError(
-            f"the Spark Connect server directory {directory} belongs to uid {st.st_uid}, not "
-            f"to this user (uid {os.getuid()}): it holds the server's token; set ${ENV_DIR} "
-            "to a directory of your own"
-        )
-    if st.st_mode & 0o077:
-        os.chmod(directory, 0o700)
-    return directory
-
-
-def _write_private(path: Path, text: str) -> None:
-    """Replace ``path`` by a file of mode 0600 holding ``text`` (readers never see half)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # mode 0600
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as file:
-            file.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def _read_token(directory: Path) -> str | None:
@@ -395,63 +358,9 @@ def _listening(port: int) -> bool:
     return bool(listeners) if listeners is not None else accepting(port)
 
 
-def _read_pid(path: Path, marker: str = SERVER_CLASS) -> int | None:
-    """The pid in ``path`` if that process is alive and (Linux) has ``marker`` in its
-    command line (default: a Spark Connect server): a pid file may outlive its process,
-    and the pid be reused by another one."""
-    try:
-        pid = int(path.read_text().strip())
-        os.kill(pid, 0)
-    except (OSError, ValueError):
-        return None
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return pid  # not Linux
-    return pid if marker.encode() in cmdline else None
-
-
-@contextlib.contextmanager
-def _locked(directory: Path) -> Iterator[None]:
-    _private_dir(directory)
-    with open(directory / "server.lock", "a+") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def _spark_home() -> Path:
-    try:
-        import pyspark
-    except ImportError as exc:
-        raise ConfigurationError(
-            "pyspark is not installed: pip install 'kombu-pgmq-transport[spark]'"
-        ) from exc
-    return Path(pyspark.__file__).resolve().parent
-
-
-def _properties(conf: Mapping[str, Any]) -> str:
-    """Java properties file text (UTF-8, as Spark reads it) of ``conf``."""
-
-    def escape(text: str, key: bool) -> str:
-        out = []
-        for i, char in enumerate(text):
-            if char in _PROPERTY_ESCAPES:
-                out.append(_PROPERTY_ESCAPES[char])
-            elif (key and char in "=: #!") or (not key and i == 0 and char == " "):
-                out.append("\\" + char)
-            else:
-                out.append(char)
-        return "".join(out)
-
-    return "".join(f"{escape(str(k), True)}={escape(str(v), False)}\n" for k, v in conf.items())
-
-
 def _command(port: int, master: str, properties: Path) -> list[str]:
     """``spark-submit`` command line: nothing secret (``ps`` shows it to every user)."""
-    spark_home = _spark_home()
+    spark_home = _state.spark_home()
     return [
         "bash",
         str(spark_home / "bin" / "spark-submit"),
@@ -520,7 +429,7 @@ def ensure_running(conf: Mapping[str, Any] | None = None) -> str:
         return url
     extra = _extra_conf(conf)
     master = str(_setting(conf, "spark_local_master", ENV_MASTER) or "local[*]")
-    with _locked(directory):
+    with _state.locked(directory):
         url = _ours(port, directory)
         if url is not None and _python_ok(directory):
             return url  # another process started it while we waited
@@ -543,16 +452,18 @@ def ensure_running(conf: Mapping[str, Any] | None = None) -> str:
 
 
 def _start(directory: Path, port: int, master: str, extra: Mapping[str, Any]) -> str:
-    stale = _read_pid(directory / "server.pid")
+    stale = _state.read_pid(directory / "server.pid", SERVER_CLASS)
     if stale is not None:  # to restart (see the caller), or alive but not listening: hung
         _logger.warning("stopping the Spark Connect server of port %s (pid %s)", port, stale)
-        _terminate(stale)
+        _state.terminate(stale, children=_children.values())
     token = secrets.token_urlsafe(32)
-    _write_private(directory / _TOKEN_FILE, token)
+    _state.write_private(directory / _TOKEN_FILE, token)
     properties = directory / _PROPERTIES_FILE
-    _write_private(
+    _state.write_private(
         properties,
-        _properties({**DEFAULT_CONF, **extra, "spark.connect.grpc.binding.address": BIND_ADDRESS}),
+        _state.properties_text(
+            {**DEFAULT_CONF, **extra, "spark.connect.grpc.binding.address": BIND_ADDRESS}
+        ),
     )
     env = dict(os.environ)
     # The server's Python workers (Data Sources, UDFs) run our interpreter and venv.
@@ -585,23 +496,23 @@ def _start(directory: Path, port: int, master: str, extra: Mapping[str, Any]) ->
         previous.poll()  # a server of ours that died: reap it
     _children[port] = proc  # reaped by stop(); never "deleted while running"
     # spark-submit execs the launcher's java command: this pid is the JVM's.
-    _write_private(directory / "server.pid", str(proc.pid))
-    _write_private(directory / "server.python", env["PYSPARK_PYTHON"])
+    _state.write_private(directory / "server.pid", str(proc.pid))
+    _state.write_private(directory / "server.python", env["PYSPARK_PYTHON"])
     deadline = t0 + START_TIMEOUT_SECONDS
     while not accepting(port, timeout=0.2):
         if proc.poll() is not None or time.monotonic() > deadline:
             if proc.poll() is None:
-                _terminate(proc.pid)
+                _state.terminate(proc.pid, children=_children.values())
             raise SparkServerError(
                 f"the local Spark Connect server did not start on port {port} "
-                f"(exit status {proc.poll()}); last lines of {log_path}:\n{_tail(log_path)}"
+                f"(exit status {proc.poll()}); last lines of {log_path}:\n{_state.tail(log_path)}"
             )
         time.sleep(0.1)
     try:
         url = _ours(port, directory)
     except SparkServerError:  # someone else took the port (or ::1 on it) meanwhile
         if proc.poll() is None:
-            _terminate(proc.pid)
+            _state.terminate(proc.pid, children=_children.values())
         raise
     if url is None:  # cannot happen: it accepts and the token was written first
         raise SparkServerError(f"the local Spark Connect server on port {port} has no token")
@@ -623,30 +534,6 @@ def _python_ok(directory: Path) -> bool:
     return not python or os.path.exists(python)
 
 
-def _tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-def _terminate(pid: int, timeout: float = 15.0) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        for child in _children.values():
-            if child.pid == pid:
-                child.poll()  # reap our own child, or it stays a zombie "alive"
-        time.sleep(0.1)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGKILL)
-
-
 def status(port: int = DEFAULT_PORT) -> dict[str, Any]:
     """Shapes: ``{"port": int, "accepting": bool, "pid": int | None, "log": Path,
     "problem": str | None}`` (``problem``: another process listens on the port)."""
@@ -659,7 +546,7 @@ def status(port: int = DEFAULT_PORT) -> dict[str, Any]:
     return {
         "port": port,
         "accepting": accepting(port),
-        "pid": _read_pid(directory / "server.pid"),
+        "pid": _state.read_pid(directory / "server.pid", SERVER_CLASS),
         "log": directory / "server.log",
         "problem": problem,
     }
@@ -668,7 +555,7 @@ def status(port: int = DEFAULT_PORT) -> dict[str, Any]:
 def running_master(port: int = DEFAULT_PORT) -> str | None:
     """``--master`` of the local server running on ``port`` (Linux: read from its command
     line), or None if none of ours runs there (or not Linux)."""
-    pid = _read_pid(state_dir(port) / "server.pid")
+    pid = _state.read_pid(state_dir(port) / "server.pid", SERVER_CLASS)
     if pid is None:
         return None
     try:
@@ -687,10 +574,10 @@ def stop(port: int = DEFAULT_PORT) -> bool:
     Running Spark jobs are cancelled with it.
     """
     directory = state_dir(port)
-    with _locked(directory):
-        pid = _read_pid(directory / "server.pid")
+    with _state.locked(directory):
+        pid = _state.read_pid(directory / "server.pid", SERVER_CLASS)
         if pid is not None:
-            _terminate(pid)
+            _state.terminate(pid, children=_children.values())
         for name in ("server.pid", _TOKEN_FILE):
             with contextlib.suppress(FileNotFoundError):
                 (directory / name).unlink()

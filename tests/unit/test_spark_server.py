@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from kombu_pgmq.errors import ConfigurationError, SparkServerError
-from kombu_pgmq.spark import _sockets, server
+from kombu_pgmq.spark import _sockets, _state, server
 from kombu_pgmq.spark import task as spark_task
 from kombu_pgmq.spark.task import SparkRequest
 
@@ -131,7 +131,7 @@ def test_server_files_are_private_and_no_secret_goes_on_its_command_line(
     port, directory = local
     directory.mkdir(mode=0o755)
     os.chmod(directory, 0o755)  # as an older version (or the umask) left it
-    monkeypatch.setattr(server, "_spark_home", lambda: tmp_path / "pyspark")
+    monkeypatch.setattr(_state, "spark_home", lambda: tmp_path / "pyspark")
     conf = {"spark_local_conf": {"spark.kombu_pgmq.test.password": SECRET, "spark.a b": " x\n"}}
     with pytest.raises(SparkServerError, match=f"did not start on port {port}"):
         server.ensure_running(conf)
