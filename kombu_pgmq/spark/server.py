@@ -32,12 +32,12 @@ started it, and jobs carry secrets (broker URLs in ``pgmq`` options), so
   :class:`~kombu_pgmq.errors.SparkServerError` names the port and the other process, and
   nothing is sent to it. The server also holds ``[::1]:<port>`` (bound, not listening), as
   a client of ``localhost`` may try ``::1`` first: no other process can listen there while
-  it runs. Cost (measured on 2 cores under gVisor, whose ``/proc/net`` is slow): the first
-  check in a process reads ``/proc/net/tcp*`` and the JVM's ``/proc/<pid>/fd`` (~15 ms);
-  later calls read the pid file and readlink the listening socket's fd (~60 us per call;
-  the TCP connect this replaced cost ~120 us), and check everything again when either
-  changed. Linux only: elsewhere the token alone protects the server, and the token may
-  be sent to whatever listens on the port;
+  it runs. The sockets are listed through psutil (``psutil.net_connections``). Cost
+  (measured on 2 cores under gVisor, ~300 sockets): the first check in a process lists
+  every process's sockets (~50 ms); later calls (Linux) read the pid file and readlink the
+  listening socket's fd (~60 us per call), and check everything again when either
+  changed. Where listing other processes' sockets is refused (macOS without root: a
+  warning, once), only the server's own sockets are checked, on every call;
 * no secret on a command line (``ps`` shows those to every user): the token goes through
   the environment, ``spark_local_conf`` and the defaults through ``--properties-file``
   (``--load-spark-defaults`` keeps ``spark-defaults.conf`` underneath). The port and
@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import itertools
 import logging
 import os
@@ -259,14 +260,13 @@ def _recorded_pid(directory: Path) -> int | None:
         return None
 
 
-def _foreign(port: int, directory: Path, pid: int | None, others: Iterable[tuple[int, int]]) -> str:
-    owners = []
-    for uid, inode in others:
-        holder = _sockets.holder(inode)
-        owners.append(f"uid {uid}, pid {holder if holder is not None else 'unknown'}")
+def _foreign(
+    port: int, directory: Path, pid: int | None, others: Iterable[_sockets.Listener]
+) -> str:
+    owners = "; ".join(f"{_sockets.owner(o.pid)} on {o.address}" for o in others)
     ours = f"pid {pid}" if pid is not None else "no server.pid"
     return (
-        f"port {port} on this host is listened on by another process ({'; '.join(owners)}), "
+        f"port {port} on this host is listened on by another process ({owners}), "
         f"not by the kombu_pgmq Spark Connect server ({ours} in {directory}): no Spark job "
         f"or token is sent to it. {_FIX}"
     )
@@ -275,8 +275,9 @@ def _foreign(port: int, directory: Path, pid: int | None, others: Iterable[tuple
 def _still(verified: _Verified, directory: Path) -> bool:
     """Whether the checked server still holds its listening sockets (one readlink each):
     while it does, no other process can listen on 127.0.0.1:<port>, nor on [::1]:<port>
-    (the server holds that address too, see :func:`_hold_ipv6_loopback`)."""
-    if _recorded_pid(directory) != verified.pid:
+    (the server holds that address too, see :func:`_hold_ipv6_loopback`). False without
+    ``/proc`` (no sockets recorded): checked again."""
+    if not verified.sockets or _recorded_pid(directory) != verified.pid:
         return False
     for path, link in verified.sockets:
         try:
@@ -291,10 +292,12 @@ def _ours(port: int, directory: Path) -> str | None:
     """URL (token included) of our server on ``port``, or None if nothing listens there or
     it has no token (an older version's).
 
-    Linux: every socket listening on the port where a client of ``localhost`` may connect
-    must be the user's and held by the pid in ``server.pid``; then, in this process, only
-    that the pid file is the same and the pid still holds those sockets. Elsewhere:
-    whatever accepts connections is trusted.
+    Every socket listening on the port where a client of ``localhost`` may connect must be
+    held by the pid in ``server.pid`` (a process of this user); then, in this process (on
+    Linux), only that the pid file is the same and the pid still holds those sockets.
+    Where the system's sockets cannot be listed (macOS without root): the server's own
+    sockets must listen on the port, and whatever else may listen on other addresses is
+    not seen (a warning says so, once); the token protects the server.
 
     Raises:
         SparkServerError: another process listens on the port.
@@ -304,25 +307,44 @@ def _ours(port: int, directory: Path) -> str | None:
     if cached is not None and _still(cached, directory):
         _verified[key] = cached
         return _url(port, cached.token)
+    pid = _recorded_pid(directory)
     listeners = _sockets.listeners(port)
-    if listeners is None:  # no /proc/net: the token alone protects the server
-        token = _read_token(directory)
-        return _url(port, token) if token is not None and accepting(port) else None
+    if listeners is None:  # not allowed to list every process's sockets
+        _warn_partial_check()
+        held = _sockets.held_by(pid, port) if pid is not None else None
+        if held is None:  # not ours (or not inspectable): the token alone protects it
+            token = _read_token(directory)
+            return _url(port, token) if token is not None and accepting(port) else None
+        if not held:
+            if accepting(port):
+                raise SparkServerError(_foreign(port, directory, pid, []))
+            return None
+        listeners = held
     if not listeners:
         return None
-    pid = _recorded_pid(directory)
-    held = _sockets.sockets_of(pid) if pid is not None else {}
-    uid = os.getuid()
-    others = [(u, inode) for u, inode in listeners if u != uid or inode not in held]
+    others = [found for found in listeners if pid is None or found.pid != pid]
     if others:
         raise SparkServerError(_foreign(port, directory, pid, others))
     assert pid is not None  # it holds the listeners
     token = _read_token(directory)
     if token is None:  # started by an older version, without authentication
         return None
-    sockets = tuple((held[inode], f"socket:[{inode}]") for _, inode in listeners)
+    links = [_sockets.fd_link(pid, found.fd) for found in listeners]
+    sockets = tuple(link for link in links if link is not None)
+    if len(sockets) != len(links):
+        sockets = ()  # not all recorded: check everything again next time
     _verified[key] = _Verified(pid, sockets, token)
     return _url(port, token)
+
+
+@functools.cache
+def _warn_partial_check() -> None:
+    _logger.warning(
+        "cannot list other processes' sockets (psutil.AccessDenied; macOS needs root): "
+        "the local Spark Connect server is checked to listen on its port, but another "
+        "process listening there on another address would not be seen; its token still "
+        "protects it"
+    )
 
 
 def _hold_ipv6_loopback(port: int) -> socket.socket | None:
