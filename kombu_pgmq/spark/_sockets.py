@@ -8,14 +8,24 @@ one process of the user's own)."""
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
+import socket
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, SparkServerError
 
-__all__ = ["Listener", "fd_link", "held_by", "listeners", "owner", "reaches_localhost"]
+__all__ = [
+    "Listener",
+    "fd_link",
+    "held_by",
+    "hold_ipv6_loopback",
+    "listeners",
+    "owner",
+    "reaches_localhost",
+]
 
 
 class Listener(NamedTuple):
@@ -111,3 +121,32 @@ def owner(pid: int | None) -> str:
         return f"uid {psutil.Process(pid).uids().real}, pid {pid}"
     except (psutil.NoSuchProcess, psutil.AccessDenied, AttributeError):
         return f"pid {pid}"
+
+
+def hold_ipv6_loopback(port: int, fix: str) -> socket.socket | None:
+    """A socket bound (not listening) to ``[::1]:port``, for the server to inherit and keep.
+
+    A client of ``localhost`` may try ``::1`` before 127.0.0.1 (``/etc/hosts``); while the
+    server holds this address no other process can listen there, so connections to it are
+    refused and go on to 127.0.0.1. None without IPv6 (then nobody can listen there).
+    ``fix``: the end of the error message (how to free or change the port).
+
+    Raises:
+        SparkServerError: another process holds ``[::1]:port``.
+    """
+    try:
+        sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+    except OSError:
+        return None
+    try:
+        sock.bind(("::1", port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise SparkServerError(
+                f"port {port} on this host is taken on [::1] by another process (clients "
+                f"of localhost may connect there): the local Spark server is not started. "
+                f"{fix}"
+            ) from exc
+        return None
+    return sock

@@ -71,7 +71,6 @@ Celery setting            environment                      meaning
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import itertools
 import logging
@@ -275,8 +274,9 @@ def _foreign(
 def _still(verified: _Verified, directory: Path) -> bool:
     """Whether the checked server still holds its listening sockets (one readlink each):
     while it does, no other process can listen on 127.0.0.1:<port>, nor on [::1]:<port>
-    (the server holds that address too, see :func:`_hold_ipv6_loopback`). False without
-    ``/proc`` (no sockets recorded): checked again."""
+    (the server holds that address too, see
+    :func:`~kombu_pgmq.spark._sockets.hold_ipv6_loopback`). False without ``/proc`` (no
+    sockets recorded): checked again."""
     if not verified.sockets or _recorded_pid(directory) != verified.pid:
         return False
     for path, link in verified.sockets:
@@ -345,34 +345,6 @@ def _warn_partial_check() -> None:
         "process listening there on another address would not be seen; its token still "
         "protects it"
     )
-
-
-def _hold_ipv6_loopback(port: int) -> socket.socket | None:
-    """A socket bound (not listening) to ``[::1]:port``, for the server to inherit and keep.
-
-    A client of ``localhost`` may try ``::1`` before 127.0.0.1 (``/etc/hosts``); while the
-    server holds this address no other process can listen there, so connections to it are
-    refused and go on to 127.0.0.1. None without IPv6 (then nobody can listen there).
-
-    Raises:
-        SparkServerError: another process holds ``[::1]:port``.
-    """
-    try:
-        sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
-    except OSError:
-        return None
-    try:
-        sock.bind(("::1", port))
-    except OSError as exc:
-        sock.close()
-        if exc.errno == errno.EADDRINUSE:
-            raise SparkServerError(
-                f"port {port} on this host is taken on [::1] by another process (clients "
-                f"of localhost may connect there): the local Spark server is not started. "
-                f"{_FIX}"
-            ) from exc
-        return None
-    return sock
 
 
 def _listening(port: int) -> bool:
@@ -497,7 +469,7 @@ def _start(directory: Path, port: int, master: str, extra: Mapping[str, Any]) ->
     log_path = directory / "server.log"
     t0 = time.monotonic()
     _logger.info("starting the local Spark Connect server on port %s (log: %s)", port, log_path)
-    ipv6 = _hold_ipv6_loopback(port)
+    ipv6 = _sockets.hold_ipv6_loopback(port, _FIX)
     try:
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
