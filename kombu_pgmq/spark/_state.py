@@ -36,9 +36,10 @@ ENV_DIR = "KOMBU_PGMQ_SPARK_DIR"
 _PROPERTY_ESCAPES = {"\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t", "\f": "\\f"}
 
 
-def private_dir(directory: Path) -> Path:
+def private_dir(directory: Path, env: str = ENV_DIR) -> Path:
     """Create ``directory`` (mode 0700), or check an existing one is the user's and make it
-    0700: it holds the server's token.
+    0700: it holds secrets (the Connect server's token, a cluster's shared secret).
+    ``env``: the environment variable that chooses the directory (named in the error).
 
     Raises:
         ConfigurationError: it belongs to another user.
@@ -47,9 +48,9 @@ def private_dir(directory: Path) -> Path:
     st = directory.stat()
     if st.st_uid != os.getuid():
         raise ConfigurationError(
-            f"the Spark Connect server directory {directory} belongs to uid {st.st_uid}, not "
-            f"to this user (uid {os.getuid()}): it holds the server's token; set ${ENV_DIR} "
-            "to a directory of your own"
+            f"the Spark state directory {directory} belongs to uid {st.st_uid}, not to this "
+            f"user (uid {os.getuid()}): it holds secrets; set ${env} to a directory of your "
+            "own"
         )
     if st.st_mode & 0o077:
         os.chmod(directory, 0o700)
@@ -86,10 +87,10 @@ def read_pid(path: Path, marker: str) -> int | None:
 
 
 @contextlib.contextmanager
-def locked(directory: Path) -> Iterator[None]:
+def locked(directory: Path, env: str = ENV_DIR) -> Iterator[None]:
     """Hold the exclusive lock of ``directory`` (``server.lock``, blocking; the directory
     is made private first, see :func:`private_dir`)."""
-    private_dir(directory)
+    private_dir(directory, env)
     with open(directory / "server.lock", "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:

@@ -268,8 +268,8 @@ def start(
         raise ConfigurationError(
             f"--workers must be 0 or more and --cores 1 or more, not {workers}/{cores}"
         )
-    directory = _state.private_dir(cluster_dir(port))
-    with _state.locked(directory):
+    directory = _state.private_dir(cluster_dir(port), ENV_DIR)
+    with _state.locked(directory, ENV_DIR):
         if _running(directory / "master.pid", MASTER_CLASS) is not None:
             return status(port, webui_port)
         if server.accepting(port) or server.accepting(webui_port):
@@ -408,7 +408,7 @@ def stop(port: int = DEFAULT_MASTER_PORT) -> bool:
     directory = cluster_dir(port)
     if not directory.exists():
         return False
-    with _state.locked(directory):
+    with _state.locked(directory, ENV_DIR):
         for number, pid in _worker_pids(directory).items():
             if pid is not None:
                 _stop_group(pid, signal.SIGTERM)

@@ -201,6 +201,17 @@ def test_a_state_directory_of_another_user_is_refused(local: tuple[int, Path]) -
         server.ensure_running()
 
 
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to give the directory away")
+def test_a_cluster_directory_of_another_user_names_the_cluster_variable(tmp_path: Path) -> None:
+    from kombu_pgmq.spark import cluster
+
+    directory = tmp_path / "cluster"
+    directory.mkdir(mode=0o700)
+    os.chown(directory, 65534, 65534)  # nobody
+    with pytest.raises(ConfigurationError, match=rf"uid 65534.*\${cluster.ENV_DIR} "):
+        _state.private_dir(directory, cluster.ENV_DIR)
+
+
 def test_redact_url() -> None:
     assert server.redact_url("sc://localhost:15002/;token=abc") == "sc://localhost:15002/;token=***"
     assert (
