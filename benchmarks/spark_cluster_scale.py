@@ -251,7 +251,7 @@ def main() -> None:
     t = time.perf_counter()
     # The kernel closes the dead JVM's listening socket a moment after SIGKILL: until then
     # ensure_running() sees a listener that is not the recorded server and refuses it.
-    while server._listening(ports["connect"]) and time.perf_counter() - t < 30:
+    while server.accepting(ports["connect"]) and time.perf_counter() - t < 30:
         time.sleep(0.1)
     url = server.ensure_running(conf)
     restart_s = time.perf_counter() - t

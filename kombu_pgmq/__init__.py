@@ -10,8 +10,6 @@ application's own transaction.
 
 from __future__ import annotations
 
-from kombu.transport import TRANSPORT_ALIASES
-
 from . import _worker_checks
 from ._conninfo import SCHEMES
 from ._naming import pgmq_queue_name
@@ -33,7 +31,15 @@ TRANSPORT_PATH = "kombu_pgmq.transport:Transport"
 
 
 def register() -> None:
-    """Register ``postgresql://`` and ``postgres://`` as kombu transport aliases (idempotent)."""
+    """Register ``postgresql://`` and ``postgres://`` as kombu transport aliases (idempotent).
+    Without kombu installed (a Spark executor importing only ``kombu_pgmq.spark.datasource``)
+    there is nothing to register with: nothing is done."""
+    try:
+        from kombu.transport import TRANSPORT_ALIASES
+    except ModuleNotFoundError as exc:
+        if exc.name == "kombu":
+            return
+        raise
     for scheme in SCHEMES:
         TRANSPORT_ALIASES[scheme] = TRANSPORT_PATH
 

@@ -12,15 +12,32 @@
   standalone cluster (``kombu-pgmq spark cluster start|stop|status|check``).
 
 Importing this package does not import pyspark (the worker's main process must not open a
-Spark session before the prefork pool forks).
+Spark session before the prefork pool forks), nor Celery: the names of
+:mod:`~kombu_pgmq.spark.session` and :mod:`~kombu_pgmq.spark.task` are imported on first
+use, so that executors, which import :mod:`kombu_pgmq.spark.datasource` (and so this
+package), need neither Celery nor kombu.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from .session import connect_url, interrupt_task, open_session, session_id
-from .task import PROGRESS, SparkRequest, SparkTask, spark_task
+if TYPE_CHECKING:
+    from .session import connect_url, interrupt_task, open_session, session_id
+    from .task import PROGRESS, SparkRequest, SparkTask, spark_task
+
+#: Lazily imported names: ``{name: submodule}``.
+_LAZY = {
+    "connect_url": "session",
+    "interrupt_task": "session",
+    "open_session": "session",
+    "session_id": "session",
+    "PROGRESS": "task",
+    "SparkRequest": "task",
+    "SparkTask": "task",
+    "spark_task": "task",
+}
 
 __all__ = [
     "PROGRESS",
@@ -40,3 +57,12 @@ def register(spark: Any) -> None:
     from .datasource import register as _register
 
     _register(spark)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # once
+    return value

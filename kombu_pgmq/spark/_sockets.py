@@ -1,87 +1,152 @@
-"""Which local process listens on a TCP port (Linux ``/proc``): what
-:mod:`kombu_pgmq.spark.server` checks before it sends a job or a token to the local Spark
-Connect server. Read-only; sockets are matched by inode (``/proc/net/tcp*`` rows and
-``/proc/<pid>/fd`` links)."""
+"""Which local process listens on a TCP port: what :mod:`kombu_pgmq.spark.server` checks
+before it sends a job or a token to the local Spark Connect server. Read-only; through
+psutil (``psutil.net_connections``: Linux, macOS, the BSDs, Windows).
+
+Listing every process's sockets may need privileges (macOS: root); where it is refused,
+:func:`listeners` returns None and the caller falls back to :func:`held_by` (the sockets of
+one process of the user's own)."""
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
-import sys
-from pathlib import Path
+import socket
+from collections.abc import Iterable
+from typing import Any, NamedTuple
 
-__all__ = ["decode_address", "holder", "listeners", "reaches_localhost", "sockets_of"]
+from ..errors import ConfigurationError, SparkServerError
 
-#: TCP tables of the network namespace (Linux); ``0A`` is the LISTEN state.
-_TCP_TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
-_LISTEN = "0A"
-
-
-def decode_address(hex_address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
-    """Address of a ``/proc/net/tcp*`` row: hex of 32-bit words in host byte order."""
-    raw = bytes.fromhex(hex_address)
-    if sys.byteorder == "little":
-        raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-    return ipaddress.ip_address(raw)
+__all__ = [
+    "Listener",
+    "fd_link",
+    "held_by",
+    "hold_ipv6_loopback",
+    "listeners",
+    "owner",
+    "reaches_localhost",
+]
 
 
-def reaches_localhost(hex_address: str) -> bool:
+class Listener(NamedTuple):
+    """A TCP socket listening on a port: ``pid`` of a process holding it (None: a process
+    this user cannot inspect, another user's), its file descriptor there (-1: unknown),
+    its local address (``"127.0.0.1"``, ``"::"``...)."""
+
+    pid: int | None
+    fd: int
+    address: str
+
+
+def reaches_localhost(address: str) -> bool:
     """Whether a connection to ``localhost`` (127.0.0.1 or ::1) can land on a socket bound
-    to this address: loopback, a wildcard, or their IPv4-mapped IPv6 forms."""
-    address = decode_address(hex_address)
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return address.is_loopback or address.is_unspecified
+    to ``address`` (text, as ``"127.0.0.1"`` or ``"::ffff:127.0.0.1"``): loopback, a
+    wildcard, or their IPv4-mapped IPv6 forms."""
+    ip = ipaddress.ip_address(address.partition("%")[0])  # no IPv6 zone ("fe80::1%eth0")
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback or ip.is_unspecified
 
 
-def listeners(port: int) -> list[tuple[int, int]] | None:
-    """``(uid, socket inode)`` of every TCP socket listening on ``port`` where a client of
-    ``localhost`` may connect; None where ``/proc/net/tcp*`` does not exist (not Linux)."""
-    suffix = f":{port:04X}"
-    found: list[tuple[int, int]] = []
-    tables = 0
-    for table in _TCP_TABLES:
-        try:
-            with open(table, encoding="ascii") as file:
-                lines = file.read().splitlines()[1:]
-        except OSError:
-            continue
-        tables += 1
-        for line in lines:
-            if suffix not in line:
-                continue
-            # sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode
-            fields = line.split()
-            local, state = fields[1], fields[3]
-            if state != _LISTEN or not local.endswith(suffix):
-                continue
-            if reaches_localhost(local.partition(":")[0]):
-                found.append((int(fields[7]), int(fields[9])))
-    return found if tables else None
+def _psutil() -> Any:
+    """The psutil module (a dependency of the ``spark`` extra).
 
-
-def sockets_of(pid: int) -> dict[int, str]:
-    """``{socket inode: /proc/<pid>/fd/<n>}`` of process ``pid`` (empty if it cannot be
-    inspected)."""
-    sockets: dict[int, str] = {}
+    Raises:
+        ConfigurationError: psutil is not installed.
+    """
     try:
-        entries = list(os.scandir(f"/proc/{pid}/fd"))
+        import psutil
+    except ImportError as exc:
+        raise ConfigurationError(
+            "psutil is not installed (the local Spark Connect server's port check lists "
+            "sockets with it): pip install 'kombu-pgmq-transport[spark]'"
+        ) from exc
+    return psutil
+
+
+def _listening(connections: Iterable[Any], port: int, pid: int | None = None) -> list[Listener]:
+    """``pid``: of the process whose connections these are (they do not name it)."""
+    psutil = _psutil()
+    return [
+        Listener(c.pid if pid is None else pid, c.fd, c.laddr.ip)
+        for c in connections
+        if c.status == psutil.CONN_LISTEN
+        and c.laddr
+        and c.laddr.port == port
+        and reaches_localhost(c.laddr.ip)
+    ]
+
+
+def listeners(port: int) -> list[Listener] | None:
+    """Every TCP socket listening on ``port`` where a client of ``localhost`` may connect
+    (IPv4 and IPv6); None where this process may not list the system's sockets
+    (``psutil.AccessDenied``: macOS without root). Cost: every process's descriptors are
+    read (~50 ms on 2 cores under gVisor with ~300 sockets)."""
+    psutil = _psutil()
+    try:
+        return _listening(psutil.net_connections(kind="tcp"), port)
+    except psutil.AccessDenied:
+        return None
+
+
+def held_by(pid: int, port: int) -> list[Listener] | None:
+    """The sockets of :func:`listeners` that process ``pid`` holds; None if it cannot be
+    inspected (gone, or another user's)."""
+    psutil = _psutil()
+    try:
+        return _listening(psutil.Process(pid).net_connections(kind="tcp"), port, pid)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+def fd_link(pid: int, fd: int) -> tuple[str, str] | None:
+    """``("/proc/<pid>/fd/<fd>", "socket:[<inode>]")``: what a later check reads again
+    (one readlink) to know the process still holds that socket. None where there is no
+    ``/proc`` (not Linux) or the descriptor is gone."""
+    if fd < 0:
+        return None
+    path = f"/proc/{pid}/fd/{fd}"
+    try:
+        return path, os.readlink(path)
     except OSError:
-        return sockets
-    for entry in entries:
-        try:
-            target = os.readlink(entry.path)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            sockets[int(target[8:-1])] = entry.path
-    return sockets
+        return None
 
 
-def holder(inode: int) -> int | None:
-    """Pid of a process holding socket ``inode``, if one can be inspected (error path:
-    walks every process)."""
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit() and inode in sockets_of(int(proc.name)):
-            return int(proc.name)
-    return None
+def owner(pid: int | None) -> str:
+    """``"uid 1000, pid 123"`` of a listener's process, as far as it can be inspected."""
+    if pid is None:
+        return "a process of another user"
+    psutil = _psutil()
+    try:
+        return f"uid {psutil.Process(pid).uids().real}, pid {pid}"
+    except (psutil.NoSuchProcess, psutil.AccessDenied, AttributeError):
+        return f"pid {pid}"
+
+
+def hold_ipv6_loopback(port: int, fix: str) -> socket.socket | None:
+    """A socket bound (not listening) to ``[::1]:port``, for the server to inherit and keep.
+
+    A client of ``localhost`` may try ``::1`` before 127.0.0.1 (``/etc/hosts``); while the
+    server holds this address no other process can listen there, so connections to it are
+    refused and go on to 127.0.0.1. None without IPv6 (then nobody can listen there).
+    ``fix``: the end of the error message (how to free or change the port).
+
+    Raises:
+        SparkServerError: another process holds ``[::1]:port``.
+    """
+    try:
+        sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+    except OSError:
+        return None
+    try:
+        sock.bind(("::1", port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise SparkServerError(
+                f"port {port} on this host is taken on [::1] by another process (clients "
+                f"of localhost may connect there): the local Spark server is not started. "
+                f"{fix}"
+            ) from exc
+        return None
+    return sock

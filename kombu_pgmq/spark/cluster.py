@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigurationError, SparkServerError
-from . import server
+from . import _state, server
 
 __all__ = [
     "DEFAULT_MASTER_PORT",
@@ -94,7 +94,7 @@ def master_url(port: int = DEFAULT_MASTER_PORT) -> str:
 
 def _running(path: Path, marker: str) -> int | None:
     """The pid in pid file ``path`` if it runs a JVM of class ``marker``."""
-    return server._read_pid(path, marker)
+    return _state.read_pid(path, marker)
 
 
 def _spawn(
@@ -105,7 +105,7 @@ def _spawn(
     prefix: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
 ) -> int:
-    spark_home = server._spark_home()
+    spark_home = _state.spark_home()
     full_env = {**os.environ, "SPARK_HOME": str(spark_home), "SPARK_LOCAL_IP": HOST}
     for key in ("SPARK_REMOTE", "SPARK_CONNECT_MODE_ENABLED", server.ENV_TOKEN):
         full_env.pop(key, None)
@@ -174,7 +174,7 @@ def _wait(what: str, ready: Any, logs: Sequence[Path], timeout: float) -> None:
         except SparkServerError:
             pass
         if time.monotonic() > deadline:
-            tails = "\n".join(f"--- {log}\n{server._tail(log)}" for log in logs)
+            tails = "\n".join(f"--- {log}\n{_state.tail(log)}" for log in logs)
             raise SparkServerError(
                 f"the Spark cluster did not get ready ({what}) in time:\n{tails}"
             )
@@ -239,7 +239,7 @@ def add_worker(
         prefix=prefix,
         env=env,
     )
-    server._write_private(directory / f"worker-{number}.pid", str(pid))
+    _state.write_private(directory / f"worker-{number}.pid", str(pid))
     return number
 
 
@@ -268,8 +268,8 @@ def start(
         raise ConfigurationError(
             f"--workers must be 0 or more and --cores 1 or more, not {workers}/{cores}"
         )
-    directory = server._private_dir(cluster_dir(port))
-    with server._locked(directory):
+    directory = _state.private_dir(cluster_dir(port), ENV_DIR)
+    with _state.locked(directory, ENV_DIR):
         if _running(directory / "master.pid", MASTER_CLASS) is not None:
             return status(port, webui_port)
         if server.accepting(port) or server.accepting(webui_port):
@@ -285,7 +285,7 @@ def start(
             "spark.authenticate": "true",
             "spark.authenticate.secret": secret,
         }
-        server._write_private(directory / _PROPERTIES, server._properties(settings))
+        _state.write_private(directory / _PROPERTIES, _state.properties_text(settings))
         t0 = time.monotonic()
         pid = _spawn(
             [
@@ -302,7 +302,7 @@ def start(
             directory / "master.log",
             directory,
         )
-        server._write_private(directory / "master.pid", str(pid))
+        _state.write_private(directory / "master.pid", str(pid))
         _wait(
             "master",
             lambda: master_json(webui_port)["status"] == "ALIVE",
@@ -408,7 +408,7 @@ def stop(port: int = DEFAULT_MASTER_PORT) -> bool:
     directory = cluster_dir(port)
     if not directory.exists():
         return False
-    with server._locked(directory):
+    with _state.locked(directory, ENV_DIR):
         for number, pid in _worker_pids(directory).items():
             if pid is not None:
                 _stop_group(pid, signal.SIGTERM)

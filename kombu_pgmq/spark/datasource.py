@@ -90,8 +90,8 @@ from .._db.spark_store import SnapshotRow, SparkStore
 from .._naming import pgmq_queue_name
 from ..errors import ConfigurationError
 from ..schema import ensure_schema
+from ._pgurl import unix_socket
 from .messages import row_message, task_message
-from .preflight import unix_socket
 
 __all__ = ["SCHEMA", "PgmqDataSource", "register"]
 

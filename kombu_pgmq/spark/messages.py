@@ -12,9 +12,7 @@ import uuid
 from functools import lru_cache
 from typing import Any
 
-from kombu.serialization import dumps as serialize
-
-from .. import _encoding as encoding
+from ..errors import ConfigurationError
 
 __all__ = ["WRITE_HEADER", "row_message", "task_message"]
 
@@ -37,6 +35,7 @@ def row_message(row: dict[str, Any], queue: str, marker: str) -> tuple[str, str]
     Values that are not JSON (dates, timestamps, decimals) follow Kombu's JSON encoder
     (ISO 8601 text, numbers).
     """
+    serialize, encoding = _codec()
     content_type, content_encoding, body = serialize(row, serializer="json")
     return encoding.encode(
         {
@@ -50,8 +49,32 @@ def row_message(row: dict[str, Any], queue: str, marker: str) -> tuple[str, str]
 
 
 @lru_cache(maxsize=1)
+def _codec() -> tuple[Any, Any]:
+    """kombu's serializer and the transport's storage layout (:mod:`kombu_pgmq._encoding`,
+    which uses kombu's JSON), imported on the first message: importing this module (as
+    executors do through :mod:`kombu_pgmq.spark.datasource`) needs no kombu."""
+    from kombu.serialization import dumps
+
+    from .. import _encoding
+
+    return dumps, _encoding
+
+
+@lru_cache(maxsize=1)
 def _celery_app() -> Any:
-    from celery import Celery
+    """A Celery app that only builds task messages.
+
+    Raises:
+        ConfigurationError: Celery is not installed (here: on a Spark executor).
+    """
+    try:
+        from celery import Celery
+    except ImportError as exc:
+        raise ConfigurationError(
+            "the pgmq writer's task option makes Celery task messages, which needs celery "
+            "where the Spark tasks run (on every executor): pip install "
+            "'kombu-pgmq-transport[spark]' there, or write rows without task"
+        ) from exc
 
     # Only builds messages (protocol 2); never connects anywhere.
     return Celery("kombu_pgmq.spark", set_as_current=False)
@@ -64,6 +87,7 @@ def task_message(
 
     Shapes: task id is a fresh uuid4; no result callbacks, no ETA, priority 0.
     """
+    serialize, encoding = _codec()
     task_id = str(uuid.uuid4())
     message = _celery_app().amqp.as_task_v2(task_id, task, args, kwargs)
     content_type, content_encoding, body = serialize(message.body, serializer="json")

@@ -27,16 +27,15 @@ raise).
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from psycopg.conninfo import conninfo_to_dict
-
 from .. import _conninfo as conninfo
 from ..errors import SparkError
+from ._pgurl import params as _params
+from ._pgurl import unix_socket
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -79,25 +78,6 @@ def is_cluster(spark: SparkSession) -> bool:
     """Whether ``spark``'s master is a cluster (``spark.master`` not ``local...``)."""
     master = str(spark.conf.get("spark.master", "local") or "local")
     return not master.startswith("local")
-
-
-def unix_socket(url: str) -> str | None:
-    """The Unix socket file a PostgreSQL URL connects to, or None for TCP.
-
-    Shapes: ``"postgresql://u@/db?host=/run/pg" -> "/run/pg/.s.PGSQL.5432"``;
-    ``"postgresql://u@db:5432/db" -> None``. A URL without host uses libpq's default
-    socket directory (``/var/run/postgresql``)."""
-    params = _params(url)
-    host = str(params.get("host") or os.environ.get("PGHOST") or "/var/run/postgresql")
-    if not host.startswith("/"):
-        return None
-    port = str(params.get("port") or os.environ.get("PGPORT") or conninfo.DEFAULT_PORT)
-    return os.path.join(host.split(",")[0], f".s.PGSQL.{port.split(',')[0]}")
-
-
-def _params(url_or_dsn: str) -> dict[str, Any]:
-    """libpq keywords of a broker URL or a DSN."""
-    return dict(conninfo_to_dict(conninfo.to_dsn(url_or_dsn)))
 
 
 def _tcp_target(url: str) -> tuple[str, int]:

@@ -32,12 +32,12 @@ started it, and jobs carry secrets (broker URLs in ``pgmq`` options), so
   :class:`~kombu_pgmq.errors.SparkServerError` names the port and the other process, and
   nothing is sent to it. The server also holds ``[::1]:<port>`` (bound, not listening), as
   a client of ``localhost`` may try ``::1`` first: no other process can listen there while
-  it runs. Cost (measured on 2 cores under gVisor, whose ``/proc/net`` is slow): the first
-  check in a process reads ``/proc/net/tcp*`` and the JVM's ``/proc/<pid>/fd`` (~15 ms);
-  later calls read the pid file and readlink the listening socket's fd (~60 us per call;
-  the TCP connect this replaced cost ~120 us), and check everything again when either
-  changed. Linux only: elsewhere the token alone protects the server, and the token may
-  be sent to whatever listens on the port;
+  it runs. The sockets are listed through psutil (``psutil.net_connections``). Cost
+  (measured on 2 cores under gVisor, ~300 sockets): the first check in a process lists
+  every process's sockets (~50 ms); later calls (Linux) read the pid file and readlink the
+  listening socket's fd (~60 us per call), and check everything again when either
+  changed. Where listing other processes' sockets is refused (macOS without root: a
+  warning, once), only the server's own sockets are checked, on every call;
 * no secret on a command line (``ps`` shows those to every user): the token goes through
   the environment, ``spark_local_conf`` and the defaults through ``--properties-file``
   (``--load-spark-defaults`` keeps ``spark-defaults.conf`` underneath). The port and
@@ -71,25 +71,22 @@ Celery setting            environment                      meaning
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
+import functools
 import itertools
 import logging
 import os
 import re
 import secrets
-import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..errors import ConfigurationError, SparkServerError
-from . import _sockets
+from . import _sockets, _state
 
 __all__ = [
     "DEFAULT_PORT",
@@ -110,7 +107,7 @@ DEFAULT_PORT = 15002
 ENV_REMOTE = "SPARK_REMOTE"
 ENV_PORT = "KOMBU_PGMQ_SPARK_CONNECT_PORT"
 ENV_MASTER = "KOMBU_PGMQ_SPARK_MASTER"
-ENV_DIR = "KOMBU_PGMQ_SPARK_DIR"
+ENV_DIR = _state.ENV_DIR
 #: Environment variable of the Connect server's (and pyspark client's) token.
 ENV_TOKEN = "SPARK_CONNECT_AUTHENTICATE_TOKEN"
 #: Seconds a starting server gets to accept connections (JVM start: ~5-7 s on 2 cores).
@@ -139,7 +136,6 @@ _RESERVED_CONF = (
 )
 _TOKEN_FILE = "server.token"
 _PROPERTIES_FILE = "server.properties"
-_PROPERTY_ESCAPES = {"\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t", "\f": "\\f"}
 _TOKEN_PARAM = re.compile(r"(;token=)[^;]*")
 _FIX = (
     "Stop that process, or give the local server another port (Celery setting "
@@ -236,39 +232,6 @@ def state_dir(port: int = DEFAULT_PORT) -> Path:
     return Path(base) / "kombu_pgmq" / f"spark-connect-{port}"
 
 
-def _private_dir(directory: Path) -> Path:
-    """Create ``directory`` (mode 0700), or check an existing one is the user's and make it
-    0700: it holds the server's token.
-
-    Raises:
-        ConfigurationError: it belongs to another user.
-    """
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = directory.stat()
-    if st.st_uid != os.getuid():
-        raise ConfigurationError(
-            f"the Spark Connect server directory {directory} belongs to uid {st.st_uid}, not "
-            f"to this user (uid {os.getuid()}): it holds the server's token; set ${ENV_DIR} "
-            "to a directory of your own"
-        )
-    if st.st_mode & 0o077:
-        os.chmod(directory, 0o700)
-    return directory
-
-
-def _write_private(path: Path, text: str) -> None:
-    """Replace ``path`` by a file of mode 0600 holding ``text`` (readers never see half)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # mode 0600
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as file:
-            file.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def _read_token(directory: Path) -> str | None:
     try:
         return (directory / _TOKEN_FILE).read_text().strip() or None
@@ -296,14 +259,13 @@ def _recorded_pid(directory: Path) -> int | None:
         return None
 
 
-def _foreign(port: int, directory: Path, pid: int | None, others: Iterable[tuple[int, int]]) -> str:
-    owners = []
-    for uid, inode in others:
-        holder = _sockets.holder(inode)
-        owners.append(f"uid {uid}, pid {holder if holder is not None else 'unknown'}")
+def _foreign(
+    port: int, directory: Path, pid: int | None, others: Iterable[_sockets.Listener]
+) -> str:
+    owners = "; ".join(f"{_sockets.owner(o.pid)} on {o.address}" for o in others)
     ours = f"pid {pid}" if pid is not None else "no server.pid"
     return (
-        f"port {port} on this host is listened on by another process ({'; '.join(owners)}), "
+        f"port {port} on this host is listened on by another process ({owners}), "
         f"not by the kombu_pgmq Spark Connect server ({ours} in {directory}): no Spark job "
         f"or token is sent to it. {_FIX}"
     )
@@ -312,8 +274,10 @@ def _foreign(port: int, directory: Path, pid: int | None, others: Iterable[tuple
 def _still(verified: _Verified, directory: Path) -> bool:
     """Whether the checked server still holds its listening sockets (one readlink each):
     while it does, no other process can listen on 127.0.0.1:<port>, nor on [::1]:<port>
-    (the server holds that address too, see :func:`_hold_ipv6_loopback`)."""
-    if _recorded_pid(directory) != verified.pid:
+    (the server holds that address too, see
+    :func:`~kombu_pgmq.spark._sockets.hold_ipv6_loopback`). False without ``/proc`` (no
+    sockets recorded): checked again."""
+    if not verified.sockets or _recorded_pid(directory) != verified.pid:
         return False
     for path, link in verified.sockets:
         try:
@@ -328,10 +292,12 @@ def _ours(port: int, directory: Path) -> str | None:
     """URL (token included) of our server on ``port``, or None if nothing listens there or
     it has no token (an older version's).
 
-    Linux: every socket listening on the port where a client of ``localhost`` may connect
-    must be the user's and held by the pid in ``server.pid``; then, in this process, only
-    that the pid file is the same and the pid still holds those sockets. Elsewhere:
-    whatever accepts connections is trusted.
+    Every socket listening on the port where a client of ``localhost`` may connect must be
+    held by the pid in ``server.pid`` (a process of this user); then, in this process (on
+    Linux), only that the pid file is the same and the pid still holds those sockets.
+    Where the system's sockets cannot be listed (macOS without root): the server's own
+    sockets must listen on the port, and whatever else may listen on other addresses is
+    not seen (a warning says so, once); the token protects the server.
 
     Raises:
         SparkServerError: another process listens on the port.
@@ -341,53 +307,44 @@ def _ours(port: int, directory: Path) -> str | None:
     if cached is not None and _still(cached, directory):
         _verified[key] = cached
         return _url(port, cached.token)
+    pid = _recorded_pid(directory)
     listeners = _sockets.listeners(port)
-    if listeners is None:  # no /proc/net: the token alone protects the server
-        token = _read_token(directory)
-        return _url(port, token) if token is not None and accepting(port) else None
+    if listeners is None:  # not allowed to list every process's sockets
+        _warn_partial_check()
+        held = _sockets.held_by(pid, port) if pid is not None else None
+        if held is None:  # not ours (or not inspectable): the token alone protects it
+            token = _read_token(directory)
+            return _url(port, token) if token is not None and accepting(port) else None
+        if not held:
+            if accepting(port):
+                raise SparkServerError(_foreign(port, directory, pid, []))
+            return None
+        listeners = held
     if not listeners:
         return None
-    pid = _recorded_pid(directory)
-    held = _sockets.sockets_of(pid) if pid is not None else {}
-    uid = os.getuid()
-    others = [(u, inode) for u, inode in listeners if u != uid or inode not in held]
+    others = [found for found in listeners if pid is None or found.pid != pid]
     if others:
         raise SparkServerError(_foreign(port, directory, pid, others))
     assert pid is not None  # it holds the listeners
     token = _read_token(directory)
     if token is None:  # started by an older version, without authentication
         return None
-    sockets = tuple((held[inode], f"socket:[{inode}]") for _, inode in listeners)
+    links = [_sockets.fd_link(pid, found.fd) for found in listeners]
+    sockets = tuple(link for link in links if link is not None)
+    if len(sockets) != len(links):
+        sockets = ()  # not all recorded: check everything again next time
     _verified[key] = _Verified(pid, sockets, token)
     return _url(port, token)
 
 
-def _hold_ipv6_loopback(port: int) -> socket.socket | None:
-    """A socket bound (not listening) to ``[::1]:port``, for the server to inherit and keep.
-
-    A client of ``localhost`` may try ``::1`` before 127.0.0.1 (``/etc/hosts``); while the
-    server holds this address no other process can listen there, so connections to it are
-    refused and go on to 127.0.0.1. None without IPv6 (then nobody can listen there).
-
-    Raises:
-        SparkServerError: another process holds ``[::1]:port``.
-    """
-    try:
-        sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
-    except OSError:
-        return None
-    try:
-        sock.bind(("::1", port))
-    except OSError as exc:
-        sock.close()
-        if exc.errno == errno.EADDRINUSE:
-            raise SparkServerError(
-                f"port {port} on this host is taken on [::1] by another process (clients "
-                f"of localhost may connect there): the local Spark server is not started. "
-                f"{_FIX}"
-            ) from exc
-        return None
-    return sock
+@functools.cache
+def _warn_partial_check() -> None:
+    _logger.warning(
+        "cannot list other processes' sockets (psutil.AccessDenied; macOS needs root): "
+        "the local Spark Connect server is checked to listen on its port, but another "
+        "process listening there on another address would not be seen; its token still "
+        "protects it"
+    )
 
 
 def _listening(port: int) -> bool:
@@ -395,63 +352,9 @@ def _listening(port: int) -> bool:
     return bool(listeners) if listeners is not None else accepting(port)
 
 
-def _read_pid(path: Path, marker: str = SERVER_CLASS) -> int | None:
-    """The pid in ``path`` if that process is alive and (Linux) has ``marker`` in its
-    command line (default: a Spark Connect server): a pid file may outlive its process,
-    and the pid be reused by another one."""
-    try:
-        pid = int(path.read_text().strip())
-        os.kill(pid, 0)
-    except (OSError, ValueError):
-        return None
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return pid  # not Linux
-    return pid if marker.encode() in cmdline else None
-
-
-@contextlib.contextmanager
-def _locked(directory: Path) -> Iterator[None]:
-    _private_dir(directory)
-    with open(directory / "server.lock", "a+") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def _spark_home() -> Path:
-    try:
-        import pyspark
-    except ImportError as exc:
-        raise ConfigurationError(
-            "pyspark is not installed: pip install 'kombu-pgmq-transport[spark]'"
-        ) from exc
-    return Path(pyspark.__file__).resolve().parent
-
-
-def _properties(conf: Mapping[str, Any]) -> str:
-    """Java properties file text (UTF-8, as Spark reads it) of ``conf``."""
-
-    def escape(text: str, key: bool) -> str:
-        out = []
-        for i, char in enumerate(text):
-            if char in _PROPERTY_ESCAPES:
-                out.append(_PROPERTY_ESCAPES[char])
-            elif (key and char in "=: #!") or (not key and i == 0 and char == " "):
-                out.append("\\" + char)
-            else:
-                out.append(char)
-        return "".join(out)
-
-    return "".join(f"{escape(str(k), True)}={escape(str(v), False)}\n" for k, v in conf.items())
-
-
 def _command(port: int, master: str, properties: Path) -> list[str]:
     """``spark-submit`` command line: nothing secret (``ps`` shows it to every user)."""
-    spark_home = _spark_home()
+    spark_home = _state.spark_home()
     return [
         "bash",
         str(spark_home / "bin" / "spark-submit"),
@@ -520,7 +423,7 @@ def ensure_running(conf: Mapping[str, Any] | None = None) -> str:
         return url
     extra = _extra_conf(conf)
     master = str(_setting(conf, "spark_local_master", ENV_MASTER) or "local[*]")
-    with _locked(directory):
+    with _state.locked(directory):
         url = _ours(port, directory)
         if url is not None and _python_ok(directory):
             return url  # another process started it while we waited
@@ -543,16 +446,18 @@ def ensure_running(conf: Mapping[str, Any] | None = None) -> str:
 
 
 def _start(directory: Path, port: int, master: str, extra: Mapping[str, Any]) -> str:
-    stale = _read_pid(directory / "server.pid")
+    stale = _state.read_pid(directory / "server.pid", SERVER_CLASS)
     if stale is not None:  # to restart (see the caller), or alive but not listening: hung
         _logger.warning("stopping the Spark Connect server of port %s (pid %s)", port, stale)
-        _terminate(stale)
+        _state.terminate(stale, children=_children.values())
     token = secrets.token_urlsafe(32)
-    _write_private(directory / _TOKEN_FILE, token)
+    _state.write_private(directory / _TOKEN_FILE, token)
     properties = directory / _PROPERTIES_FILE
-    _write_private(
+    _state.write_private(
         properties,
-        _properties({**DEFAULT_CONF, **extra, "spark.connect.grpc.binding.address": BIND_ADDRESS}),
+        _state.properties_text(
+            {**DEFAULT_CONF, **extra, "spark.connect.grpc.binding.address": BIND_ADDRESS}
+        ),
     )
     env = dict(os.environ)
     # The server's Python workers (Data Sources, UDFs) run our interpreter and venv.
@@ -564,7 +469,7 @@ def _start(directory: Path, port: int, master: str, extra: Mapping[str, Any]) ->
     log_path = directory / "server.log"
     t0 = time.monotonic()
     _logger.info("starting the local Spark Connect server on port %s (log: %s)", port, log_path)
-    ipv6 = _hold_ipv6_loopback(port)
+    ipv6 = _sockets.hold_ipv6_loopback(port, _FIX)
     try:
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
@@ -585,23 +490,23 @@ def _start(directory: Path, port: int, master: str, extra: Mapping[str, Any]) ->
         previous.poll()  # a server of ours that died: reap it
     _children[port] = proc  # reaped by stop(); never "deleted while running"
     # spark-submit execs the launcher's java command: this pid is the JVM's.
-    _write_private(directory / "server.pid", str(proc.pid))
-    _write_private(directory / "server.python", env["PYSPARK_PYTHON"])
+    _state.write_private(directory / "server.pid", str(proc.pid))
+    _state.write_private(directory / "server.python", env["PYSPARK_PYTHON"])
     deadline = t0 + START_TIMEOUT_SECONDS
     while not accepting(port, timeout=0.2):
         if proc.poll() is not None or time.monotonic() > deadline:
             if proc.poll() is None:
-                _terminate(proc.pid)
+                _state.terminate(proc.pid, children=_children.values())
             raise SparkServerError(
                 f"the local Spark Connect server did not start on port {port} "
-                f"(exit status {proc.poll()}); last lines of {log_path}:\n{_tail(log_path)}"
+                f"(exit status {proc.poll()}); last lines of {log_path}:\n{_state.tail(log_path)}"
             )
         time.sleep(0.1)
     try:
         url = _ours(port, directory)
     except SparkServerError:  # someone else took the port (or ::1 on it) meanwhile
         if proc.poll() is None:
-            _terminate(proc.pid)
+            _state.terminate(proc.pid, children=_children.values())
         raise
     if url is None:  # cannot happen: it accepts and the token was written first
         raise SparkServerError(f"the local Spark Connect server on port {port} has no token")
@@ -623,30 +528,6 @@ def _python_ok(directory: Path) -> bool:
     return not python or os.path.exists(python)
 
 
-def _tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-def _terminate(pid: int, timeout: float = 15.0) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        for child in _children.values():
-            if child.pid == pid:
-                child.poll()  # reap our own child, or it stays a zombie "alive"
-        time.sleep(0.1)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGKILL)
-
-
 def status(port: int = DEFAULT_PORT) -> dict[str, Any]:
     """Shapes: ``{"port": int, "accepting": bool, "pid": int | None, "log": Path,
     "problem": str | None}`` (``problem``: another process listens on the port)."""
@@ -659,7 +540,7 @@ def status(port: int = DEFAULT_PORT) -> dict[str, Any]:
     return {
         "port": port,
         "accepting": accepting(port),
-        "pid": _read_pid(directory / "server.pid"),
+        "pid": _state.read_pid(directory / "server.pid", SERVER_CLASS),
         "log": directory / "server.log",
         "problem": problem,
     }
@@ -668,7 +549,7 @@ def status(port: int = DEFAULT_PORT) -> dict[str, Any]:
 def running_master(port: int = DEFAULT_PORT) -> str | None:
     """``--master`` of the local server running on ``port`` (Linux: read from its command
     line), or None if none of ours runs there (or not Linux)."""
-    pid = _read_pid(state_dir(port) / "server.pid")
+    pid = _state.read_pid(state_dir(port) / "server.pid", SERVER_CLASS)
     if pid is None:
         return None
     try:
@@ -687,10 +568,10 @@ def stop(port: int = DEFAULT_PORT) -> bool:
     Running Spark jobs are cancelled with it.
     """
     directory = state_dir(port)
-    with _locked(directory):
-        pid = _read_pid(directory / "server.pid")
+    with _state.locked(directory):
+        pid = _state.read_pid(directory / "server.pid", SERVER_CLASS)
         if pid is not None:
-            _terminate(pid)
+            _state.terminate(pid, children=_children.values())
         for name in ("server.pid", _TOKEN_FILE):
             with contextlib.suppress(FileNotFoundError):
                 (directory / name).unlink()

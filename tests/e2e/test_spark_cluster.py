@@ -203,9 +203,9 @@ def test_revoke_cancels_the_job_on_the_cluster(
     assert len(_running_jobs(ui_port)) == 1  # the 2-minute job, on the cluster
     offset = _log_size(spark_cluster["log"])
     app.control.revoke(result.id, terminate=True)
-    elapsed = _wait_cancelled(spark_cluster["log"], offset, session_id(result.id), timeout=10)
+    # How fast: benchmarks/spark_cancel.py --remote.
+    elapsed = _wait_cancelled(spark_cluster["log"], offset, session_id(result.id), timeout=30)
     print(f"revoke -> cluster job cancelled: {elapsed:.3f} s")
-    assert elapsed < 2.0
     wait_for(lambda: not _running_jobs(ui_port), 30, "no running job on the cluster")
     wait_for(lambda: result.state == "REVOKED", 30, "state REVOKED")
     assert len(runs(db, result.id)) == 1

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -139,6 +138,13 @@ def test_opening_a_task_session_interrupts_what_an_earlier_delivery_left_running
     assert leftovers == []
     assert orphan.session_id == session_id(task_id)
     failed: list[BaseException] = []
+    running = threading.Event()
+
+    def on_progress(stages: Any, inflight_tasks: int, *args: Any, **kwargs: Any) -> None:
+        if inflight_tasks > 0:
+            running.set()  # the server runs the job's Spark tasks
+
+    orphan.registerProgressHandler(on_progress)
 
     def run() -> None:
         try:
@@ -150,7 +156,7 @@ def test_opening_a_task_session_interrupts_what_an_earlier_delivery_left_running
 
     job = threading.Thread(target=run, daemon=True)
     job.start()
-    time.sleep(3)  # the job is running on the server
+    assert running.wait(60), f"the job did not start within 60 s: {failed}"
     again, interrupted = open_session(spark_server["url"], task_id)
     assert len(interrupted) == 1
     job.join(10)

@@ -17,14 +17,15 @@ from typing import Any
 import pytest
 
 from kombu_pgmq.errors import ConfigurationError, SparkServerError
-from kombu_pgmq.spark import _sockets, server
+from kombu_pgmq.spark import _sockets, _state, server
 from kombu_pgmq.spark import task as spark_task
 from kombu_pgmq.spark.task import SparkRequest
 
 SECRET = "hunter2-not-for-ps"
 
 linux_only = pytest.mark.skipif(
-    not os.path.exists("/proc/net/tcp"), reason="the ownership check reads /proc/net/tcp*"
+    not sys.platform.startswith("linux"),
+    reason="psutil lists other processes' sockets without privileges on Linux only",
 )
 
 
@@ -125,13 +126,40 @@ def test_a_port_held_by_another_process_is_refused(
     os.kill(elsewhere, 0)  # the process the pid file names was left alone
 
 
+def test_without_permission_to_list_sockets_the_servers_own_are_checked(
+    local: tuple[int, Path], elsewhere: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """psutil.AccessDenied (macOS without root): the process in server.pid must hold the
+    listening socket itself; a listener that is not it is refused, with no token sent."""
+    import psutil
+
+    def denied(*args: Any, **kwargs: Any) -> None:
+        raise psutil.AccessDenied()
+
+    monkeypatch.setattr(psutil, "net_connections", denied)
+    port, directory = local
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", port))
+    listener.listen()
+    directory.mkdir(mode=0o700)
+    (directory / "server.pid").write_text(str(elsewhere))  # alive, ours, not listening
+    (directory / "server.token").write_text("stale-token")
+    try:
+        with pytest.raises(SparkServerError, match=f"port {port} .*pid {elsewhere}"):
+            server.running_url()
+        (directory / "server.pid").write_text(str(os.getpid()))  # the listener's process
+        assert server.running_url() == f"sc://localhost:{port}/;token=stale-token"
+    finally:
+        listener.close()
+
+
 def test_server_files_are_private_and_no_secret_goes_on_its_command_line(
     local: tuple[int, Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     port, directory = local
     directory.mkdir(mode=0o755)
     os.chmod(directory, 0o755)  # as an older version (or the umask) left it
-    monkeypatch.setattr(server, "_spark_home", lambda: tmp_path / "pyspark")
+    monkeypatch.setattr(_state, "spark_home", lambda: tmp_path / "pyspark")
     conf = {"spark_local_conf": {"spark.kombu_pgmq.test.password": SECRET, "spark.a b": " x\n"}}
     with pytest.raises(SparkServerError, match=f"did not start on port {port}"):
         server.ensure_running(conf)
@@ -174,6 +202,17 @@ def test_a_state_directory_of_another_user_is_refused(local: tuple[int, Path]) -
         server.ensure_running()
 
 
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to give the directory away")
+def test_a_cluster_directory_of_another_user_names_the_cluster_variable(tmp_path: Path) -> None:
+    from kombu_pgmq.spark import cluster
+
+    directory = tmp_path / "cluster"
+    directory.mkdir(mode=0o700)
+    os.chown(directory, 65534, 65534)  # nobody
+    with pytest.raises(ConfigurationError, match=rf"uid 65534.*\${cluster.ENV_DIR} "):
+        _state.private_dir(directory, cluster.ENV_DIR)
+
+
 def test_redact_url() -> None:
     assert server.redact_url("sc://localhost:15002/;token=abc") == "sc://localhost:15002/;token=***"
     assert (
@@ -183,25 +222,22 @@ def test_redact_url() -> None:
     assert server.redact_url("sc://h:1") == "sc://h:1"
 
 
-@pytest.mark.skipif(sys.byteorder != "little", reason="the samples are little-endian rows")
 @pytest.mark.parametrize(
-    ("hex_address", "reaches"),
+    ("address", "reaches"),
     [
-        ("0100007F", True),  # 127.0.0.1
-        ("0101007F", True),  # 127.0.1.1
-        ("00000000", True),  # 0.0.0.0
-        ("0100000A", False),  # 10.0.0.1
-        ("00000000000000000000000001000000", True),  # ::1
-        ("00000000000000000000000000000000", True),  # ::
-        ("0000000000000000FFFF00000100007F", True),  # ::ffff:127.0.0.1 (a JVM's bind)
-        ("0000000000000000FFFF00000100000A", False),  # ::ffff:10.0.0.1
-        ("000080FE00000000000000000100000A", False),  # fe80::...
+        ("127.0.0.1", True),
+        ("127.0.1.1", True),
+        ("0.0.0.0", True),
+        ("10.0.0.1", False),
+        ("::1", True),
+        ("::", True),
+        ("::ffff:127.0.0.1", True),  # a JVM's bind
+        ("::ffff:10.0.0.1", False),
+        ("fe80::1%eth0", False),
     ],
 )
-def test_listening_addresses_that_clients_of_localhost_reach(
-    hex_address: str, reaches: bool
-) -> None:
-    assert _sockets.reaches_localhost(hex_address) is reaches
+def test_listening_addresses_that_clients_of_localhost_reach(address: str, reaches: bool) -> None:
+    assert _sockets.reaches_localhost(address) is reaches
 
 
 @pytest.mark.parametrize("remote", [None, "sc://spark.example.com:15002/;token=cluster-" + SECRET])
