@@ -95,14 +95,16 @@ def open_session(url: str, task_id: str, retries: int = 0) -> tuple[SparkSession
             if not _is_closed(exc):
                 raise
             last = exc
-            _close_quietly(spark)
+            close_quietly(spark)
     raise SparkError(
         f"Spark Connect refused {MAX_ATTEMPTS} session ids of task {task_id} as closed: "
         f"{last}; retry the task (its retry count is part of the id)"
     ) from last
 
 
-def _close_quietly(spark: SparkSession) -> None:
+def close_quietly(spark: SparkSession) -> None:
+    """Stop ``spark``'s session, ignoring a session already released or a server gone
+    (logged at debug level)."""
     try:
         spark.stop()
     except Exception:  # released already, or the server is gone: nothing to free
@@ -131,7 +133,7 @@ def interrupt_task(url: str, task_id: str, retries: int = 0) -> list[str]:
                 continue
             raise
         finally:
-            _close_quietly(spark)
+            close_quietly(spark)
         break
     _logger.info(
         "interrupted %d Spark operation(s) of task %s in %.3f s",

@@ -87,7 +87,7 @@ class _Run:
             if self._spark is None and not self._cancelled:
                 spark = self._open()
                 if self._cancelled:  # cancelled while it opened (e.g. a server start)
-                    sessions._close_quietly(spark)
+                    sessions.close_quietly(spark)
                 else:
                     self._spark = spark
         if self._cancelled or self._spark is None:
@@ -166,7 +166,7 @@ class _Run:
         finally:
             self._lock.release()
         if spark is not None:
-            sessions._close_quietly(spark)
+            sessions.close_quietly(spark)
 
 
 class SparkTask(Task):
