@@ -47,7 +47,7 @@ def test_pause_stops_delivery_and_resume_delivers(start_worker, app, db, db_dsn,
     active = celery_cli(e2e_env, "inspect", "active_queues", "-d", worker.node, "-j")
     assert active.returncode == 0, active.stderr
     assert "celery" in {q["name"] for q in json.loads(active.stdout)[worker.node]}
-    assert worker.alive
+    assert worker.alive()
 
     resumed = kombu_pgmq(db_dsn, "queue", "resume", "celery")
     assert resumed.returncode == 0, resumed.stderr

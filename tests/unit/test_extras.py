@@ -20,13 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import tomllib
 from packaging.requirements import Requirement
 
 if sys.version_info >= (3, 11):
     import tomllib
-else:  # pragma: no cover - Python 3.10
-    tomllib = pytest.importorskip("tomli")
+else:  # pragma: no cover - Python 3.10: tomli (a dev dependency there) is the same parser
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "kombu_pgmq"
