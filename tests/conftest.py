@@ -112,17 +112,23 @@ class LeastPrivilegeDb:
     worker: str
 
 
-@pytest.fixture(params=["sql_only", "extension"])
-def least_privilege_db(request: pytest.FixtureRequest) -> Iterator[LeastPrivilegeDb]:
-    """See :class:`LeastPrivilegeDb` (roles and database dropped afterwards). Twice: PGMQ
-    installed by the owner as SQL-only, and as the ``pgmq`` extension created by a
-    superuser (who then grants the owner ``CREATE`` on schema ``pgmq`` and DML on
-    ``pgmq.meta``, so the owner's functions can create queues, with the grant option, so
-    the owner can pass ``USAGE`` and ``SELECT`` on to the roles)."""
+@dataclass(frozen=True)
+class _LeastPrivilegeTemplate:
+    server: str
+    template: str
+    owner: str
+    producer: str
+    worker: str
+    passwords: dict[str, str]
+
+
+def _least_privilege_template(server: str, extension: bool) -> Iterator[_LeastPrivilegeTemplate]:
+    """Roles and a template database set up as :func:`least_privilege_db` documents, once
+    per session: each test gets a clone (``CREATE DATABASE ... TEMPLATE``). The roles are
+    cluster-wide and shared; everything the tests change (grants, queues, rows) lives in
+    the cloned database."""
     from kombu_pgmq import schema
 
-    extension = request.param == "extension"
-    server = request.getfixturevalue("extension_server" if extension else "pg_server")
     roles: list[str] = []
     name = None
     try:
@@ -132,13 +138,9 @@ def least_privilege_db(request: pytest.FixtureRequest) -> Iterator[LeastPrivileg
         roles.append(producer)
         worker, worker_pw = pgserver.create_role(server, "worker")
         roles.append(worker)
-        name = pgserver.create_database(
-            server, request.node.name, template="template0", owner=owner
-        )
-        urls = {
-            role: pgserver.database_url(server, name, user=role, password=password)
-            for role, password in ((owner, owner_pw), (producer, producer_pw), (worker, worker_pw))
-        }
+        name = pgserver.create_database(server, "lp_template", template="template0", owner=owner)
+        passwords = {owner: owner_pw, producer: producer_pw, worker: worker_pw}
+        owner_url = pgserver.database_url(server, name, user=owner, password=owner_pw)
         if extension:
             with psycopg.connect(pgserver.database_url(server, name), autocommit=True) as conn:
                 conn.execute("CREATE EXTENSION pgmq")
@@ -149,16 +151,61 @@ def least_privilege_db(request: pytest.FixtureRequest) -> Iterator[LeastPrivileg
                         " WITH GRANT OPTION"
                     ).format(sql.Identifier(owner))
                 )
-        info = schema.bootstrap(urls[owner])  # as the owner: no superuser
+        info = schema.bootstrap(owner_url)  # as the owner: no superuser
         assert info.method == ("extension" if extension else "install_sql")
-        schema.grant(urls[owner], producer, "producer")
-        schema.grant(urls[owner], worker, "worker")
-        yield LeastPrivilegeDb(urls[owner], urls[producer], urls[worker], owner, producer, worker)
+        schema.grant(owner_url, producer, "producer")
+        schema.grant(owner_url, worker, "worker")
+        pgserver.make_template(server, name)
+        yield _LeastPrivilegeTemplate(server, name, owner, producer, worker, passwords)
     finally:
         if name is not None:
             pgserver.drop_database(server, name)
         for role in roles:
             pgserver.drop_role(server, role)
+
+
+@pytest.fixture(scope="session")
+def _least_privilege_template_sql_only(pg_server: str) -> Iterator[_LeastPrivilegeTemplate]:
+    yield from _least_privilege_template(pg_server, extension=False)
+
+
+@pytest.fixture(scope="session")
+def _least_privilege_template_extension(
+    extension_server: str,
+) -> Iterator[_LeastPrivilegeTemplate]:
+    yield from _least_privilege_template(extension_server, extension=True)
+
+
+@pytest.fixture(params=["sql_only", "extension"])
+def least_privilege_db(request: pytest.FixtureRequest) -> Iterator[LeastPrivilegeDb]:
+    """See :class:`LeastPrivilegeDb` (the database is dropped afterwards). Twice: PGMQ
+    installed by the owner as SQL-only, and as the ``pgmq`` extension created by a
+    superuser (who then grants the owner ``CREATE`` on schema ``pgmq`` and DML on
+    ``pgmq.meta``, so the owner's functions can create queues, with the grant option, so
+    the owner can pass ``USAGE`` and ``SELECT`` on to the roles). Each test's database is
+    a clone of a template set up so once per session (roles shared: they are not
+    changed by the tests)."""
+    lp: _LeastPrivilegeTemplate = request.getfixturevalue(
+        f"_least_privilege_template_{request.param}"
+    )
+    name = pgserver.create_database(
+        lp.server, request.node.name, template=lp.template, owner=lp.owner
+    )
+    try:
+        urls = {
+            role: pgserver.database_url(lp.server, name, user=role, password=password)
+            for role, password in lp.passwords.items()
+        }
+        yield LeastPrivilegeDb(
+            urls[lp.owner],
+            urls[lp.producer],
+            urls[lp.worker],
+            lp.owner,
+            lp.producer,
+            lp.worker,
+        )
+    finally:
+        pgserver.drop_database(lp.server, name)
 
 
 @pytest.fixture
