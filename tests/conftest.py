@@ -208,24 +208,40 @@ def least_privilege_db(request: pytest.FixtureRequest) -> Iterator[LeastPrivileg
         pgserver.drop_database(lp.server, name)
 
 
-@pytest.fixture
-def primary_and_standby() -> Iterator[tuple[pgserver.LocalServer, pgserver.LocalServer]]:
-    """A primary and a synchronous streaming standby made for the test (``initdb``,
-    ``pg_basebackup``, ``pg_ctl``; unix sockets in temp dirs), with database ``broker``
-    bootstrapped: a commit returns once the standby has it. URLs:
-    :func:`tests.support.pgserver.socket_url`."""
+@pytest.fixture(scope="session")
+def _primary_source() -> Iterator[pgserver.LocalServer]:
+    """A primary's data directory, set up once per session (``initdb`` with the
+    replication settings, database ``broker`` bootstrapped), shut down: each
+    :func:`primary_and_standby` starts a copy of it."""
     from kombu_pgmq import schema
 
     settings = {**pgserver.TEST_SETTINGS, **pgserver.REPLICATION_SETTINGS}
     try:
-        primary = pgserver.start_server(settings={**settings, "synchronous_commit": "on"})
+        source = pgserver.start_server(settings={**settings, "synchronous_commit": "on"})
     except pgserver.EmbeddedPostgresMissing as exc:
         pytest.skip(str(exc))
+    try:
+        with psycopg.connect(source.dsn, autocommit=True) as conn:
+            conn.execute("CREATE DATABASE broker")
+        schema.bootstrap(pgserver.socket_url(source))
+        pgserver.close_admin_connections(source.dsn)
+        source.shut_down()
+        yield source
+    finally:
+        source.stop()
+
+
+@pytest.fixture
+def primary_and_standby(
+    _primary_source: pgserver.LocalServer,
+) -> Iterator[tuple[pgserver.LocalServer, pgserver.LocalServer]]:
+    """A primary and a synchronous streaming standby made for the test (a copy of the
+    session's bootstrapped primary, ``pg_basebackup``, ``pg_ctl``; unix sockets in temp
+    dirs), with database ``broker`` bootstrapped: a commit returns once the standby has
+    it. URLs: :func:`tests.support.pgserver.socket_url`."""
+    primary = pgserver.copy_server(_primary_source)
     standby = None
     try:
-        with psycopg.connect(primary.dsn, autocommit=True) as conn:
-            conn.execute("CREATE DATABASE broker")
-        schema.bootstrap(pgserver.socket_url(primary))
         standby = pgserver.start_standby(primary)
         pgserver.make_synchronous(primary)
         yield primary, standby

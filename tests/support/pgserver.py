@@ -59,6 +59,7 @@ __all__ = [
     "EmbeddedPostgresMissing",
     "LocalServer",
     "close_admin_connections",
+    "copy_server",
     "create_database",
     "create_role",
     "database_url",
@@ -250,6 +251,11 @@ class LocalServer:
         """Start the server again on its data directory (after :meth:`crash`)."""
         self._pg_ctl("-l", str(self.log_file), "start")
 
+    def shut_down(self) -> None:
+        """Stop the server cleanly (``pg_ctl stop -m fast``), keeping its data directory:
+        a source for :func:`copy_server`. :meth:`stop` deletes it."""
+        self._pg_ctl("-m", "fast", "stop")
+
     def stop(self) -> None:
         """Stop the server (immediate shutdown: nothing is kept) and delete ``root``."""
         if self._stopped:
@@ -364,6 +370,26 @@ def start_extension_server(settings: Mapping[str, str] = TEST_SETTINGS) -> Local
     pgmq 1.1.4). Call :meth:`LocalServer.stop` when done (also done at exit).
     """
     return start_server(settings=settings, pgmq_extension=True)
+
+
+def copy_server(source: LocalServer) -> LocalServer:
+    """Start a new :class:`LocalServer` on a copy of the data directory of ``source``
+    (shut down with :meth:`LocalServer.shut_down`): the same databases and settings
+    without ``initdb`` or any bootstrap again; its own socket directory."""
+    root = Path(tempfile.mkdtemp(prefix="kpt_pg_"))
+    server = LocalServer(root, source.bin_dir, source.user)
+    root.chmod(0o755)
+    server.socket_dir.mkdir()
+    for path in (root, server.socket_dir):
+        _chown(path, source.user)
+    _run(["cp", "-a", str(source.data_dir), str(server.data_dir)], user=source.user, cwd=root)
+    with (server.data_dir / "postgresql.auto.conf").open("a") as out:
+        out.write(f"unix_socket_directories = '{server.socket_dir}'\n")
+    owner = {"pid": os.getpid(), "bin": str(source.bin_dir)}
+    (root / _OWNER_FILE).write_text(json.dumps(owner))
+    atexit.register(server.stop)
+    server._pg_ctl("-l", str(server.log_file), "start")
+    return server
 
 
 def start_standby(primary: LocalServer) -> LocalServer:
