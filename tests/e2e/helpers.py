@@ -137,7 +137,7 @@ class Worker:
 
     def kill(self) -> None:
         """SIGKILL the whole process group (parent and pool processes) and reap the parent."""
-        with contextlib.suppress(ProcessLookupError):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signal.SIGKILL)
         assert self.proc is not None
         self.proc.wait(timeout=10)
