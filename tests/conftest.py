@@ -275,6 +275,36 @@ def extension_db_dsn(extension_server: str, request: pytest.FixtureRequest) -> I
 
 
 @pytest.fixture(scope="session")
+def extension_template_db(extension_server: str) -> Iterator[str]:
+    """Name of a template database on ``extension_server`` bootstrapped once with PGMQ
+    as the ``pgmq`` extension (and the kombu_pgmq migrations)."""
+    from kombu_pgmq import schema
+
+    name = pgserver.create_database(extension_server, "ext_template", template="template0")
+    try:
+        info = schema.bootstrap(pgserver.database_url(extension_server, name))
+        assert info.method != "install_sql", info
+        pgserver.make_template(extension_server, name)
+        yield name
+    finally:
+        pgserver.drop_database(extension_server, name)
+
+
+@pytest.fixture
+def extension_bootstrapped_db_dsn(
+    extension_server: str, extension_template_db: str, request: pytest.FixtureRequest
+) -> Iterator[str]:
+    """``postgresql://`` URL of a fresh database on ``extension_server`` with PGMQ
+    installed as the extension and kombu_pgmq bootstrapped (a clone of
+    ``extension_template_db``), dropped after."""
+    name = pgserver.create_database(
+        extension_server, request.node.name, template=extension_template_db
+    )
+    yield pgserver.database_url(extension_server, name)
+    pgserver.drop_database(extension_server, name)
+
+
+@pytest.fixture(scope="session")
 def spark_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """A local Spark Connect server of the test session (``local[2,2]``, a free port, its
     files in a temporary directory), started through :mod:`kombu_pgmq.spark.server` like
