@@ -17,17 +17,23 @@ or, with your own Flower config file (``flowerconfig.py`` in the working directo
     import kombu_pgmq.flower  # noqa: F401  (Flower's Broker page for postgresql://)
 
 The Broker page's columns, per queue the workers consume (as Flower lists them):
-``Messages`` every message (ready + in flight + delayed), ``Unacked`` in flight
-(delivered, held by a consumer's visibility timeout), ``Ready`` visible now,
-``Consumers`` live kombu_pgmq consumers. ``/api/queues/length`` returns the same keys
-(``messages``, ``messages_unacknowledged``, ``messages_ready``, ``consumers``) plus
-``delayed``. Needs ``pip install 'kombu-pgmq-transport[flower]'``.
+``Messages`` every message, ``Unacked`` in flight (delivered, held by a consumer's
+visibility timeout), ``Ready`` visible now, ``Delayed`` not visible yet and never
+delivered (Celery countdown/ETA, ``x-delay``), so Messages = Unacked + Ready + Delayed;
+``Consumers`` live kombu_pgmq consumers. The Delayed column is added to Flower's own
+``broker.html`` for kombu_pgmq brokers only (if a Flower release changes that page so
+the column cannot be placed, the page is Flower's, without it). ``/api/queues/length``
+returns the same keys (``messages``, ``messages_unacknowledged``, ``messages_ready``,
+``delayed``, ``consumers``). Needs ``pip install 'kombu-pgmq-transport[flower]'``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import re
 import threading
+from pathlib import Path
 from typing import Any
 
 from flower.utils.broker import BrokerBase
@@ -110,6 +116,46 @@ def _configured_url(capp: Any, fallback: str) -> str:
     return str(url) if url else fallback
 
 
+#: Name of the Broker page's template with the Delayed column (never a file; no "/": the
+#: name resolves "base.html" in the same directory).
+BROKER_TEMPLATE = "kombu_pgmq_broker.html"
+_READY_HEADER = "<th>Ready</th>"
+_READY_CELL = "<td>{% raw format_value(queue.get('messages_ready')) %}</td>"
+_templates: dict[str, Any] = {}
+
+
+@functools.cache
+def broker_template_source() -> str | None:
+    """Flower's ``broker.html`` with a ``Delayed`` column after ``Ready`` (the row's
+    ``delayed``) and the empty table's ``colspan`` one wider; None when this Flower's
+    page lacks the one Ready header and cell the column goes after."""
+    import flower
+
+    source = (Path(flower.__file__).parent / "templates" / "broker.html").read_text()
+    if source.count(_READY_HEADER) != 1 or source.count(_READY_CELL) != 1:
+        return None
+    source = source.replace(_READY_HEADER, _READY_HEADER + "\n          <th>Delayed</th>")
+    delayed = "<td>{% raw format_value(queue.get('delayed')) %}</td>"
+    source = source.replace(_READY_CELL, _READY_CELL + "\n          " + delayed)
+    columns = len(re.findall(r"<th[ >]", source))
+    return source.replace(f'colspan="{columns - 1}"', f'colspan="{columns}"')
+
+
+def _broker_template(handler: Any) -> Any:
+    """:data:`BROKER_TEMPLATE` compiled once per template directory, with a loader of
+    Flower's templates (``base.html``, ``navbar.html``)."""
+    from tornado.template import Template
+
+    path = handler.get_template_path()
+    with _lock:
+        if path not in _templates:
+            loader = handler.create_template_loader(path)
+            _templates[path] = Template(
+                broker_template_source() or "", name=BROKER_TEMPLATE, loader=loader
+            )
+        return _templates[path]
+
+
 def enable() -> None:
     """Make Flower's ``get_broker`` answer ``postgresql://`` and ``postgres://`` broker
     URLs with :class:`PgmqBroker`; other brokers keep Flower's own classes. Idempotent;
@@ -119,17 +165,32 @@ def enable() -> None:
         if _enabled:
             return
         from flower.views import BaseHandler
+        from flower.views.broker import BrokerView
 
         original = BaseHandler.get_broker
+        original_render_string = BrokerView.render_string
 
         def get_broker(self: Any) -> Any:
             app = self.application
             url = _configured_url(self.capp, app.broker_uri_with_password)
             if url.split("://", 1)[0].split("+", 1)[0] in SCHEMES:
+                self._kombu_pgmq_broker = True  # the Broker page gets the Delayed column
                 return PgmqBroker(url, broker_options=self.capp.conf.broker_transport_options)
             return original(self)
 
+        def render_string(self: Any, template_name: str, **kwargs: Any) -> bytes:
+            if (
+                template_name == "broker.html"
+                and getattr(self, "_kombu_pgmq_broker", False)
+                and broker_template_source() is not None
+            ):
+                namespace = self.get_template_namespace()
+                namespace.update(kwargs)
+                return bytes(_broker_template(self).generate(**namespace))
+            return bytes(original_render_string(self, template_name, **kwargs))
+
         BaseHandler.get_broker = get_broker
+        BrokerView.render_string = render_string
         _enabled = True
 
 

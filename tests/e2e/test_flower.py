@@ -1,7 +1,8 @@
 """Flower on a kombu_pgmq broker, in a real browser (issue 16): Flower started with
 ``python -m kombu_pgmq.flower -A app flower``, a worker consuming ``celery``, headless
 Chromium (Debian's ``chromium`` and ``chromium-driver``, driven by Selenium) opens the
-Broker page and finds the queue with its message count; ``/api/queues/length`` answers
+Broker page and finds the queue with its message counts (Messages = Unacked + Ready +
+Delayed, each in its column); ``/api/queues/length`` answers
 the same. Without the module, Flower answers "'postgresql' broker is not supported".
 
 The screenshot goes to ``$KOMBU_PGMQ_SCREENSHOTS/flower_broker.png`` when that variable
@@ -23,8 +24,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 
+from kombu_pgmq._naming import pgmq_queue_name
 from tests.e2e.helpers import REPO_ROOT, wait_for
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -129,6 +132,8 @@ def _queue_rows(driver: Any) -> dict[str, list[str]]:
 
 
 def test_flower_broker_page_shows_our_queues(start_worker, app, db_dsn, e2e_env, tmp_path, browser):
+    from selenium.webdriver.common.by import By
+
     start_worker(KPT_POLLING_INTERVAL="0.5")
     done = subprocess.run(
         [sys.executable, "-m", "kombu_pgmq", "queue", "pause", "celery", "--url", db_dsn],
@@ -138,8 +143,14 @@ def test_flower_broker_page_shows_our_queues(start_worker, app, db_dsn, e2e_env,
         timeout=60,
     )
     assert done.returncode == 0, done.stderr
-    for i in range(3):  # held in the paused queue: the page has something to count
+    for i in range(4):  # held in the paused queue (one read below): something to count
         app.tasks["e2e.record"].delay(f"waiting {i}")
+    app.tasks["e2e.record"].apply_async(("later",), countdown=600)  # delayed
+    with psycopg.connect(db_dsn, autocommit=True) as conn:  # one in flight (read, not acked)
+        read = conn.execute(
+            "SELECT msg_id FROM pgmq.read(%s, 600, 1)", (pgmq_queue_name("celery"),)
+        ).fetchall()
+        assert len(read) == 1
 
     unpatched = Flower(e2e_env, tmp_path / "flower_unpatched.log", patched=False)
     try:
@@ -160,19 +171,23 @@ def test_flower_broker_page_shows_our_queues(start_worker, app, db_dsn, e2e_env,
         celery = wait_for(lengths, 60, "Flower to list the worker's queues", interval=0.5)["celery"]
         assert (
             celery["messages"],
-            celery["messages_ready"],
             celery["messages_unacknowledged"],
-        ) == (3, 3, 0)
+            celery["messages_ready"],
+            celery["delayed"],
+        ) == (5, 1, 3, 1)
 
         def page() -> dict[str, list[str]]:
             browser.get(flower.url + "/broker")
             rows = _queue_rows(browser)
-            return rows if rows.get("celery", [None, None])[1] == "3" else {}
+            return rows if rows.get("celery", [None, None])[1] == "5" else {}
 
         rows = wait_for(
-            page, 60, "the Broker page to show queue celery with 3 messages", interval=1.0
+            page, 60, "the Broker page to show queue celery with 5 messages", interval=1.0
         )
-        assert rows["celery"][:4] == ["celery", "3", "0", "3"], rows  # messages, unacked, ready
+        headers = [th.text.strip().title() for th in browser.find_elements(By.CSS_SELECTOR, "th")]
+        assert headers[:5] == ["Queue", "Messages", "Unacked", "Ready", "Delayed"], headers
+        # Messages = Unacked + Ready + Delayed
+        assert rows["celery"][:5] == ["celery", "5", "1", "3", "1"], rows
         shots = Path(os.environ.get("KOMBU_PGMQ_SCREENSHOTS") or tmp_path)
         shots.mkdir(parents=True, exist_ok=True)
         assert browser.save_screenshot(str(shots / "flower_broker.png"))

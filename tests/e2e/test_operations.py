@@ -47,7 +47,7 @@ def test_pause_stops_delivery_and_resume_delivers(start_worker, app, db, db_dsn,
     active = celery_cli(e2e_env, "inspect", "active_queues", "-d", worker.node, "-j")
     assert active.returncode == 0, active.stderr
     assert "celery" in {q["name"] for q in json.loads(active.stdout)[worker.node]}
-    assert worker.alive
+    assert worker.alive()
 
     resumed = kombu_pgmq(db_dsn, "queue", "resume", "celery")
     assert resumed.returncode == 0, resumed.stderr
@@ -67,6 +67,7 @@ def test_cancel_is_durable_and_revokes_a_delivered_task(start_worker, app, db, d
     start_worker(KPT_ETA_LEAD_SECONDS="3", KPT_POLLING_INTERVAL="0.5")
     # Delivered 3 s before its ETA, then held by the worker: revoked through Celery.
     delivered = record.apply_async(("revoked while held",), countdown=6)
+    past_both_etas = time.monotonic() + 6 + 2  # the later ETA, and 2 s to run it
     wait_for(
         lambda: [f["state"] for f in find(db_dsn, delivered.id)] == ["in_flight"],
         20,
@@ -77,7 +78,7 @@ def test_cancel_is_durable_and_revokes_a_delivered_task(start_worker, app, db, d
     assert revoked.returncode == 0, revoked.stderr
     assert "revoked (Celery's remote control)" in revoked.stdout
 
-    time.sleep(8)  # past both ETAs
+    time.sleep(max(0.0, past_both_etas - time.monotonic()))  # neither may run by then
     assert record.delay("sentinel").get(timeout=60) == "sentinel"
     assert runs(db, queued.id) == [] and runs(db, delivered.id) == []
     assert delivered.state == "REVOKED"

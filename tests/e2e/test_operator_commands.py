@@ -7,7 +7,7 @@ all of it is routed through ``kombu_pgmq.exchanges``/``bindings`` across process
 CLI is run as a subprocess where an operator would type it; ``app.control`` where the
 test needs precise replies. Each test gets its own database.
 
-The latency test writes its numbers to :data:`LATENCY_REPORT` and prints them (``-s``).
+The ping round trip's latency is measured by ``benchmarks/control_ping.py``, not here.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import json
 import os
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -41,8 +40,6 @@ from tests.e2e.helpers import (
 RESULT_TIMEOUT_S = 30.0
 #: Reply timeout of CLI commands addressed to one node (``-d``): they return on its reply.
 CLI_REPLY_TIMEOUT_S = "20"
-#: Where the ping latency test writes its median/p90 (also printed).
-LATENCY_REPORT = Path("/tmp/kombu_pgmq_e2e_ping_latency.json")
 E2E_TASKS = [
     "e2e.add",
     "e2e.crash",
@@ -319,31 +316,16 @@ def test_events_dump_shows_task_events_and_worker_heartbeats(
     assert not [q for q in pgmq_queues(db) if q.startswith("celeryev")]
 
 
-# -- latency --------------------------------------------------------------------------
+# -- remote-control round trips ------------------------------------------------------
 
 
 def test_remote_control_ping_round_trip(app: Celery, start_worker: Callable[..., Worker]) -> None:
+    """Every ping is answered, by the one worker; how fast is ``benchmarks/control_ping.py``
+    (timings are not asserted here: a loaded CI machine says nothing about them)."""
     worker = start_worker()
     expected = [{worker.node: {"ok": "pong"}}]
-    assert app.control.ping(timeout=2, limit=1) == expected  # warm-up
-    samples: list[float] = []
     for _ in range(20):
-        start = time.perf_counter()
-        replies = app.control.ping(timeout=2, limit=1)
-        samples.append(time.perf_counter() - start)
-        assert replies == expected
-    median = statistics.median(samples)
-    p90 = statistics.quantiles(samples, n=10)[-1]
-    report = {
-        "pings": len(samples),
-        "median_s": round(median, 4),
-        "p90_s": round(p90, 4),
-        "max_s": round(max(samples), 4),
-        "samples_s": [round(s, 4) for s in samples],
-    }
-    LATENCY_REPORT.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nremote-control ping round trip: median {median:.3f} s, p90 {p90:.3f} s")
-    assert median < 1.0, report
+        assert app.control.ping(timeout=2, limit=1) == expected
 
 
 # -- queue lifetime of dead workers ---------------------------------------------------

@@ -11,6 +11,7 @@ from kombu import Connection, Consumer, Producer, Queue
 
 import kombu_pgmq  # noqa: F401  (registers postgresql://)
 from kombu_pgmq._naming import pgmq_queue_name
+from tests.support.waiting import wait_for as wait_for  # re-exported
 
 
 def connect(url: str, **options: Any) -> Connection:

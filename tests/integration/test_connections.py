@@ -26,7 +26,7 @@ from kombu.asynchronous import Hub
 from kombu_pgmq._db.connector import Connector
 from kombu_pgmq._db.queries import queries
 
-from .helpers import connect, drain, publish, sql, table
+from .helpers import connect, drain, publish, sql, table, wait_for
 
 VT = 2  # seconds: the visibility timeout of the lease tests
 
@@ -279,14 +279,15 @@ def test_heartbeat_thread_survives_an_unexpected_error(db_dsn, caplog):
             return real()
 
         maintainer._consumed_tables = flaky
+
+        def heartbeat() -> Any:
+            return sql(db_dsn, "SELECT max(heartbeat_at) FROM kombu_pgmq.consumers")[0][0]
+
         with Consumer(conn.channel(), [Queue("beating")], on_message=lambda m: None):
-            time.sleep(0.8)
-            first = sql(db_dsn, "SELECT max(heartbeat_at) FROM kombu_pgmq.consumers")[0][0]
-            time.sleep(0.5)
-            later = sql(db_dsn, "SELECT max(heartbeat_at) FROM kombu_pgmq.consumers")[0][0]
+            wait_for(lambda: calls["n"] > 3, 30, "rounds after the failed one")
+            first = wait_for(heartbeat, 30, "a heartbeat")
+            wait_for(lambda: heartbeat() > first, 30, "a later heartbeat")
             assert maintainer.running
-        assert calls["n"] > 3
-        assert later > first
         assert "Set changed size" in caplog.text
 
 

