@@ -15,14 +15,12 @@ from .. import _encoding as encoding
 from .. import errors
 from .._naming import pgmq_queue_name
 from .._stats import STATS
+from ._channel_part import ChannelPart
 from ._delays import delay_seconds
 from ._routing import EXCHANGE_TYPES
 
 if TYPE_CHECKING:
-    from .._db.broker import Broker
     from .channel import Channel
-    from .options import TransportOptions
-    from .transport import Transport
 
 logger = logging.getLogger(__name__)
 
@@ -66,26 +64,14 @@ def _log_duplicates(queues: list[str]) -> None:
     )
 
 
-class Publisher:
+class Publisher(ChannelPart):
     """Exchanges, bindings and publish of one channel (see the module docstring)."""
 
     def __init__(self, channel: Channel) -> None:
-        self.channel = channel
-        #: The connection's validated transport options.
-        self.options: TransportOptions = channel.connection.options
+        super().__init__(channel)
         #: Kombu queue -> ``(exchange, routing key)`` this channel bound it with (to bind
         #: a consumed queue again if it is dropped under it).
         self.bindings_made: dict[str, set[tuple[str, str]]] = {}
-
-    @property
-    def connection(self) -> Transport:
-        """The channel's transport."""
-        return self.channel.connection
-
-    @property
-    def pgmq(self) -> Broker:
-        """Broker operations on the transport's statement connection."""
-        return self.channel.pgmq
 
     # -- exchanges and bindings --------------------------------------------------------
 

@@ -23,16 +23,15 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .. import _encoding as encoding
 from .. import errors
-from .._db.broker import Broker, Receipt, Row
+from .._db.broker import Receipt, Row
 from .._naming import pgmq_queue_name
 from .._stats import STATS
+from ._channel_part import ChannelPart
 from .acks import warn_stale
 from .publisher import DELAY_PROPERTY
 
 if TYPE_CHECKING:
     from .channel import Channel, QoS
-    from .options import TransportOptions
-    from .transport import Transport
 
 logger = logging.getLogger(__name__)
 
@@ -82,13 +81,11 @@ def receipt(delivery_info: dict[str, Any]) -> Receipt:
     )
 
 
-class Reader:
+class Reader(ChannelPart):
     """The read path of one channel (see the module docstring)."""
 
     def __init__(self, channel: Channel) -> None:
-        self.channel = channel
-        #: The connection's validated transport options.
-        self.options: TransportOptions = channel.connection.options
+        super().__init__(channel)
         #: Visibility timeout of a read (seconds): a delivery's lease.
         self.vt_seconds = self.options.vt_seconds
         #: Smallest read while this channel holds messages (half the prefetch window).
@@ -103,16 +100,6 @@ class Reader:
         self._consumer_callbacks: dict[str, tuple[Any, bool]] = {}
         #: Kombu queue -> (x-message-ttl, x-expires) in ms, as stored (first declaration).
         self._lifetimes: dict[str, tuple[int | None, int | None]] = {}
-
-    @property
-    def connection(self) -> Transport:
-        """The channel's transport."""
-        return self.channel.connection
-
-    @property
-    def pgmq(self) -> Broker:
-        """Broker operations on the transport's statement connection."""
-        return self.channel.pgmq
 
     @property
     def qos(self) -> QoS:

@@ -1,0 +1,34 @@
+"""The base of a channel's parts (:class:`~kombu_pgmq.transport.reader.Reader`,
+:class:`~kombu_pgmq.transport.publisher.Publisher`): the channel they belong to, its
+options, its transport and its broker."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .._db.broker import Broker
+    from .channel import Channel
+    from .options import TransportOptions
+    from .transport import Transport
+
+__all__ = ["ChannelPart"]
+
+
+class ChannelPart:
+    """One part of a channel (see the module docstring)."""
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+        #: The connection's validated transport options.
+        self.options: TransportOptions = channel.connection.options
+
+    @property
+    def connection(self) -> Transport:
+        """The channel's transport."""
+        return self.channel.connection
+
+    @property
+    def pgmq(self) -> Broker:
+        """Broker operations on the transport's statement connection."""
+        return self.channel.pgmq
