@@ -4,13 +4,9 @@ options, its transport and its broker."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .._db.broker import Broker
-    from .channel import Channel
-    from .options import TransportOptions
-    from .transport import Transport
+from .._db.broker import Broker
+from ._interfaces import ChannelView, TransportView
+from .options import TransportOptions
 
 __all__ = ["ChannelPart"]
 
@@ -18,13 +14,13 @@ __all__ = ["ChannelPart"]
 class ChannelPart:
     """One part of a channel (see the module docstring)."""
 
-    def __init__(self, channel: Channel) -> None:
+    def __init__(self, channel: ChannelView) -> None:
         self.channel = channel
         #: The connection's validated transport options.
         self.options: TransportOptions = channel.connection.options
 
     @property
-    def connection(self) -> Transport:
+    def connection(self) -> TransportView:
         """The channel's transport."""
         return self.channel.connection
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from queue import Empty
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kombu.exceptions import ChannelError
 from kombu.transport import virtual
@@ -18,13 +18,11 @@ from .. import errors
 from .._db.broker import Broker, QueueInfo
 from .._naming import pgmq_queue_name
 from .._stats import STATS
+from ._interfaces import TransportView
 from .acks import warn_stale
 from .options import TransportOptions
 from .publisher import Publisher
 from .reader import Reader, receipt
-
-if TYPE_CHECKING:
-    from .transport import Transport
 
 logger = logging.getLogger(__name__)
 
@@ -147,13 +145,13 @@ class Channel(virtual.Channel):
     """One Kombu channel; all channels of a connection share its PostgreSQL connection."""
 
     QoS = QoS
-    connection: Transport
+    connection: TransportView
 
     #: Bodies are stored by :mod:`kombu_pgmq._encoding` (JSON as JSON), not base64'd by
     #: Kombu. The ``body_encoding`` transport option still applies if set.
     body_encoding = None  # type: ignore[assignment]
 
-    def __init__(self, connection: Transport, **kwargs: Any) -> None:
+    def __init__(self, connection: TransportView, **kwargs: Any) -> None:
         super().__init__(connection, **kwargs)
         #: The connection's validated transport options.
         self.options: TransportOptions = connection.options

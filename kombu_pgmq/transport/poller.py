@@ -25,16 +25,14 @@ import threading
 import time
 from collections.abc import Sequence
 from time import monotonic, sleep
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .. import errors
 from .._db.broker import Receipt
 from .._db.consumers import Consumers
+from ._interfaces import TransportView
 from ._listener import Listener
 from .acks import AckBatch, archive, archive_nowait
-
-if TYPE_CHECKING:
-    from .transport import Transport
 
 __all__ = ["RECONNECT_SECONDS", "Poller"]
 
@@ -57,7 +55,7 @@ class Poller:
     #: item 11; Nagle's algorithm).
     ack_batch_seconds = 0.002
 
-    def __init__(self, transport: Transport) -> None:
+    def __init__(self, transport: TransportView) -> None:
         self.transport = transport
         self.acks = AckBatch()
         self._listener: Listener | None = None

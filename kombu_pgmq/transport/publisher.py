@@ -6,7 +6,7 @@ keeps Kombu's API and hands these calls to its :class:`Publisher`."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kombu.exceptions import ChannelError
 from kombu.transport import virtual
@@ -17,10 +17,8 @@ from .._naming import pgmq_queue_name
 from .._stats import STATS
 from ._channel_part import ChannelPart
 from ._delays import delay_seconds
+from ._interfaces import ChannelView
 from ._routing import EXCHANGE_TYPES
-
-if TYPE_CHECKING:
-    from .channel import Channel
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +65,7 @@ def _log_duplicates(queues: list[str]) -> None:
 class Publisher(ChannelPart):
     """Exchanges, bindings and publish of one channel (see the module docstring)."""
 
-    def __init__(self, channel: Channel) -> None:
+    def __init__(self, channel: ChannelView) -> None:
         super().__init__(channel)
         #: Kombu queue -> ``(exchange, routing key)`` this channel bound it with (to bind
         #: a consumed queue again if it is dropped under it).

@@ -19,7 +19,7 @@ import contextlib
 import logging
 from collections import defaultdict
 from itertools import count
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any
 
 from .. import _encoding as encoding
 from .. import errors
@@ -27,30 +27,13 @@ from .._db.broker import Receipt, Row
 from .._naming import pgmq_queue_name
 from .._stats import STATS
 from ._channel_part import ChannelPart
+from ._interfaces import ChannelView, Consumed, QoSView
 from .acks import warn_stale
 from .publisher import DELAY_PROPERTY
-
-if TYPE_CHECKING:
-    from .channel import Channel, QoS
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Consumed", "Reader", "receipt"]
-
-
-class Consumed(NamedTuple):
-    """What one :meth:`Reader.consume` round did."""
-
-    #: Messages handed to consumers.
-    delivered: int
-    #: PGMQ names of queues found empty.
-    drained: set[str]
-    #: PGMQ names of queues that filled the read (they may hold more).
-    full: set[str]
-    #: Whether the acks given were archived with the read (False: the caller archives them).
-    acks_sent: bool
-    #: The read was put off until half the prefetch window is free.
-    deferred: bool
 
 
 def _expired(properties: dict[str, Any], row: Row, ttl_seconds: float | None) -> bool:
@@ -84,7 +67,7 @@ def receipt(delivery_info: dict[str, Any]) -> Receipt:
 class Reader(ChannelPart):
     """The read path of one channel (see the module docstring)."""
 
-    def __init__(self, channel: Channel) -> None:
+    def __init__(self, channel: ChannelView) -> None:
         super().__init__(channel)
         #: Visibility timeout of a read (seconds): a delivery's lease.
         self.vt_seconds = self.options.vt_seconds
@@ -102,7 +85,7 @@ class Reader(ChannelPart):
         self._lifetimes: dict[str, tuple[int | None, int | None]] = {}
 
     @property
-    def qos(self) -> QoS:
+    def qos(self) -> QoSView:
         """The channel's QoS: prefetch window and held messages."""
         return self.channel.qos
 
