@@ -74,8 +74,8 @@ def _url(url: str | None, *, use_embedded: bool = False, url_given: bool = False
     if use_embedded:
         resolved = embedded.start()
         note = " (the embedded PostgreSQL, --embedded)"
-    elif url or embedded.configured_url():
-        resolved = url or embedded.configured_url() or ""
+    elif url or (configured := embedded.configured_url()):
+        resolved = url or configured or ""
     else:
         running = embedded.running_url()
         if running is None:
