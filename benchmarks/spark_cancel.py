@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import re
-import statistics
 import sys
 import tempfile
 import time
@@ -44,6 +43,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from brokers import ensure_database  # noqa: E402
+from spark_task_start import summary  # noqa: E402
 
 from kombu_pgmq.spark import PROGRESS, session_id  # noqa: E402
 from tests.e2e import celery_app  # noqa: E402
@@ -105,16 +105,6 @@ def _limit(app: Any, db: psycopg.Connection, log: Path, kind: str) -> float:
     return float((now - started).total_seconds()) - LIMIT_S
 
 
-def _summary(values: list[float]) -> dict[str, float]:
-    ms = sorted(v * 1000 for v in values)
-    return {
-        "median_ms": round(statistics.median(ms), 1),
-        "min_ms": round(ms[0], 1),
-        "max_ms": round(ms[-1], 1),
-        "n": len(ms),
-    }
-
-
 def measure(url: str, remote: str | None, log: Path, rounds: int, workdir: Path) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KPT_")}
     env.update(KPT_BROKER_URL=url, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
@@ -136,7 +126,7 @@ def measure(url: str, remote: str | None, log: Path, rounds: int, workdir: Path)
         finally:
             worker.stop()
             app.close()
-    return {kind: _summary(values) for kind, values in found.items()}
+    return {kind: summary(values) for kind, values in found.items()}
 
 
 def main() -> None:
