@@ -1,7 +1,7 @@
 """Each extra of pyproject.toml installs what its modules import (nothing is installed here).
 
 For each group of modules (the base package, ``kombu_pgmq/embedded.py``,
-``kombu_pgmq/spark/``, ``examples/``) every third-party import (module level or inside a
+``kombu_pgmq/spark/``, ``kombu_pgmq/results/``, ``examples/``) every third-party import (module level or inside a
 function; ``if TYPE_CHECKING:`` blocks do not count) is mapped to its distribution with
 ``importlib.metadata.packages_distributions()``, which must be required by the base
 dependencies or that group's extra, directly or through the installed metadata of a
@@ -138,8 +138,11 @@ def group_files(group: str) -> list[Path]:
         return sorted(
             p
             for p in PACKAGE.rglob("*.py")
-            if p.relative_to(PACKAGE).parts[0] not in ("spark", "embedded.py", "flower.py")
+            if p.relative_to(PACKAGE).parts[0]
+            not in ("spark", "results", "embedded.py", "flower.py")
         )
+    if group == "results":
+        return sorted((PACKAGE / "results").rglob("*.py"))
     if group == "embedded":
         return [PACKAGE / "embedded.py"]
     if group == "spark":
@@ -154,6 +157,7 @@ GROUPS = {
     "base": None,
     "embedded": "embedded",
     "spark": "spark",
+    "results": "celery",
     "flower": "flower",
     "examples": "examples",
 }
