@@ -1,4 +1,5 @@
-"""Checks a ``celery worker`` runs before it starts, when its broker is kombu_pgmq's.
+"""Checks a ``celery worker`` runs before it starts, when its broker is kombu_pgmq's
+(and, at ``worker_init``, the durable revocations it loads: :mod:`kombu_pgmq.revocations`).
 
 Celery creates the transport inside ``app.Worker(...)`` (to ask whether it can run an
 event loop), before its logging is set up and outside any error handler: a
@@ -33,9 +34,14 @@ def connect() -> None:
     Only for a process that has imported Celery already (Celery is an extra)."""
     if "celery" not in sys.modules:
         return
-    celeryd_init = importlib.import_module("celery.signals").celeryd_init
-    celeryd_init.connect(
+    signals = importlib.import_module("celery.signals")
+    signals.celeryd_init.connect(
         check_transport_options, weak=False, dispatch_uid="kombu_pgmq.check_transport_options"
+    )
+    from .revocations import load_into_worker
+
+    signals.worker_init.connect(
+        load_into_worker, weak=False, dispatch_uid="kombu_pgmq.load_revocations"
     )
 
 

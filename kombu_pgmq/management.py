@@ -37,7 +37,7 @@ from datetime import datetime
 from typing import Any
 
 from . import _conninfo as conninfo
-from . import errors
+from . import errors, revocations
 from ._db.admin import Admin, BandStats, PeekedRow, TaskRow
 from ._db.connector import Connector
 from .dlq import DEFAULT_DEAD_LETTER_QUEUE
@@ -391,9 +391,14 @@ class Management:
         delivered and ``revoke``, the task is revoked as ``celery control revoke`` does
         (``terminate``: the running task is killed too): a ``revoke`` broadcast on Celery's
         remote-control exchange (``control_exchange``, Celery's ``control_exchange``
-        setting), which every worker keeps in memory (and its ``--statedb``)."""
+        setting), which every worker keeps in memory (and its ``--statedb``).
+
+        The revocation is recorded in the database too (:mod:`kombu_pgmq.revocations`):
+        workers started later refuse the task, and kombu_pgmq's result backend reports it
+        REVOKED."""
         with self._db.transaction():
             cancelled = self._admin.cancel_task(task_id)
+            revocations.record(self._db, [task_id])
         in_flight = tuple(
             loc for loc in self.find_task(task_id, archives=False) if loc.state == "in_flight"
         )

@@ -12,7 +12,7 @@ from kombu.exceptions import ChannelError
 from kombu.transport import virtual
 
 from .. import _encoding as encoding
-from .. import errors
+from .. import errors, revocations
 from .._naming import pgmq_queue_name
 from .._stats import STATS
 from ._channel_part import ChannelPart
@@ -237,6 +237,10 @@ class Publisher(ChannelPart):
     ) -> None:
         if not exchange:
             return self.put(routing_key, message, priority)
+        if exchange.endswith(".pidbox"):  # Celery's remote control: record revokes
+            revoked = revocations.revoked_ids(message)
+            if revoked:
+                revocations.record(self.connection.publisher().db, revoked)
         delay = _note_delay(message, self.options.eta_lead_seconds)
         body, headers = encoding.encode(message)
         _check_size(exchange, body, headers, self.options.max_message_bytes)
