@@ -81,10 +81,18 @@ class ResultStore:
     # -- results -------------------------------------------------------------------------
 
     def store(
-        self, key: str, state: str, meta: bytes, expires_seconds: float | None, keep_success: bool
+        self,
+        key: str,
+        state: str,
+        meta: bytes,
+        expires_seconds: float | None,
+        keep_success: bool,
+        *,
+        synchronous: bool = True,
     ) -> bool:
         """Insert or replace ``key``'s encoded meta and notify waiters; False when a
-        stored SUCCESS was kept (``keep_success``)."""
+        stored SUCCESS was kept (``keep_success``). ``synchronous=False``: the commit does
+        not wait for the WAL flush (a server crash may forget it)."""
         params = {
             "key": key,
             "state": state,
@@ -92,7 +100,8 @@ class ResultStore:
             "expires_seconds": expires_seconds,
             "keep_success": keep_success,
         }
-        return bool(self.db.scalar("results_store", params))
+        rows: list[tuple[bool]] = self.db.fetch("results_store", params, synchronous=synchronous)
+        return bool(rows[0][0])
 
     def get(self, keys: Sequence[str], task_ids: Sequence[str | None]) -> dict[str, bytes | None]:
         """``{key: meta}`` of the keys stored; a task key without a result whose task is

@@ -46,6 +46,12 @@ Transport Options
 * ``result_max_bytes`` (int, default 67108864 = 64 MiB): the largest encoded result
   stored; a larger one raises :class:`celery.exceptions.BackendStoreError` (Celery then
   stores the task as failed with that error).
+* ``durable_states`` (str, default ``"ready"``): which writes wait for the WAL flush
+  at commit (PostgreSQL's ``synchronous_commit``): ``"ready"`` the final states
+  (SUCCESS, FAILURE, REVOKED; STARTED, RETRY and custom progress states do not wait:
+  a server crash may forget them, never a result); ``"all"``; ``"none"`` (as Redis
+  without ``appendfsync always``: a server crash may forget the latest results; a
+  task acked after its result, ``acks_late``, is then run again).
 * ``expire_interval_seconds`` (float, default 60): how often a worker deletes expired
   results; 0 turns the sweep off.
 * ``expire_batch`` (int, default 5000): rows deleted per statement of the sweep.
@@ -140,6 +146,17 @@ class ResultBackend(AsyncBackendMixin, BaseKeyValueStoreBackend):
                 "one value)"
             )
         self.install_schema = bool(options.get("install_schema", True))
+        durable = options.get("durable_states", "ready")
+        if durable not in ("ready", "all", "none"):
+            raise errors.ConfigurationError(
+                f"result_backend_transport_options durable_states={durable!r}: use "
+                "'ready' (the default), 'all' or 'none'"
+            )
+        self.durable_states: frozenset[str] = {
+            "ready": states.READY_STATES,
+            "all": frozenset(states.ALL_STATES) | {"*"},
+            "none": frozenset(),
+        }[durable]
         self.expire_interval_seconds = float(options.get("expire_interval_seconds", 60.0))
         self.expire_batch = int(options.get("expire_batch", 5000))
         failure_expires = app.conf.get("result_failure_expires")
@@ -199,6 +216,11 @@ class ResultBackend(AsyncBackendMixin, BaseKeyValueStoreBackend):
         self.store  # noqa: B018 - the schema is there before anything listens
         return Connector(self.dsn, on_notify=on_notify)
 
+    def exception_safe_to_retry(self, exc: BaseException) -> bool:
+        """A lost connection (a server restart, a failover): with Celery's
+        ``result_backend_always_retry`` the store is tried again after a reconnect."""
+        return isinstance(exc, errors.BrokerConnectionError)
+
     def as_uri(self, include_password: bool = False) -> str:
         url = self.url or "postgresql://"
         return url if include_password else conninfo.redact(url)
@@ -225,7 +247,10 @@ class ResultBackend(AsyncBackendMixin, BaseKeyValueStoreBackend):
 
     def _write(self, key: str, value: Any, state: str, keep_success: bool = False) -> bool:
         expires = self.failure_expires if state == states.FAILURE else self.expires
-        return self.store.store(key, state, self._encoded(value), expires or None, keep_success)
+        durable = state in self.durable_states or "*" in self.durable_states
+        return self.store.store(
+            key, state, self._encoded(value), expires or None, keep_success, synchronous=durable
+        )
 
     def get(self, key: str) -> bytes | None:
         task_id = self.task_id_of(key)
