@@ -10,8 +10,6 @@ Run a worker from the repository root::
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit
-
 from celery import Celery
 
 import kombu_pgmq  # registers postgresql:// and postgres:// with kombu
@@ -21,26 +19,14 @@ import kombu_pgmq  # registers postgresql:// and postgres:// with kombu
 QUEUE = "examples"
 
 
-def result_backend_url(broker_url: str) -> str:
-    """Celery's SQLAlchemy result backend URL for the same database, driven by psycopg 3.
-
-    Shapes: ``"postgresql://u:p@h/db?sslmode=require" ->
-    "db+postgresql+psycopg://u:p@h/db?sslmode=require"``; ``postgres://`` is accepted too
-    (SQLAlchemy 2 does not know that scheme). libpq query parameters such as
-    ``host=/socket/dir`` pass through to psycopg unchanged.
-    """
-    scheme = urlsplit(broker_url).scheme
-    if scheme.split("+")[0].lower() not in ("postgresql", "postgres"):
-        raise ValueError(f"not a PostgreSQL URL: scheme {scheme!r}")
-    return "db+postgresql+psycopg" + broker_url[len(scheme) :]
-
-
 broker_url = kombu_pgmq.default_broker_url()
 
 app = Celery("examples", include=["examples.tasks", "examples.pipeline"])
 app.conf.update(
     broker_url=broker_url,
-    result_backend=result_backend_url(broker_url),
+    # kombu_pgmq's result backend in the same database (chords counted in SQL, get()
+    # woken by LISTEN/NOTIFY): the one line is result_backend = "postgresql://...".
+    result_backend=broker_url,
     broker_connection_retry_on_startup=True,
     task_default_queue=QUEUE,
     # Ack after the task ran: a task whose worker dies is delivered again, not lost.
@@ -51,8 +37,8 @@ app.conf.update(
     # Store name, args, kwargs and worker in the result row, and report STARTED.
     result_extended=True,
     task_track_started=True,
-    # Results are rows in celery_taskmeta; expire them after a day (celery beat's
-    # ``celery.backend_cleanup`` deletes expired rows).
+    # Results are rows of kombu_pgmq.results; expire them after a day (the worker
+    # deletes expired rows itself, no celery beat needed).
     result_expires=86400,
     task_serializer="json",
     result_serializer="json",

@@ -260,11 +260,11 @@ def run(job: Job) -> None:
 
     print(f"broker: {redact(broker_url)}{'' if configured else ' (embedded)'}", flush=True)
     # Fail early and readably if PostgreSQL is unreachable; this also installs the broker
-    # schema and creates the result tables once, before two worker processes race to.
+    # schema (the result backend's tables too) once, before two worker processes race to.
     try:
         with app.connection_for_write() as conn:
             conn.ensure_connection(max_retries=1)
-        app.backend.ResultSession().close()
+        app.backend.store  # noqa: B018 - connects, checks the result tables
     except Exception as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
         raise SetupError(f"cannot use PostgreSQL: {first_line}") from exc

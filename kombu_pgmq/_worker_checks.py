@@ -15,6 +15,10 @@ worker`` imports the app module, which imports kombu_pgmq (it must, for the
 ``postgresql://`` scheme), after Celery. A worker that finds the transport only through
 ``broker_transport = "kombu_pgmq:Transport"``, without that import, reports the error as
 the traceback above.
+
+The same import connects the result backend's expiry sweep
+(:mod:`kombu_pgmq.results.expiry`): started on ``worker_ready`` in the worker's main
+process when ``result_backend`` is kombu_pgmq's, stopped on ``worker_shutdown``.
 """
 
 from __future__ import annotations
@@ -23,10 +27,15 @@ import importlib
 import sys
 from typing import Any
 
-from ._conninfo import is_ours
+from ._conninfo import SCHEMES, is_ours
 from .errors import ConfigurationError
 
-__all__ = ["check_transport_options", "connect"]
+__all__ = [
+    "check_transport_options",
+    "connect",
+    "start_result_expiry",
+    "stop_result_expiry",
+]
 
 
 def connect() -> None:
@@ -43,6 +52,42 @@ def connect() -> None:
     signals.worker_init.connect(
         load_into_worker, weak=False, dispatch_uid="kombu_pgmq.load_revocations"
     )
+    signals.worker_ready.connect(
+        start_result_expiry, weak=False, dispatch_uid="kombu_pgmq.start_result_expiry"
+    )
+    signals.worker_shutdown.connect(
+        stop_result_expiry, weak=False, dispatch_uid="kombu_pgmq.stop_result_expiry"
+    )
+
+
+def _uses_our_backend(app: Any) -> bool:
+    """``app``'s ``result_backend`` names kombu_pgmq's (a ``postgresql://`` or
+    ``postgres://`` URL, or the class path), judged from the setting alone."""
+    setting = app.conf.result_backend
+    if not isinstance(setting, str):
+        return False
+    scheme = setting.partition("://")[0].strip().lower()
+    return scheme in SCHEMES or setting.startswith("kombu_pgmq")
+
+
+def start_result_expiry(sender: Any = None, **_: Any) -> None:
+    """``worker_ready`` receiver (``sender``: the worker's consumer): start the expiry
+    sweep of a kombu_pgmq result backend in this (the worker's main) process."""
+    app = getattr(sender, "app", None)
+    if app is None or not _uses_our_backend(app):
+        return
+    from .results import ResultBackend, expiry  # Celery is there: this is a worker
+
+    backend = app.backend
+    if isinstance(backend, ResultBackend):
+        expiry.start(backend)
+
+
+def stop_result_expiry(**_: Any) -> None:
+    """``worker_shutdown`` receiver: stop this process's expiry sweep, if it runs."""
+    expiry = sys.modules.get("kombu_pgmq.results.expiry")
+    if expiry is not None:
+        expiry.stop()
 
 
 def check_transport_options(conf: Any = None, **_: Any) -> None:

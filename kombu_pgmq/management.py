@@ -40,6 +40,7 @@ from . import _conninfo as conninfo
 from . import errors, revocations
 from ._db.admin import Admin, BandStats, PeekedRow, TaskRow
 from ._db.connector import Connector
+from ._db.results import ResultStats, ResultStore
 from .dlq import DEFAULT_DEAD_LETTER_QUEUE
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "Management",
     "PeekedMessage",
     "QueueStats",
+    "ResultStats",
     "TaskLocation",
     "queue_stats",
 ]
@@ -308,6 +310,7 @@ class Management:
         self._url = url
         self._db = Connector(conninfo.to_dsn(url))
         self._checked = False
+        self._results_checked = False
         self._admin_ops = Admin(self._db)
 
     @property
@@ -338,6 +341,42 @@ class Management:
 
         rows = self._admin.queue_stats(pgmq_queue_name(self.dead_letter_queue), exact_archive_below)
         return queue_stats(rows)
+
+    # -- Celery results (kombu_pgmq.results, migration 0018) ------------------------------
+
+    @property
+    def _results(self) -> ResultStore:
+        if not self._results_checked:
+            if not self._admin_ops.results_installed():
+                raise errors.ConfigurationError(
+                    "this database has no kombu_pgmq result backend tables (schema version "
+                    "18): run 'kombu-pgmq schema install' with the same URL, or use "
+                    'result_backend = "postgresql://..." once (it installs them)'
+                )
+            self._results_checked = True
+        return ResultStore(self._db)
+
+    def results(self) -> list[ResultStats]:
+        """Stored Celery results by state (one scan of ``kombu_pgmq.results``): how many,
+        the oldest ``date_done``, their size in bytes, and how many are past their expiry
+        but not deleted yet (the worker's sweep runs every ``expire_interval_seconds``)."""
+        return self._results.stats()
+
+    def expire_results(self, batch_size: int = 5000) -> int:
+        """Delete every expired result now, ``batch_size`` rows per statement (what a
+        worker's sweep and ``celery.backend_cleanup`` do); how many were deleted.
+
+        Raises:
+            ConfigurationError: ``batch_size`` is not positive.
+        """
+        if batch_size < 1:
+            raise errors.ConfigurationError(f"batch_size={batch_size}: delete at least 1 row")
+        store, total = self._results, 0
+        while (removed := store.expire(batch_size)) > 0:
+            total += removed
+            if removed < batch_size:
+                break
+        return total
 
     def messages(self, queue: str, limit: int = 20) -> list[PeekedMessage]:
         """Up to ``limit`` messages of Kombu queue ``queue`` (higher priority bands first,

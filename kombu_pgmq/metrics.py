@@ -36,6 +36,11 @@ summed; see :mod:`kombu_pgmq.management` for the states):
                                                  PostgreSQL's estimate above 100,000
 ``kombu_pgmq_consumers{queue}``                  live consumers (heartbeat not stale)
 ``kombu_pgmq_queue_paused{queue}``               1 while ``kombu-pgmq queue pause``-d
+``kombu_pgmq_results{state}``                    Celery results stored by kombu_pgmq's
+                                                 result backend, by state (``SUCCESS``...)
+``kombu_pgmq_result_bytes{state}``               their encoded size in bytes
+``kombu_pgmq_results_expired{state}``            results past ``result_expires`` not
+                                                 deleted yet (the workers' sweep is late)
 ``kombu_pgmq_up``                                1 if the last read reached the database
 ``kombu_pgmq_scrape_duration_seconds``           seconds the last read (statement) took
 ``kombu_pgmq_scrape_age_seconds``                seconds since the served snapshot was
@@ -60,7 +65,10 @@ leases happen in the main process: export from there, e.g. on ``worker_init``::
         start_http_server(9809)
 
 The database role needs the statistics function: the owner, or a role granted with
-``kombu-pgmq schema grant producer ROLE`` (it sees counts, not messages).
+``kombu-pgmq schema grant producer ROLE`` (it sees counts, not messages). The result
+metrics are left out, and nothing fails, when the database has no result backend tables
+(schema older than version 18) or the role may not read their statistics; they cost one
+scan of ``kombu_pgmq.results`` per snapshot (``results=False`` turns them off).
 """
 
 from __future__ import annotations
@@ -69,7 +77,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -78,7 +86,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from . import errors
 from ._stats import FIELDS, STATS
 from .dlq import DEFAULT_DEAD_LETTER_QUEUE
-from .management import EXACT_ARCHIVE_BELOW, Management, QueueStats
+from .management import EXACT_ARCHIVE_BELOW, Management, QueueStats, ResultStats
 
 __all__ = [
     "DEFAULT_CACHE_SECONDS",
@@ -128,6 +136,7 @@ class QueueCollector(Collector):
             scrapes that arrive while it runs wait and share its result, so any number
             of scrapers costs at most one statement per ``cache_seconds`` (plus the
             statement's own duration).
+        results: also read the result backend's statistics (``kombu_pgmq_results``...).
 
     A read that cannot reach the database gives ``kombu_pgmq_up 0`` and no queue
     metrics (and logs the error); it is cached like any snapshot, and the next read
@@ -144,6 +153,7 @@ class QueueCollector(Collector):
         dead_letter_queue: str = DEFAULT_DEAD_LETTER_QUEUE,
         exact_archive_below: int = EXACT_ARCHIVE_BELOW,
         cache_seconds: float = DEFAULT_CACHE_SECONDS,
+        results: bool = True,
     ) -> None:
         if not cache_seconds >= 0:
             raise errors.ConfigurationError(
@@ -154,6 +164,7 @@ class QueueCollector(Collector):
         self._cache_seconds = cache_seconds
         self._lock = threading.Lock()  # one read at a time (and one connection)
         self._snapshot: _Snapshot | None = None
+        self._results = results
 
     def close(self) -> None:
         self._management.close()
@@ -188,7 +199,24 @@ class QueueCollector(Collector):
             stats, up = [], 0
         else:
             up = 1
-        return _Snapshot(stats, up=up, seconds=time.monotonic() - taken, taken=taken)
+        results = self._read_results() if up else []
+        return _Snapshot(
+            stats, up=up, seconds=time.monotonic() - taken, taken=taken, results=results
+        )
+
+    def _read_results(self) -> list[ResultStats]:
+        """The result backend's statistics; none (logged once) when the database has no
+        result tables or the role may not read them, or after any other error."""
+        if not self._results:
+            return []
+        try:
+            return self._management.results()
+        except (errors.ConfigurationError, errors.PermissionDenied) as exc:
+            logger.info("kombu_pgmq metrics: no result backend metrics: %s", exc)
+            self._results = False
+        except errors.KombuPgmqError as exc:
+            logger.warning("kombu_pgmq metrics: could not read result statistics: %s", exc)
+        return []
 
     @staticmethod
     def _families(snapshot: _Snapshot, *, age_seconds: float) -> Iterator[Metric]:
@@ -237,6 +265,24 @@ class QueueCollector(Collector):
             consumers.add_metric([q.name], q.consumers)
             paused.add_metric([q.name], 1 if q.paused else 0)
         yield from (messages, bands, age, dead, archive, consumers, paused)
+        results = GaugeMetricFamily(
+            "kombu_pgmq_results",
+            "Celery results stored by kombu_pgmq's result backend, by state",
+            labels=["state"],
+        )
+        result_bytes = GaugeMetricFamily(
+            "kombu_pgmq_result_bytes", "Encoded size of the stored results", labels=["state"]
+        )
+        expired = GaugeMetricFamily(
+            "kombu_pgmq_results_expired",
+            "Stored results past their expiry, not deleted yet",
+            labels=["state"],
+        )
+        for r in snapshot.results:
+            results.add_metric([r.state], r.results)
+            result_bytes.add_metric([r.state], r.bytes)
+            expired.add_metric([r.state], r.expired)
+        yield from (results, result_bytes, expired)
         yield GaugeMetricFamily(
             "kombu_pgmq_up",
             "1 if the last read of the queue statistics reached the database",
@@ -263,6 +309,7 @@ class _Snapshot:
     up: int
     seconds: float
     taken: float
+    results: list[ResultStats] = field(default_factory=list)
 
     @property
     def finished(self) -> float:

@@ -616,6 +616,10 @@ SELECT queue, pgmq_queue, msg_id FROM kombu_pgmq.cancel_task(%(task_id)s)
 -- Migration 0012 (statistics, pause, cancel) is installed in this database.
 SELECT to_regprocedure('kombu_pgmq.queue_stats(text, bigint)') IS NOT NULL AS installed
 
+-- name: results_installed
+-- Migration 0018 (the result backend's tables and functions) is installed.
+SELECT to_regprocedure('kombu_pgmq.results_stats()') IS NOT NULL AS installed
+
 -- -- result backend (kombu_pgmq.results; migration 0018) ----------------------------------
 
 -- name: results_store

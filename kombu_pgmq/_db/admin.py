@@ -144,6 +144,10 @@ class Admin:
         """Migration 0012 (statistics, pause, cancel) is in this database."""
         return bool(self.db.scalar("operations_installed"))
 
+    def results_installed(self) -> bool:
+        """Migration 0018 (the result backend: ``kombu_pgmq.results``) is in this database."""
+        return bool(self.db.scalar("results_installed"))
+
     def queue_stats(self, dead_letter_queue: str, exact_archive_below: int) -> list[BandStats]:
         """One row per PGMQ queue (priority band) of every queue, in one statement."""
         params = {

@@ -17,6 +17,8 @@ starts it); each names the database it reads on stderr (``database: ...``, no pa
     kombu-pgmq messages QUEUE [--limit 20] [--json]   # peek, nothing consumed
     kombu-pgmq queue pause|resume QUEUE       # consumers stop/start receiving from QUEUE
     kombu-pgmq task find|cancel TASK_ID       # where a task is; durable revoke
+    kombu-pgmq results [--json]               # Celery results by state, size, expired
+    kombu-pgmq results expire [--batch-size 5000]   # delete expired results now
     kombu-pgmq metrics serve [--port 9808] [--host 127.0.0.1] [--tls-cert F --tls-key F]
         [--basic-auth-user U] [--cache-seconds 5]   # Prometheus /metrics
     kombu-pgmq embedded start|status|url|stop  # the embedded PostgreSQL (no --url)
@@ -34,7 +36,7 @@ running, ``embedded url`` when there is no URL.
 from __future__ import annotations
 
 # Each command group is a module of its own; importing it registers it on ``main``.
-from . import archive, dlq, embedded, operations, schema, spark  # noqa: F401
+from . import archive, dlq, embedded, operations, results, schema, spark  # noqa: F401
 from ._base import main, parse_duration, url_option
 
 __all__ = ["main", "parse_duration", "url_option"]

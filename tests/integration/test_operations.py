@@ -15,6 +15,7 @@ import pytest
 from kombu import Consumer, Exchange, Producer, Queue
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from psycopg import sql as pgsql
 
 import kombu_pgmq  # noqa: F401
 from kombu_pgmq import errors, schema
@@ -265,3 +266,39 @@ def test_pgmq_functions_still_work_on_the_queues(url):
         metrics = sql(url, "SELECT queue_length FROM pgmq.metrics('ops_pgmq')")
         assert metrics == [(1,)]
         assert by_name(management)["ops_pgmq"].in_flight == 1
+
+
+def store_result(url: str, key: str, state: str, size: int) -> None:
+    query = "SELECT kombu_pgmq.results_store(%s, %s, %s, NULL, false)"
+    sql(url, query, (key, state, b"r" * size))
+
+
+def test_queue_collector_exports_results_by_state(db_dsn):
+    for i in range(3):
+        store_result(db_dsn, f"celery-task-meta-m{i}", "SUCCESS", 10)
+    store_result(db_dsn, "celery-task-meta-f", "FAILURE", 7)
+    registry = CollectorRegistry()
+    collector = QueueCollector(db_dsn, cache_seconds=0)
+    registry.register(collector)
+    found = samples(registry)
+    collector.close()
+    assert found[("kombu_pgmq_results", (("state", "SUCCESS"),))] == 3
+    assert found[("kombu_pgmq_results", (("state", "FAILURE"),))] == 1
+    assert found[("kombu_pgmq_result_bytes", (("state", "SUCCESS"),))] == 30
+    assert found[("kombu_pgmq_results_expired", (("state", "FAILURE"),))] == 0
+    assert found[("kombu_pgmq_up", ())] == 1
+
+
+def test_no_result_metrics_without_the_tables_or_the_privilege(db_dsn, least_privilege_db):
+    sql(db_dsn, "DROP FUNCTION kombu_pgmq.results_stats()")  # as before migration 0018
+    lp = least_privilege_db
+    revoke = "REVOKE EXECUTE ON FUNCTION kombu_pgmq.results_stats() FROM {}"
+    sql(lp.owner_url, pgsql.SQL(revoke).format(pgsql.Identifier(lp.producer)))
+    for url in (db_dsn, lp.producer_url):
+        registry = CollectorRegistry()
+        collector = QueueCollector(url, cache_seconds=0)
+        registry.register(collector)
+        found, again = samples(registry), samples(registry)
+        collector.close()
+        assert found[("kombu_pgmq_up", ())] == 1 == again[("kombu_pgmq_up", ())], url
+        assert not [k for k in found if k[0].startswith("kombu_pgmq_result")], url
