@@ -20,6 +20,7 @@ stays PENDING until some worker receives it. With kombu_pgmq a revocation is a r
 from __future__ import annotations
 
 import base64
+import importlib
 import json
 import logging
 from typing import Any
@@ -84,7 +85,8 @@ def load_into_worker(sender: Any = None, **_: Any) -> None:
         url = url[0] if url else None
     if not url or not is_ours(url, conf.broker_transport) or "://" not in str(url):
         return
-    from celery.worker import state
+    # Only ever called by a Celery worker (Celery is an extra: imported by name).
+    state = importlib.import_module("celery.worker.state")
 
     db = Connector(to_dsn(str(url).split(";", 1)[0]))
     try:
