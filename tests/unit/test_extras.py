@@ -1,12 +1,12 @@
 """Each extra of pyproject.toml installs what its modules import (nothing is installed here).
 
 For each group of modules (the base package, ``kombu_pgmq/embedded.py``,
-``kombu_pgmq/spark/``, ``kombu_pgmq/results/``, ``examples/``) every third-party import (module level or inside a
-function; ``if TYPE_CHECKING:`` blocks do not count) is mapped to its distribution with
-``importlib.metadata.packages_distributions()``, which must be required by the base
-dependencies or that group's extra, directly or through the installed metadata of a
-listed distribution (e.g. ``billiard`` through ``celery``). The other way round, every
-distribution pyproject.toml lists is imported by the package, the examples, the
+``kombu_pgmq/spark/``, ``kombu_pgmq/results/``, ``examples/``) every third-party import
+(module level or inside a function; ``if TYPE_CHECKING:`` blocks do not count) is mapped to
+its distribution with ``importlib.metadata.packages_distributions()``, which must be
+required by the base dependencies or that group's extra, directly or through the installed
+metadata of a listed distribution (e.g. ``billiard`` through ``celery``). The other way
+round, every distribution pyproject.toml lists is imported by the package, the examples, the
 benchmarks or the tests, or is in :data:`USED_WITHOUT_IMPORT` with what it is for.
 """
 
