@@ -394,6 +394,23 @@ def test_the_password_never_appears_in_as_uri(db_dsn):
         close_app(app)
 
 
+def test_a_multi_host_url_with_a_password_is_redacted_and_kept_whole(db_dsn):
+    """No connection is made: the URL's hosts reach libpq as a list (primary found on
+    connect), the password never shows, and a pickled backend keeps the URL."""
+    url = "postgresql://app:s3cr3t-pw@h1:5432,h2:5433/db?sslmode=require"
+    app = make_app(db_dsn, result_backend=url)
+    try:
+        backend = app.backend
+        assert backend.as_uri() == "postgresql://app:**@h1:5432,h2:5433/db?sslmode=require"
+        params = psycopg.conninfo.conninfo_to_dict(backend.dsn)
+        assert (params["host"], params["port"]) == ("h1,h2", "5432,5433")
+        assert (params["sslmode"], params["password"]) == ("require", "s3cr3t-pw")
+        copy = pickle.loads(pickle.dumps(backend))
+        assert copy.url == url
+    finally:
+        close_app(app)
+
+
 def test_a_multi_host_url_finds_the_server_behind_a_dead_host(db_dsn):
     """``postgresql://u@dead,alive/db``: the first host refuses connections, the backend
     stores and reads through the second."""
