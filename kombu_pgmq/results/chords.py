@@ -122,14 +122,16 @@ def on_chord_part_return(backend: ResultBackend, request: Any, state: str, resul
                 if part.total is not None and part.done > part.total:
                     logger.debug("chord %s: part %s counted after it fired", group_id, task_id)
                 return
-            try:
-                values = _header_values(backend, group_id)
-            except ChordError as exc:
-                logger.error("Chord %r raised: %r", group_id, exc)
-                failure = exc
             with _publishing_here(backend):
-                if failure is not None:
-                    backend.chord_error_from_stack(callback, failure)
+                try:
+                    values = _header_values(backend, group_id)
+                except ChordError as exc:
+                    logger.error("Chord %r raised: %r", group_id, exc)
+                    failure = exc
+                    # In the except block: Celery's fail_from_current_stack reads
+                    # sys.exc_info() (outside one it fails when the part that completes
+                    # the chord succeeded).
+                    backend.chord_error_from_stack(callback, exc)
                 else:
                     callback.delay(values)
             store.chord_done(group_id, backend.chord_expires or None)

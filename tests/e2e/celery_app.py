@@ -22,6 +22,11 @@ Environment
     ``x-max-priority``. ``KPT_FIFO_QUEUE`` (optional): a queue ``fifo`` with
     ``x-fifo-groups`` besides ``celery``. ``KPT_PREFETCH_MULTIPLIER`` (int, optional):
     ``worker_prefetch_multiplier``.
+    ``KPT_RESULT_BACKEND`` (optional): ``postgresql`` selects kombu_pgmq's own result
+    backend (``result_backend = "postgresql://"``: the broker's database) instead of
+    Celery's SQLAlchemy backend. ``KPT_RESULT_OPTIONS`` (JSON object, optional): its
+    ``result_backend_transport_options``. ``KPT_TRACK_STARTED`` (optional):
+    ``task_track_started``.
 """
 
 from __future__ import annotations
@@ -120,6 +125,15 @@ def create_app(env: Mapping[str, str] = os.environ) -> Celery:
         worker_hijack_root_logger=True,
         worker_redirect_stdouts=True,
     )
+    if env.get("KPT_RESULT_BACKEND") == "postgresql":
+        app.conf.result_backend = "postgresql://"
+        app.conf.result_backend_transport_options = json.loads(
+            env.get("KPT_RESULT_OPTIONS") or "{}"
+        )
+    elif env.get("KPT_RESULT_BACKEND"):
+        raise ValueError(f"KPT_RESULT_BACKEND={env['KPT_RESULT_BACKEND']!r}: only 'postgresql'")
+    if env.get("KPT_TRACK_STARTED"):
+        app.conf.task_track_started = True
     if env.get("KPT_MAX_PRIORITY"):
         arguments = {"x-max-priority": int(env["KPT_MAX_PRIORITY"])}
         app.conf.task_queues = [
@@ -168,6 +182,39 @@ def create_app(env: Mapping[str, str] = os.environ) -> Celery:
     @app.task(shared=False, name="e2e.xsum")
     def xsum(numbers: list[float]) -> float:
         return sum(numbers)
+
+    @app.task(shared=False, name="e2e.fail")
+    def fail(message: str) -> None:
+        raise ValueError(message)
+
+    @app.task(shared=False, name="e2e.big")
+    def big(size: int) -> str:
+        return "x" * size
+
+    @app.task(
+        shared=False, name="e2e.chord_part", bind=True, acks_late=True, reject_on_worker_lost=True
+    )
+    def chord_part(self: Any, value: int, seconds: float = 0.0) -> int:
+        """Record the execution, sleep *seconds*, return *value* (a chord's header task)."""
+        record_run(broker_url, self)
+        time.sleep(seconds)
+        return value
+
+    @app.task(shared=False, name="e2e.record_sum", bind=True, acks_late=True)
+    def record_sum(self: Any, values: list[Any]) -> dict[str, Any]:
+        """A chord callback: record the execution, return the values it got."""
+        runs = record_run(broker_url, self)
+        return {"values": values, "runs": runs}
+
+    @app.task(shared=False, name="e2e.on_chord_error")
+    def on_chord_error(request: Any, exc: BaseException, traceback: Any) -> None:
+        """An errback (Celery's new-style signature): record one ``e2e_runs`` row with the
+        failed task's id, named ``e2e.on_chord_error:<exception class>``."""
+        with psycopg.connect(broker_url, autocommit=True, application_name="kpt_e2e_task") as c:
+            c.execute(
+                "INSERT INTO e2e_runs (task_id, name, pid, retries) VALUES (%s, %s, %s, 0)",
+                (str(request.id), f"e2e.on_chord_error:{type(exc).__name__}", os.getpid()),
+            )
 
     @app.task(shared=False, name="e2e.record_and_sleep", bind=True, acks_late=True)
     def record_and_sleep(self: Any, seconds: float, rerun_seconds: float = 0.0) -> dict[str, Any]:
