@@ -11,6 +11,10 @@ shows the task a person would expect:
   of the envelope: ``content-type``, ``content-encoding``, ``body-encoding`` and the
   message properties (``delivery_info``, ``priority``, ``correlation_id``,
   ``reply_to``, ...). PGMQ's own header conventions (``x-pgmq-group``) therefore work.
+  Only the properties Kombu and AMQP define are stored (:data:`STORED_PROPERTIES`); any
+  other is ignored with a debug log, as AMQP transports ignore properties they do not
+  know (Celery hands Kombu the ``apply_async`` options it does not know as properties,
+  and they need not be JSON).
 
 JSON bodies come back as equal JSON values, not byte-identical text (jsonb normalises
 whitespace and key order); every other body comes back byte for byte.
@@ -19,6 +23,7 @@ whitespace and key order); every other body comes back byte for byte.
 from __future__ import annotations
 
 import base64
+import logging
 import re
 from typing import Any
 
@@ -27,6 +32,8 @@ from kombu.utils.json import dumps as _kombu_dumps
 from kombu.utils.json import loads
 
 from .errors import ConfigurationError
+
+logger = logging.getLogger(__name__)
 
 # The C encoder of the standard library with kombu's conventions for non-JSON types
 # (datetime, UUID, Decimal, bytes: kombu's ``JSONEncoder.default``, called only for
@@ -69,6 +76,32 @@ SERVER_HEADERS = {
     "task": "dead-letter filters and kombu-pgmq task find/cancel",
     "id": "task id deduplication and kombu-pgmq task find/cancel",
 }
+#: Message property recording the delay a message was sent with (seconds): its
+#: x-message-ttl / expiration count from when it became visible, not from the publish.
+DELAY_PROPERTY = "pgmq_delay_seconds"
+#: Message properties stored: AMQP's basic properties (headers aside), Kombu's virtual
+#: transport's ``delivery_info``, and :data:`DELAY_PROPERTY`. Any other is ignored.
+STORED_PROPERTIES = frozenset(
+    {
+        "content_type",
+        "content_encoding",
+        "delivery_mode",
+        "priority",
+        "correlation_id",
+        "reply_to",
+        "expiration",
+        "message_id",
+        "timestamp",
+        "type",
+        "user_id",
+        "app_id",
+        "cluster_id",
+        "delivery_info",
+        DELAY_PROPERTY,
+    }
+)
+# Kombu's, not stored as properties: a new tag per delivery; the body encoding goes into
+# the envelope's "body-encoding".
 _DROP_PROPERTIES = ("delivery_tag", "body_encoding")
 # A NUL character in JSON text: the escape \u0000 after an even number of backslashes (an
 # odd number escapes the backslash itself: the text "\\u0000" holds no NUL).
@@ -143,7 +176,10 @@ def _headers_json(
     properties: dict[str, Any],
     body_encoding: str | None,
 ) -> str:
-    props = {k: v for k, v in properties.items() if k not in _DROP_PROPERTIES}
+    props = {k: v for k, v in properties.items() if k in STORED_PROPERTIES}
+    known = len(props) + ("delivery_tag" in properties) + ("body_encoding" in properties)
+    if known < len(properties):  # a cheap test: the hot path builds no set
+        _log_ignored(properties)
     envelope: dict[str, Any] = {
         "content-type": message.get("content-type"),
         "content-encoding": message.get("content-encoding"),
@@ -179,6 +215,17 @@ def _headers_json(
             "character or lone surrogate): nothing was sent"
         )
     return text
+
+
+def _log_ignored(properties: dict[str, Any]) -> None:
+    ignored = sorted(
+        str(k) for k in properties if k not in STORED_PROPERTIES and k not in _DROP_PROPERTIES
+    )
+    logger.debug(
+        "message properties %s ignored: not Kombu message properties (AMQP transports "
+        "ignore them too)",
+        ", ".join(ignored),
+    )
 
 
 def _jsonb_text(value: Any) -> str | None:

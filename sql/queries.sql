@@ -259,10 +259,49 @@ UPDATE kombu_pgmq.queues SET last_used_at = clock_timestamp()
 WHERE queue = %(kombu_queue)s AND expires_ms IS NOT NULL
 
 -- name: discard
--- Expired messages (x-message-ttl, per-message expiration) and what a no_ack consumer
--- was handed: deleted for good if these deliveries still hold them (receipt handles).
+-- What a no_ack consumer was handed: deleted for good if these deliveries still hold it
+-- (receipt handles). Expired messages are archived instead (archive_expired).
 SELECT kombu_pgmq.discard(%(queue)s, %(msg_ids)s::bigint[], %(read_cts)s::integer[],
                           %(enqueued)s::timestamptz[]) AS msg_id
+
+-- name: archive_expired
+-- Expired messages (x-message-ttl, a message's own expiration; issue 27, item 8): the
+-- rows these deliveries still hold move to the archive marked as kombu_pgmq.cancel_task
+-- marks a cancelled task, with the headers x-archive-reason "expired" and x-expired-at
+-- (kombu-pgmq task find shows the reason), never deleted unseen. A direct statement on
+-- PGMQ's tables like ack_queue (a role without rights on them archives with
+-- kombu_pgmq.ack instead, unmarked); a row whose msg_id is already archived is archived
+-- under a new one (kombu_pgmq.archive_under_new_id, migration 0014). Returns the msg_ids
+-- archived. Placeholders as read_queue's, plus {archive_values}: {archive_columns} with
+-- headers marked (statement expired_headers); {marks}: statement expired_marks.
+WITH expired AS (
+    DELETE FROM {queue_table} AS t
+    USING unnest(%(msg_ids)s::bigint[], %(read_cts)s::integer[],
+                 %(enqueued)s::timestamptz[]) AS h(id, ct, at)
+    WHERE t.msg_id = h.id AND t.read_ct = h.ct AND t.enqueued_at = h.at
+    RETURNING t.*
+), archived AS (
+    INSERT INTO {archive_table} ({archive_columns})
+    SELECT {archive_values} FROM expired
+    ON CONFLICT DO NOTHING
+    RETURNING msg_id
+)
+SELECT a.msg_id FROM expired a
+WHERE CASE WHEN a.msg_id IN (SELECT msg_id FROM archived) THEN true
+           ELSE kombu_pgmq.archive_under_new_id(%(queue)s, a.msg_id, a.read_ct, a.enqueued_at,
+                                                a.vt, a.message, a.headers,
+                                                {last_read_at}, {marks}) IS NOT NULL
+      END
+
+-- name: expired_marks
+-- The headers archive_expired adds to an expired message.
+jsonb_build_object('x-archive-reason', 'expired', 'x-expired-at', clock_timestamp())
+
+-- name: expired_headers
+-- archive_expired's headers column: marked when it is an object (or NULL), as
+-- kombu_pgmq.archive_under_new_id marks one; {marks}: statement expired_marks.
+CASE WHEN headers IS NULL OR jsonb_typeof(headers) = 'object'
+     THEN coalesce(headers, jsonb_build_object()) || {marks} ELSE headers END
 
 -- name: queue_exists
 -- pgmq.meta has one row per queue (unique index on queue_name).

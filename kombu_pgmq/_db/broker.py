@@ -292,17 +292,24 @@ class Broker:
         return True
 
     def _compose_read_queue(self, queue: str, name: str = "read_queue") -> sql.Composed:
-        """Statement ``read_queue`` (or ``ack_queue``) for ``queue``'s tables (the
-        columns differ between PGMQ versions: PGMQ < 1.11 has no last_read_at)."""
+        """Statement ``read_queue`` (or ``ack_queue``, ``archive_expired``) for
+        ``queue``'s tables (the columns differ between PGMQ versions: PGMQ < 1.11 has no
+        last_read_at)."""
         queue_table, archive_table = f"q_{queue}", f"a_{queue}"
         present = set(self.db.column("table_columns", {"table": f"pgmq.{queue_table}"}))
         archived = set(self.db.column("table_columns", {"table": f"pgmq.{archive_table}"}))
         columns = [c for c in _ARCHIVE_COLUMNS if c in present and c in archived]
         touch = self.db.statement("read_touch_last_read_at") if "last_read_at" in present else ""
+        marks = sql.SQL(self.db.statement("expired_marks"))
+        marked = sql.SQL(self.db.statement("expired_headers")).format(marks=marks)
         return sql.SQL(self.db.statement(name)).format(
             queue_table=sql.Identifier("pgmq", queue_table),
             archive_table=sql.Identifier("pgmq", archive_table),
             archive_columns=sql.SQL(", ").join(map(sql.Identifier, columns)),
+            archive_values=sql.SQL(", ").join(
+                marked if c == "headers" else sql.Identifier(c) for c in columns
+            ),
+            marks=marks,
             touch=sql.SQL(touch),
             last_read_at=sql.SQL("a.last_read_at" if "last_read_at" in columns else "NULL"),
         )
@@ -373,12 +380,38 @@ class Broker:
 
     def discard(self, receipts: Sequence[Receipt]) -> list[int]:
         """Delete, for good (no archive), the messages these deliveries still hold
-        (expired ones, what a no_ack consumer was handed); return the ids deleted.
+        (what a no_ack consumer was handed); return the ids deleted.
         ``receipts`` are of one queue."""
         if not receipts:
             return []
         params = {"queue": receipts[0].queue, **receipt_handles(receipts)}
         return [int(i) for i in self.db.column("discard", params)]
+
+    def archive_expired(self, receipts: Sequence[Receipt]) -> list[int]:
+        """Move the expired messages these deliveries still hold to the archive, with the
+        headers ``x-archive-reason: expired`` and ``x-expired-at`` (statement
+        ``archive_expired``); return the ids archived. A role without rights on PGMQ's
+        tables (least privilege) archives them with ``kombu_pgmq.ack``, unmarked.
+        ``receipts`` are of one queue; a queue that is gone archives nothing."""
+        if not receipts:
+            return []
+        queue = receipts[0].queue
+        if self.direct_reads:
+            params = {"queue": queue, **receipt_handles(receipts)}
+            try:
+                rows = self._fetch_direct(
+                    "archive_expired",
+                    queue,
+                    lambda: self._compose_read_queue(queue, "archive_expired"),
+                    params,
+                )
+            except QueueNotFound:
+                return []
+            except PermissionDenied:
+                self.direct_reads = False  # a least-privilege role
+            else:
+                return [int(r[0]) for r in rows]
+        return sorted(msg_id for _, msg_id in self.ack(receipts))
 
     def renew(self, held: Sequence[Receipt], vt_seconds: int) -> set[tuple[str, int]]:
         """Extend the leases of held messages (receipts) to now + ``vt_seconds``, in one

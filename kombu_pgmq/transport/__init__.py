@@ -194,8 +194,11 @@ exchange reaches all bound queues in one statement, or none. Queue arguments:
 dropped with their last consumer (or when its process stops heartbeating);
 ``x-expires`` drops a queue unused that long (consumers, declarations, ``basic_get``
 and new messages count as use); ``x-message-ttl`` and a message's own
-``expiration`` delete older messages instead of delivering them, counting from when the
-message became visible (a countdown's TTL starts after its delay). A publish with
+``expiration`` archive older messages (headers ``x-archive-reason: expired``,
+``x-expired-at``) instead of delivering them, counting from when the message became
+visible (a countdown's TTL starts after its delay); an expired Celery task is delivered
+all the same and its worker revokes it (state REVOKED), see
+:mod:`kombu_pgmq.transport.reader`. A publish with
 ``mandatory=True`` that no binding matches raises
 :class:`~kombu_pgmq.errors.Unroutable` (AMQP returns it) instead of being dropped. After
 a database restart every consumer gets a full ``consumer_stale_after`` before the reaper

@@ -27,7 +27,7 @@ __all__ = ["DELAY_PROPERTY", "Publisher"]
 
 #: Message property recording the delay a message was sent with (seconds): its
 #: x-message-ttl / expiration count from when it became visible, not from the publish.
-DELAY_PROPERTY = "pgmq_delay_seconds"
+DELAY_PROPERTY = encoding.DELAY_PROPERTY
 
 
 def _check_size(queue: str, body: str, headers: str, limit: int) -> None:

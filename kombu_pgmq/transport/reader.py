@@ -7,7 +7,14 @@ are handed and how.
 * **Poison rows**: a row that cannot become a Kombu message (undecodable), or delivered
   more than ``max_deliveries`` times, is dead-lettered alone; a consumer callback that
   raises in Celery's event loop dead-letters its message (``consumer_error``).
-* **TTL**: expired messages (``x-message-ttl``, ``expiration``) are deleted, not delivered.
+* **TTL**: expired messages (``x-message-ttl``, ``expiration``) are not delivered: they
+  are archived with the headers ``x-archive-reason: expired`` and ``x-expired-at``
+  (AMQP's meaning, auditable). A Celery task (protocol 2: ``task`` and ``id`` headers)
+  is never dropped that way: it is handed to the worker, which revokes it (state
+  REVOKED in the result store) and acks it. Celery's ``expiration`` is its copy of the
+  task's ``expires`` header, which the worker applies itself; past the queue's
+  ``x-message-ttl`` (or an ``expiration`` without ``expires``), the task is delivered
+  with ``expires`` set to when that TTL passed, so the worker revokes it.
 * ``no_ack`` consumers: what they were handed is deleted once delivered (AMQP auto-ack).
 
 No SQL here: statements go through the channel's :class:`~kombu_pgmq._db.broker.Broker`.
@@ -18,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import defaultdict
+from datetime import datetime, timedelta, timezone
 from itertools import count
 from typing import Any
 
@@ -36,22 +44,42 @@ logger = logging.getLogger(__name__)
 __all__ = ["Consumed", "Reader", "receipt"]
 
 
-def _expired(properties: dict[str, Any], row: Row, ttl_seconds: float | None) -> bool:
-    """x-message-ttl of the queue, or the message's own ``expiration`` (ms), has passed
-    since the message became visible (a delayed message's TTL starts after its delay)."""
+def _expired(
+    properties: dict[str, Any], row: Row, ttl_seconds: float | None
+) -> tuple[bool, float] | None:
+    """Whether x-message-ttl of the queue, or the message's own ``expiration`` (ms), has
+    passed since the message became visible (a delayed message's TTL starts after its
+    delay): ``(by the queue's TTL, seconds since it passed)``, or None."""
     try:
         age = row.age_seconds - float(properties.get(DELAY_PROPERTY) or 0)
     except (TypeError, ValueError):
         age = row.age_seconds
     if ttl_seconds is not None and age > ttl_seconds:
-        return True
+        return True, age - ttl_seconds
     expiration = properties.get("expiration")
     if expiration is None:
-        return False
+        return None
     try:
-        return age > float(expiration) / 1000.0
+        limit = float(expiration) / 1000.0
     except (TypeError, ValueError):
-        return False
+        return None
+    return (False, age - limit) if age > limit else None
+
+
+def _celery_task(headers: dict[str, Any]) -> bool:
+    """A Celery task message (protocol 2: ``task`` and ``id`` headers)."""
+    return "task" in headers and "id" in headers
+
+
+def _revoke_on_delivery(message: Any, by_queue: bool, overdue_seconds: float) -> None:
+    """An expired Celery task goes to the worker, which revokes it as Celery does (state
+    REVOKED, reason expired) if its ``expires`` header has passed: Celery's own
+    ``expires`` decides when only the ``expiration`` Celery derived from it passed;
+    otherwise ``expires`` becomes the moment the TTL passed."""
+    headers = message.headers
+    if by_queue or headers.get("expires") is None:
+        passed = datetime.now(timezone.utc) - timedelta(seconds=overdue_seconds)
+        headers["expires"] = passed.isoformat()
 
 
 def receipt(delivery_info: dict[str, Any]) -> Receipt:
@@ -285,9 +313,9 @@ class Reader(ChannelPart):
         return True
 
     def _forget_no_ack(self, read: dict[str, list[Receipt]], undelivered: list[Any]) -> None:
-        """Delete what ``no_ack`` consumers were handed (and expired rows read with
-        them): as AMQP auto-ack, a message is gone once delivered, but one a failed
-        callback kept from the application stays (it was requeued)."""
+        """Delete what ``no_ack`` consumers were handed: as AMQP auto-ack, a message is
+        gone once delivered, but one a failed callback kept from the application stays
+        (it was requeued). Expired rows read with them were archived already."""
         kept = {
             (info["pgmq_queue"], info["pgmq_msg_id"])
             for info in (m.delivery_info for m in undelivered)
@@ -358,7 +386,8 @@ class Reader(ChannelPart):
         """Rows -> Kombu messages: poison messages dead-lettered (undecodable: any
         failure before the consumer's callback, e.g. an unknown body encoding; or
         delivered more than ``max_deliveries`` times, restores not counted), expired
-        ones deleted."""
+        ones archived (reason ``expired``) unless they are Celery tasks, which are
+        handed over for the worker to revoke (see the module docstring)."""
         limit = None if no_ack else self.options.max_deliveries
         messages: list[Any] = []
         decoded: list[Row] = []
@@ -387,17 +416,40 @@ class Reader(ChannelPart):
             )
         rows = decoded
         ttl = self._queue_ttl_seconds(queue)
-        expired = [
-            m for m, row in zip(messages, rows, strict=True) if _expired(m.properties, row, ttl)
-        ]
+        expired: list[Any] = []
+        for message, row in zip(messages, rows, strict=True):
+            passed = _expired(message.properties, row, ttl)
+            if passed is None:
+                continue
+            if _celery_task(message.headers):
+                _revoke_on_delivery(message, *passed)
+            else:
+                expired.append(message)
         if expired:
-            if not no_ack:
-                self.pgmq.discard([receipt(m.delivery_info) for m in expired])
+            self._archive_expired(queue, expired)
             gone = {id(m) for m in expired}
             messages = [m for m in messages if id(m) not in gone]
         STATS.deliveries += len(messages)
         STATS.redeliveries += sum(1 for row in rows if row.read_ct > 1)
         return messages
+
+    def _archive_expired(self, queue: str, expired: list[Any]) -> None:
+        """Archive expired messages (reason ``expired``) instead of delivering them; one
+        popped by a ``no_ack`` get is gone already (logged)."""
+        held = [receipt(m.delivery_info) for m in expired]
+        archived = self.pgmq.archive_expired(held)
+        logger.debug(
+            "%d expired message(s) of queue %r archived (reason expired), not delivered",
+            len(archived),
+            queue,
+        )
+        if len(archived) < len(held):
+            logger.debug(
+                "%d expired message(s) of queue %r not archived: popped by a no_ack get, "
+                "or no longer held by this delivery",
+                len(held) - len(archived),
+                queue,
+            )
 
     def lifetime(self, queue: str) -> tuple[int | None, int | None]:
         """``(x-message-ttl, x-expires)`` of ``queue`` in ms (cached per channel)."""

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 
 import psycopg
+import pytest
 from celery import Celery, chain, chord, group
+from celery.exceptions import TaskRevokedError
 
 from tests.e2e import celery_app
 from tests.e2e.helpers import REPO_ROOT, Worker, runs, wait_for
@@ -120,3 +123,27 @@ def test_warm_shutdown_makes_unacked_message_visible_again_without_a_copy(
     (visible,) = db.execute("SELECT vt <= clock_timestamp() FROM pgmq.q_celery").fetchone() or ()
     assert visible
     assert "Traceback" not in worker.log()
+
+
+def test_expired_tasks_end_revoked_not_pending(
+    app: Celery, db: psycopg.Connection, start_worker: Callable[..., Worker]
+) -> None:
+    """Issue 27, item 8 (Celery's ``test_tasks::test_expired``): ``expires=`` becomes the
+    message's ``expiration`` too; the transport hands the expired task to the worker,
+    which revokes it (REVOKED in the result store) and acks it, instead of dropping it
+    unseen (PENDING forever)."""
+    add = app.tasks["e2e.add"]
+    waited = add.apply_async((1, 1), expires=1)  # expires while no worker runs
+    time.sleep(1.5)
+    start_worker()
+    past = add.apply_async((2, 2), expires=datetime.now(timezone.utc) - timedelta(seconds=5))
+    fresh = add.apply_async((3, 3), expires=60)
+    for result in (waited, past):
+        with pytest.raises(TaskRevokedError):
+            result.get(timeout=RESULT_TIMEOUT_S)
+        assert result.state == "REVOKED"
+    assert fresh.get(timeout=RESULT_TIMEOUT_S) == 6
+    # acked by the worker once revoked: archived, none left in the queue
+    wait_for(lambda: not queue_rows(db, "q_celery"), RESULT_TIMEOUT_S, "the acks")
+    archived = {task_id for _, _, task_id in queue_rows(db, "a_celery")}
+    assert {waited.id, past.id, fresh.id} <= archived

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from datetime import datetime, timedelta, timezone
 
 import pytest
 from kombu import Consumer, Producer, Queue
@@ -28,7 +29,12 @@ def test_message_ttl_expired_messages_are_not_delivered(db_dsn):
         got = drain(conn, "ttl.q", expect=2, timeout=2)
     assert [m.decode() for m in got] == [{"old": False}]
     assert sql(db_dsn, f"SELECT count(*) FROM {table('ttl.q')}") == [(0,)]
-    assert sql(db_dsn, f"SELECT count(*) FROM {table('ttl.q', 'a')}") == [(1,)]
+    # both archived: the expired one unseen, with its reason (never deleted unseen)
+    assert sql(
+        db_dsn,
+        f"SELECT message->>'old', headers->>'x-archive-reason', headers ? 'x-expired-at' "
+        f"FROM {table('ttl.q', 'a')} ORDER BY msg_id",
+    ) == [("true", "expired", True), ("false", None, False)]
 
 
 def test_ttl_declared_by_another_process_applies(db_dsn):
@@ -48,6 +54,63 @@ def test_per_message_expiration(db_dsn):
         time.sleep(0.6)
         got = drain(conn, "exp.q", expect=2, timeout=2)
     assert [m.body for m in got] == [b"long"]
+    assert sql(db_dsn, f"SELECT count(*) FROM {table('exp.q')}") == [(0,)]
+    archived = sql(
+        db_dsn,
+        f"SELECT headers->>'x-archive-reason', headers->'x-kombu'->'properties'->>'expiration' "
+        f"FROM {table('exp.q', 'a')} ORDER BY msg_id",
+    )
+    assert archived == [("expired", "300"), (None, "60000")]
+
+
+def test_expired_message_of_a_no_ack_consumer_is_archived(db_dsn):
+    with connect(db_dsn) as conn:
+        producer = Producer(conn.channel())
+        producer.publish(
+            "short", routing_key="exp.noack", expiration=0.2, declare=[Queue("exp.noack")]
+        )
+        producer.publish("long", routing_key="exp.noack", expiration=60)
+        time.sleep(0.4)
+        got: list = []
+        with Consumer(conn.channel(), [Queue("exp.noack")], on_message=got.append, no_ack=True):
+            deadline = time.monotonic() + 3
+            while not got and time.monotonic() < deadline:
+                with contextlib.suppress(TimeoutError):
+                    conn.drain_events(timeout=0.5)
+    assert [m.body for m in got] == [b"long"]
+    assert sql(db_dsn, f"SELECT count(*) FROM {table('exp.noack')}") == [(0,)]
+    assert sql(
+        db_dsn, f"SELECT message, headers->>'x-archive-reason' FROM {table('exp.noack', 'a')}"
+    ) == [("c2hvcnQ=", "expired")]  # base64 of b"short"
+
+
+def test_expired_celery_task_is_delivered_for_the_worker_to_revoke(db_dsn):
+    """A Celery task message (``task`` and ``id`` headers) is never dropped by a TTL: its
+    ``expiration`` (Celery's copy of ``expires``) is left to the worker; past the queue's
+    x-message-ttl it is delivered with ``expires`` set to when that TTL passed."""
+    expires = "2000-01-01T00:00:00+00:00"
+    with connect(db_dsn) as conn:
+        Queue("exp.celery.ttl", message_ttl=0.3)(conn.channel()).declare()
+        producer = Producer(conn.channel())
+        producer.publish(  # Celery's expires=: an expiration and an expires header
+            [[1, 2], {}, {}],
+            routing_key="exp.celery",
+            expiration=0.1,
+            headers={"task": "t.add", "id": "own-expires", "expires": expires},
+            declare=[Queue("exp.celery")],
+        )
+        producer.publish(  # no expires of its own: the queue's TTL passes
+            [[1, 2], {}, {}],
+            routing_key="exp.celery.ttl",
+            headers={"task": "t.add", "id": "queue-ttl", "expires": None},
+        )
+        time.sleep(0.5)
+        own = drain(conn, "exp.celery", expect=1, timeout=3)
+        by_queue = drain(conn, "exp.celery.ttl", expect=1, timeout=3)
+    assert [m.headers["expires"] for m in own] == [expires]
+    assert [m.headers["id"] for m in by_queue] == ["queue-ttl"]
+    passed = datetime.fromisoformat(by_queue[0].headers["expires"])
+    assert timedelta(0) < datetime.now(timezone.utc) - passed < timedelta(seconds=5)
 
 
 def test_auto_delete_queue_goes_with_its_last_consumer(db_dsn):

@@ -335,3 +335,21 @@ def test_an_owner_without_the_grant_option_on_pgmq_gets_the_fix(extension_server
         pgserver.drop_database(extension_server, name)
         pgserver.drop_role(extension_server, owner)
         pgserver.drop_role(extension_server, producer)
+
+
+def test_a_worker_archives_expired_messages(least_privilege_db):
+    """Issue 27, item 8: a worker role (no rights on PGMQ's tables) archives an expired
+    message too (through kombu_pgmq.ack, without the reason header), never deletes it."""
+    db = least_privilege_db
+    _declare_as_worker(db)
+    with _connection(db.producer_url) as conn:
+        producer = Producer(conn.default_channel)
+        producer.publish({"n": 0}, exchange=EXCHANGE, routing_key="orders", expiration=0.1)
+        producer.publish({"n": 1}, exchange=EXCHANGE, routing_key="orders")
+    time.sleep(0.3)
+    seen: list[int] = []
+    with _connection(db.worker_url) as conn:
+        _drain(conn, QUEUE, 1, lambda m: (seen.append(m.payload["n"]), m.ack()))
+    assert seen == [1]
+    assert _owner_count(db, "q_orders") == 0
+    assert _owner_count(db, "a_orders") == 2

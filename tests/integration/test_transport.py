@@ -404,3 +404,23 @@ def test_message_over_max_message_bytes_is_refused_before_sending(db_dsn):
         with pytest.raises(ConfigurationError, match="max_message_bytes=4096"):
             publish(conn, "small", [{"big": "x" * 5000}])
     assert sql(db_dsn, f"SELECT count(*) FROM {table('small')}") == [(1,)]
+
+
+def test_unknown_publish_property_is_ignored_and_the_message_consumed(db_dsn):
+    """Issue 27, item 9 (Celery's test_chord_header_id_duplicated_on_rabbitmq_msg_duplication
+    passes a signal object through apply_async's keyword arguments into the properties):
+    AMQP transports ignore properties they do not know; known ones round-trip."""
+    with connect(db_dsn) as conn:
+        Producer(conn.channel()).publish(
+            {"n": 1},
+            routing_key="props.q",
+            declare=[Queue("props.q")],
+            correlation_id="c-1",
+            message_id="m-1",
+            app_id="app",
+            signal=object(),  # not JSON
+        )
+        (got,) = drain(conn, "props.q", expect=1, timeout=3)
+    assert got.decode() == {"n": 1}
+    assert (got.properties["correlation_id"], got.properties["message_id"]) == ("c-1", "m-1")
+    assert got.properties["app_id"] == "app" and "signal" not in got.properties

@@ -190,3 +190,38 @@ def test_rows_that_cannot_be_kombu_messages_raise(envelope, error):
     headers = json.dumps({ENVELOPE_KEY: {"content-type": "application/json", **envelope}})
     with pytest.raises(Exception, match=error):
         decode('"%%% not base64"', headers)
+
+
+def test_unknown_properties_are_ignored_known_ones_stored(caplog):
+    """Issue 27, item 9: a property Kombu does not define (Celery passes the apply_async
+    options it does not know, e.g. a signal object, as properties) is ignored with a debug
+    log, not encoded; the properties Kombu and AMQP define round-trip."""
+    message = kombu_message("{}")
+    known = {
+        "content_type": "application/json",
+        "content_encoding": "utf-8",
+        "delivery_mode": 2,
+        "expiration": "1500",
+        "message_id": "m-1",
+        "timestamp": 1700000000,
+        "type": "t",
+        "user_id": "u",
+        "app_id": "a",
+        "cluster_id": "c",
+        "pgmq_delay_seconds": 3,
+    }
+    message["properties"].update(known, signal=object(), custom="value")
+    with caplog.at_level("DEBUG", logger="kombu_pgmq._encoding"):
+        _, back = roundtrip(message)
+    props = back["properties"]
+    assert {k: props[k] for k in known} == known
+    assert props["correlation_id"] == "cid" and props["reply_to"] == "r"
+    assert props["priority"] == 3
+    assert "signal" not in props and "custom" not in props
+    assert "message properties custom, signal ignored" in caplog.text
+
+
+def test_no_log_when_every_property_is_known(caplog):
+    with caplog.at_level("DEBUG", logger="kombu_pgmq._encoding"):
+        roundtrip(kombu_message("{}"))
+    assert "ignored" not in caplog.text
