@@ -203,6 +203,13 @@ SELECT queue, msg_id
 FROM kombu_pgmq.ack(%(queues)s::text[], %(msg_ids)s::bigint[], %(read_cts)s::integer[],
                     %(enqueued)s::timestamptz[])
 
+-- name: archive_expired_rows
+-- archive_expired for roles without rights on PGMQ's tables (migration 0019): the same
+-- marks, through a function run as its owner; returns the (queue, msg_id) archived.
+SELECT queue, msg_id
+FROM kombu_pgmq.archive_expired(%(queues)s::text[], %(msg_ids)s::bigint[],
+                                %(read_cts)s::integer[], %(enqueued)s::timestamptz[])
+
 -- name: ack_async
 -- The same with an asynchronous commit (durable_acks=False).
 SELECT queue, msg_id, set_config('synchronous_commit', 'off', true) AS synchronous_commit

@@ -391,7 +391,8 @@ class Broker:
         """Move the expired messages these deliveries still hold to the archive, with the
         headers ``x-archive-reason: expired`` and ``x-expired-at`` (statement
         ``archive_expired``); return the ids archived. A role without rights on PGMQ's
-        tables (least privilege) archives them with ``kombu_pgmq.ack``, unmarked.
+        tables (least privilege) archives them through ``kombu_pgmq.archive_expired``
+        (migration 0019), marked the same.
         ``receipts`` are of one queue; a queue that is gone archives nothing."""
         if not receipts:
             return []
@@ -411,7 +412,8 @@ class Broker:
                 self.direct_reads = False  # a least-privilege role
             else:
                 return [int(r[0]) for r in rows]
-        return sorted(msg_id for _, msg_id in self.ack(receipts))
+        rows = self.db.fetch("archive_expired_rows", receipt_handles(receipts), Renewed)
+        return sorted(int(r.msg_id) for r in rows)
 
     def renew(self, held: Sequence[Receipt], vt_seconds: int) -> set[tuple[str, int]]:
         """Extend the leases of held messages (receipts) to now + ``vt_seconds``, in one

@@ -339,7 +339,8 @@ def test_an_owner_without_the_grant_option_on_pgmq_gets_the_fix(extension_server
 
 def test_a_worker_archives_expired_messages(least_privilege_db):
     """Issue 27, item 8: a worker role (no rights on PGMQ's tables) archives an expired
-    message too (through kombu_pgmq.ack, without the reason header), never deletes it."""
+    message too, with its reason (through kombu_pgmq.archive_expired, migration 0019),
+    never deletes it."""
     db = least_privilege_db
     _declare_as_worker(db)
     with _connection(db.producer_url) as conn:
@@ -353,3 +354,9 @@ def test_a_worker_archives_expired_messages(least_privilege_db):
     assert seen == [1]
     assert _owner_count(db, "q_orders") == 0
     assert _owner_count(db, "a_orders") == 2
+    with psycopg.connect(db.owner_url, autocommit=True) as conn:
+        reasons = conn.execute(
+            "SELECT message->>'n', headers->>'x-archive-reason' FROM pgmq.a_orders"
+            " ORDER BY msg_id"
+        ).fetchall()
+    assert reasons == [("0", "expired"), ("1", None)]
