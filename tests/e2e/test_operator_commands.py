@@ -42,11 +42,16 @@ RESULT_TIMEOUT_S = 30.0
 CLI_REPLY_TIMEOUT_S = "20"
 E2E_TASKS = [
     "e2e.add",
+    "e2e.big",
+    "e2e.chord_part",
     "e2e.crash",
+    "e2e.fail",
     "e2e.fifo_step",
+    "e2e.on_chord_error",
     "e2e.ping",
     "e2e.record",
     "e2e.record_and_sleep",
+    "e2e.record_sum",
     "e2e.retry_once",
     "e2e.spark_sleep",
     "e2e.spark_sum",
