@@ -283,7 +283,8 @@ def test_a_snapshot_is_served_again_within_cache_seconds(db_dsn: str) -> None:
         first_at = time.monotonic()
         first = get(url)[2]
         statement = _last_statement(db_dsn, name)
-        assert "queue_stats" in statement[1], statement
+        # a scrape's last statement: the results' counts (after the queues' statistics)
+        assert "results_stats" in statement[1], statement
         assert value(first, "kombu_pgmq_queue_messages", queue="srv_cache_a", state="ready") == 1
         with connect(db_dsn) as conn:
             publish(conn, "srv_cache_b", [1, 2])
