@@ -1,0 +1,291 @@
+"""Celery's own integration suites on kombu_pgmq: our result backend vs Redis's, same run.
+
+Usage::
+
+    python benchmarks/celery_suite.py [--pg postgresql://postgres@127.0.0.1:5432/kpb_suite]
+        [--redis redis://127.0.0.1:6379/0] [--timeout 30] [--reruns 0] [-k EXPR]
+        [--runs postgresql,redis] [--workdir DIR] [--out benchmarks/results/celery_suite]
+
+What it does:
+
+1. Downloads the sdist of the installed Celery (``pip download --no-binary :all: --no-deps
+   celery==<version>``; it holds ``t/``) into ``--workdir`` unless already there, and
+   copies its ``t/`` next to a ``pytest.ini`` (Celery's own pytest options:
+   ``--strict-markers``, ``xfail_strict``, its markers) and a ``conftest.py`` that gives
+   every test the same time limit (``--timeout`` s; Celery's ``@flaky`` sets 300 s) and
+   ``--reruns`` reruns (Celery's ``@flaky`` reruns a test up to 5 times on timeouts and
+   connection errors; 0 here, so a test that hangs costs the same bounded time in both
+   runs).
+2. Runs ``t/integration/test_canvas.py`` and ``t/integration/test_tasks.py`` once per
+   ``--runs`` entry, one after the other (they share Redis keys), each in a fresh
+   PostgreSQL database (``<db>_<run>``, dropped and created again):
+
+   * ``postgresql``: ``TEST_BROKER`` and ``TEST_BACKEND`` both that database (our result
+     backend, selected by Celery's ``celery.result_backends`` entry point);
+   * ``redis``: ``TEST_BROKER`` that database, ``TEST_BACKEND`` ``--redis``.
+
+   pytest loads ``-p kombu_pgmq`` (registers the ``postgresql://`` transport) and
+   ``-p celery.contrib.pytest`` (the ``celery_session_worker`` fixture: a prefork worker
+   started by the test session itself). Celery's tests also use Redis directly (its
+   ``get_redis_connection()``, ``$REDIS_HOST``/``$REDIS_PORT``, default localhost:6379)
+   to record side effects, in both runs.
+3. Writes ``<out>.json`` (outcome per test per run, the failure's first lines, durations)
+   and ``<out>.md`` (counts, then every test whose outcome differs between the runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from brokers import dist_version, git_describe, pg_version  # noqa: E402
+
+SUITES = ["t/integration/test_canvas.py", "t/integration/test_tasks.py"]
+
+PYTEST_INI = """\
+[pytest]
+# Celery's own options (its pyproject.toml), without its testpaths
+addopts = --strict-markers
+python_classes = test_*
+xfail_strict = true
+markers =
+    sleepdeprived_patched_module
+    masked_modules
+    patched_environ
+    patched_module
+    flaky
+    timeout
+    amqp
+"""
+
+CONFTEST = '''\
+"""Written by kombu_pgmq's benchmarks/celery_suite.py: one time limit and the same number
+of reruns for every test, so a test that hangs costs the same bounded time in every run."""
+import os
+
+import pytest
+
+TIMEOUT_S = float(os.environ["CELERY_SUITE_TIMEOUT"])
+RERUNS = int(os.environ["CELERY_SUITE_RERUNS"])
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        item.add_marker(pytest.mark.timeout(TIMEOUT_S), append=False)
+        flaky = item.get_closest_marker("flaky")
+        if flaky is not None:
+            item.add_marker(pytest.mark.flaky(**{**flaky.kwargs, "reruns": RERUNS}), append=False)
+'''
+
+
+def prepare_suite(workdir: Path, version: str) -> Path:
+    """``workdir/suite-<version>``: Celery's ``t/`` with our pytest.ini and conftest.py."""
+    suite = workdir / f"suite-{version}"
+    if (suite / "t" / "integration" / "test_canvas.py").exists():
+        return suite
+    workdir.mkdir(parents=True, exist_ok=True)
+    sdist = workdir / f"celery-{version}.tar.gz"
+    if not sdist.exists():
+        pip = [sys.executable, "-m", "pip", "download", "-q", "--no-binary", ":all:"]
+        subprocess.run([*pip, "--no-deps", f"celery=={version}", "-d", str(workdir)], check=True)
+    prefix = f"celery-{version}/t/"
+    with tarfile.open(sdist) as tar:
+        members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
+        tar.extractall(workdir / "unpacked", members=members, filter="data")
+    suite.mkdir()
+    shutil.copytree(workdir / "unpacked" / f"celery-{version}" / "t", suite / "t")
+    (suite / "pytest.ini").write_text(PYTEST_INI)
+    (suite / "conftest.py").write_text(CONFTEST)
+    return suite
+
+
+def fresh_database(url: str) -> None:
+    parts = urlsplit(url)
+    name = parts.path.lstrip("/")
+    admin = urlunsplit(parts._replace(path="/postgres"))
+    import psycopg
+    from psycopg import sql
+
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+
+
+def parse_junit(path: Path) -> dict[str, dict[str, Any]]:
+    """``{test id: {"outcome", "seconds", "message"}}`` from pytest's JUnit XML."""
+    out: dict[str, dict[str, Any]] = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        module = case.get("classname", "").replace(".", "/")
+        # classname "t.integration.test_canvas.test_chord": module path + class
+        parts = module.split("/")
+        test_id = "/".join(parts[:-1]) + ".py::" + parts[-1] + "::" + case.get("name", "")
+        outcome, message = "passed", ""
+        for child in case:
+            if child.tag in ("failure", "error"):
+                outcome = "failed" if child.tag == "failure" else "error"
+                text = (child.get("message") or "") + "\n" + (child.text or "")
+                message = "\n".join(line for line in text.strip().splitlines()[:6])
+                break
+            if child.tag == "skipped":
+                kind = child.get("type", "")
+                outcome = "xfailed" if "xfail" in kind else "skipped"
+                message = (child.get("message") or "")[:300]
+        out[test_id] = {
+            "outcome": outcome,
+            "seconds": round(float(case.get("time") or 0), 2),
+            "message": message,
+        }
+    return out
+
+
+def run_suite(
+    suite: Path, name: str, broker: str, backend: str, args: argparse.Namespace, out: Path
+) -> dict[str, Any]:
+    junit = out.with_name(f"{out.name}_{name}.xml")
+    log = out.with_name(f"{out.name}_{name}.log")
+    env = {
+        **os.environ,
+        "TEST_BROKER": broker,
+        "TEST_BACKEND": backend,
+        "CELERY_SUITE_TIMEOUT": str(args.timeout),
+        "CELERY_SUITE_RERUNS": str(args.reruns),
+    }
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "kombu_pgmq"]
+    cmd += ["-p", "celery.contrib.pytest", "-rA", f"--junitxml={junit}", *SUITES]
+    if args.k:
+        cmd += ["-k", args.k]
+    print(f"[{name}] {' '.join(cmd[3:])}", flush=True)
+    started = time.monotonic()
+    with log.open("wb") as fh:
+        code = subprocess.run(
+            cmd, cwd=suite, env=env, stdout=fh, stderr=subprocess.STDOUT
+        ).returncode
+    seconds = time.monotonic() - started
+    tests = parse_junit(junit) if junit.exists() else {}
+    counts: dict[str, int] = {}
+    for entry in tests.values():
+        counts[entry["outcome"]] = counts.get(entry["outcome"], 0) + 1
+    print(f"[{name}] exit {code} in {seconds:.0f} s: {counts}", flush=True)
+    return {
+        "broker": "postgresql://…",
+        "backend": backend.split("://")[0] + "://…",
+        "exit_code": code,
+        "seconds": round(seconds),
+        "counts": counts,
+        "tests": tests,
+        "log": log.name,
+    }
+
+
+def compare(runs: dict[str, Any]) -> dict[str, Any]:
+    names = list(runs)
+    if len(names) != 2:
+        return {}
+    a, b = (runs[n]["tests"] for n in names)
+    ok = {"passed", "xfailed", "skipped"}
+    return {
+        f"passes_with_{names[1]}_not_{names[0]}": sorted(
+            t for t in b if b[t]["outcome"] == "passed" and a.get(t, {}).get("outcome") != "passed"
+        ),
+        f"passes_with_{names[0]}_not_{names[1]}": sorted(
+            t for t in a if a[t]["outcome"] == "passed" and b.get(t, {}).get("outcome") != "passed"
+        ),
+        "fail_in_both": sorted(
+            t for t in a if a[t]["outcome"] not in ok and b.get(t, {}).get("outcome") not in ok
+        ),
+    }
+
+
+def markdown(result: dict[str, Any]) -> str:
+    runs, diff = result["runs"], result["comparison"]
+    lines = [
+        f"# Celery {result['environment']['celery']} integration suites "
+        f"({', '.join(SUITES)}), broker kombu_pgmq",
+        "",
+        f"Per-test time limit {result['environment']['timeout_s']} s, reruns "
+        f"{result['environment']['reruns']}; load average at start "
+        f"{result['environment']['loadavg_start']}, at end {result['environment']['loadavg_end']}.",
+        "",
+        "| run | backend | passed | failed | error | skipped | xfailed | minutes |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, run in runs.items():
+        c = run["counts"]
+        lines.append(
+            f"| {name} | `{run['backend']}` | {c.get('passed', 0)} | {c.get('failed', 0)} | "
+            f"{c.get('error', 0)} | {c.get('skipped', 0)} | {c.get('xfailed', 0)} | "
+            f"{run['seconds'] / 60:.1f} |"
+        )
+    for title, tests in diff.items():
+        lines += ["", f"## {title.replace('_', ' ')} ({len(tests)})", ""]
+        for test in tests:
+            lines.append(f"- `{test}`")
+            for name, run in runs.items():
+                entry = run["tests"].get(test)
+                if entry and entry["outcome"] != "passed":
+                    first = entry["message"].splitlines()[0][:240] if entry["message"] else ""
+                    lines.append(f"  - {name}: {entry['outcome']} ({entry['seconds']} s): {first}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pg", default="postgresql://postgres@127.0.0.1:5432/kpb_suite")
+    parser.add_argument("--redis", default="redis://127.0.0.1:6379/0")
+    parser.add_argument("--timeout", type=float, default=30.0, help="seconds per test")
+    parser.add_argument("--reruns", type=int, default=0)
+    parser.add_argument("-k", default=None, help="pytest -k expression")
+    parser.add_argument("--runs", default="postgresql,redis")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/kombu_pgmq_celery_suite"))
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "celery_suite")
+    args = parser.parse_args()
+
+    version = dist_version("celery") or "unknown"
+    suite = prepare_suite(args.workdir, version)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    loadavg_start = os.getloadavg()
+    runs: dict[str, Any] = {}
+    for name in args.runs.split(","):
+        url = args.pg.rstrip("/") + f"_{name}"
+        fresh_database(url)
+        backend = url if name == "postgresql" else args.redis
+        runs[name] = run_suite(suite, name, url, backend, args, args.out)
+    result = {
+        "environment": {
+            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "celery": version,
+            "kombu": dist_version("kombu"),
+            "kombu_pgmq": git_describe(),
+            "postgresql": pg_version(args.pg.rstrip("/") + f"_{args.runs.split(',')[0]}"),
+            "timeout_s": args.timeout,
+            "reruns": args.reruns,
+            "k": args.k,
+            "loadavg_start": [round(x, 2) for x in loadavg_start],
+            "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+        },
+        "runs": runs,
+        "comparison": compare(runs),
+    }
+    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    args.out.with_suffix(".md").write_text(markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
