@@ -12,7 +12,8 @@ What it does:
    celery==<version>``; it holds ``t/``) into ``--workdir`` unless already there, and
    copies its ``t/`` next to a ``pytest.ini`` (Celery's own pytest options:
    ``--strict-markers``, ``xfail_strict``, its markers) and a ``conftest.py`` that gives
-   every test the same time limit (``--timeout`` s; Celery's ``@flaky`` sets 300 s) and
+   every test the same time limit (``--timeout`` s, then every 5 s again: a test looping
+   over ``subtests`` would otherwise hang; Celery's ``@flaky`` sets 300 s) and
    ``--reruns`` reruns (Celery's ``@flaky`` reruns a test up to 5 times on timeouts and
    connection errors; 0 here, so a test that hangs costs the same bounded time in both
    runs).
@@ -36,15 +37,16 @@ What it does:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
 import time
-import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -74,13 +76,53 @@ markers =
 
 CONFTEST = '''\
 """Written by kombu_pgmq's benchmarks/celery_suite.py: one time limit and the same number
-of reruns for every test, so a test that hangs costs the same bounded time in every run."""
+of reruns for every test, so a test that hangs costs the same bounded time in every run.
+
+pytest-timeout's SIGALRM fires once; a test that waits inside ``subtests.test()`` (which
+catches the timeout's exception as a subtest failure) would then wait for ever at its
+next ``get()``. So its timer repeats every REPEAT_S seconds until the test ends."""
+import json
 import os
+import signal
 
 import pytest
 
 TIMEOUT_S = float(os.environ["CELERY_SUITE_TIMEOUT"])
 RERUNS = int(os.environ["CELERY_SUITE_RERUNS"])
+REPEAT_S = 5.0
+
+_setitimer = signal.setitimer
+
+
+def _repeating_setitimer(which, seconds, interval=0.0):
+    if which == signal.ITIMER_REAL and seconds > 0 and not interval:
+        interval = REPEAT_S
+    return _setitimer(which, seconds, interval)
+
+
+signal.setitimer = _repeating_setitimer
+
+
+def pytest_runtest_logreport(report):
+    """One JSON line per phase report (setup, call, teardown, each subtest), written at
+    once: a run killed by its wall-clock limit still tells what ran."""
+    text = str(report.longrepr or "") if report.outcome != "passed" else ""
+    line = {
+        "nodeid": report.nodeid,
+        "when": report.when,
+        "outcome": report.outcome,
+        "xfail": bool(getattr(report, "wasxfail", None) is not None),
+        "subtest": type(report).__name__ != "TestReport",
+        "seconds": round(report.duration, 2),
+        "message": text[-1500:],
+    }
+    with open(os.environ["CELERY_SUITE_REPORT"], "a") as fh:
+        fh.write(json.dumps(line) + "\\n")
+
+
+def pytest_runtest_logstart(nodeid, location):
+    with open(os.environ["CELERY_SUITE_REPORT"], "a") as fh:
+        fh.write(json.dumps({"nodeid": nodeid, "when": "start"}) + "\\n")
 
 
 def pytest_collection_modifyitems(items):
@@ -127,37 +169,79 @@ def fresh_database(url: str) -> None:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
 
 
-def parse_junit(path: Path) -> dict[str, dict[str, Any]]:
-    """``{test id: {"outcome", "seconds", "message"}}`` from pytest's JUnit XML."""
+def first_lines(text: str, n: int = 6) -> str:
+    """The lines of a failure that say what failed: pytest's ``E`` lines first."""
+    lines = text.strip().splitlines()
+    errors = [line for line in lines if line.startswith("E ")]
+    return "\n".join((errors or lines)[:n])
+
+
+def parse_reports(path: Path) -> dict[str, dict[str, Any]]:
+    """``{test id: {"outcome", "seconds", "message"}}`` from the conftest's JSON lines:
+    ``failed`` if any phase or subtest failed (``error``: setup or teardown), ``skipped``,
+    ``xfailed``/``xpassed``, ``passed``; ``hung`` for a test started but never finished
+    (pytest was killed after ``--stall`` seconds without a report)."""
     out: dict[str, dict[str, Any]] = {}
-    for case in ET.parse(path).getroot().iter("testcase"):
-        module = case.get("classname", "").replace(".", "/")
-        # classname "t.integration.test_canvas.test_chord": module path + class
-        parts = module.split("/")
-        test_id = "/".join(parts[:-1]) + ".py::" + parts[-1] + "::" + case.get("name", "")
-        outcome, message = "passed", ""
-        for child in case:
-            if child.tag in ("failure", "error"):
-                outcome = "failed" if child.tag == "failure" else "error"
-                text = (child.get("message") or "") + "\n" + (child.text or "")
-                message = "\n".join(line for line in text.strip().splitlines()[:6])
-                break
-            if child.tag == "skipped":
-                kind = child.get("type", "")
-                outcome = "xfailed" if "xfail" in kind else "skipped"
-                message = (child.get("message") or "")[:300]
-        out[test_id] = {
-            "outcome": outcome,
-            "seconds": round(float(case.get("time") or 0), 2),
-            "message": message,
-        }
+    for raw in path.read_text().splitlines():
+        rep = json.loads(raw)
+        entry = out.setdefault(
+            rep["nodeid"], {"outcome": "hung", "seconds": 0.0, "message": "", "failed_subtests": 0}
+        )
+        if rep["when"] == "start":
+            continue
+        entry["seconds"] = round(entry["seconds"] + rep["seconds"], 2)
+        outcome = rep["outcome"]
+        if rep["subtest"]:
+            if outcome == "failed":
+                entry["failed_subtests"] += 1
+                entry["message"] = entry["message"] or first_lines(rep["message"])
+            continue
+        if outcome == "failed" and rep["when"] != "call":
+            outcome = "error"
+        elif rep["xfail"]:
+            outcome = "xfailed" if outcome == "skipped" else "xpassed"
+        if rep["when"] == "teardown" and entry["outcome"] != "hung":
+            if outcome == "error" and entry["outcome"] in ("passed", "hung"):
+                entry["outcome"] = "error"
+                entry["message"] = first_lines(rep["message"])
+            continue
+        if rep["when"] == "call" or outcome in ("skipped", "error"):
+            entry["outcome"] = outcome
+            if outcome not in ("passed", "xpassed"):
+                entry["message"] = entry["message"] or first_lines(rep["message"])
+        elif rep["when"] == "setup" and outcome == "passed":
+            entry["outcome"] = "hung"  # until its call report arrives
+    for entry in out.values():
+        if entry["outcome"] == "passed" and entry["failed_subtests"]:
+            entry["outcome"] = "failed"
     return out
+
+
+def wait_progress(proc: subprocess.Popen[bytes], reports: Path, stall: float) -> int | str:
+    """Wait for pytest; kill it (its process group) when no test reported for ``stall``
+    seconds (a test that waits for ever where pytest-timeout cannot interrupt it)."""
+    last = time.monotonic()
+    size = -1
+    while True:
+        try:
+            return proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            pass
+        now_size = reports.stat().st_size if reports.exists() else 0
+        if now_size != size:
+            size, last = now_size, time.monotonic()
+        elif time.monotonic() - last > stall:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return f"killed: no test reported for {stall:.0f} s"
 
 
 def run_suite(
     suite: Path, name: str, broker: str, backend: str, args: argparse.Namespace, out: Path
 ) -> dict[str, Any]:
-    junit = out.with_name(f"{out.name}_{name}.xml")
+    reports = out.with_name(f"{out.name}_{name}.jsonl")
+    reports.unlink(missing_ok=True)
     log = out.with_name(f"{out.name}_{name}.log")
     env = {
         **os.environ,
@@ -165,27 +249,50 @@ def run_suite(
         "TEST_BACKEND": backend,
         "CELERY_SUITE_TIMEOUT": str(args.timeout),
         "CELERY_SUITE_RERUNS": str(args.reruns),
+        "CELERY_SUITE_REPORT": str(reports),
     }
-    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "kombu_pgmq"]
-    cmd += ["-p", "celery.contrib.pytest", "-rA", f"--junitxml={junit}", *SUITES]
-    if args.k:
-        cmd += ["-k", args.k]
-    print(f"[{name}] {' '.join(cmd[3:])}", flush=True)
+    base = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "kombu_pgmq"]
+    base += ["-p", "celery.contrib.pytest"]
+    selection = [*SUITES] + (["-k", args.k] if args.k else [])
+    collected = subprocess.run(
+        [*base, "--collect-only", "-q", *selection],
+        cwd=suite,
+        env=env,
+        capture_output=True,
+        text=True,
+    ).stdout
+    todo = [line for line in collected.splitlines() if "::" in line]
+    print(f"[{name}] {len(todo)} tests: {' '.join(base[3:] + selection)}", flush=True)
     started = time.monotonic()
+    codes: list[int | str] = []
     with log.open("wb") as fh:
-        code = subprocess.run(
-            cmd, cwd=suite, env=env, stdout=fh, stderr=subprocess.STDOUT
-        ).returncode
+        while todo:
+            proc = subprocess.Popen(
+                [*base, "-rA", *todo],
+                cwd=suite,
+                env=env,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            code = wait_progress(proc, reports, args.stall)
+            codes.append(code)
+            if isinstance(code, int):
+                break
+            # a test hung past its time limit: it stays "hung"; go on with the tests after it
+            seen = {json.loads(line)["nodeid"] for line in reports.read_text().splitlines()}
+            todo = [t for t in todo if t not in seen]
+            print(f"[{name}] {code}; {len(todo)} tests left", flush=True)
     seconds = time.monotonic() - started
-    tests = parse_junit(junit) if junit.exists() else {}
+    tests = parse_reports(reports) if reports.exists() else {}
     counts: dict[str, int] = {}
     for entry in tests.values():
         counts[entry["outcome"]] = counts.get(entry["outcome"], 0) + 1
-    print(f"[{name}] exit {code} in {seconds:.0f} s: {counts}", flush=True)
+    print(f"[{name}] exit {codes} in {seconds:.0f} s: {counts}", flush=True)
     return {
         "broker": "postgresql://…",
         "backend": backend.split("://")[0] + "://…",
-        "exit_code": code,
+        "exit_codes": codes,
         "seconds": round(seconds),
         "counts": counts,
         "tests": tests,
@@ -198,7 +305,7 @@ def compare(runs: dict[str, Any]) -> dict[str, Any]:
     if len(names) != 2:
         return {}
     a, b = (runs[n]["tests"] for n in names)
-    ok = {"passed", "xfailed", "skipped"}
+    ok = {"passed", "xfailed", "xpassed", "skipped"}
     return {
         f"passes_with_{names[1]}_not_{names[0]}": sorted(
             t for t in b if b[t]["outcome"] == "passed" and a.get(t, {}).get("outcome") != "passed"
@@ -222,14 +329,15 @@ def markdown(result: dict[str, Any]) -> str:
         f"{result['environment']['reruns']}; load average at start "
         f"{result['environment']['loadavg_start']}, at end {result['environment']['loadavg_end']}.",
         "",
-        "| run | backend | passed | failed | error | skipped | xfailed | minutes |",
-        "|---|---|---|---|---|---|---|---|",
+        "| run | backend | passed | failed | error | hung | skipped | xfailed | xpassed | min |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, run in runs.items():
         c = run["counts"]
         lines.append(
             f"| {name} | `{run['backend']}` | {c.get('passed', 0)} | {c.get('failed', 0)} | "
-            f"{c.get('error', 0)} | {c.get('skipped', 0)} | {c.get('xfailed', 0)} | "
+            f"{c.get('error', 0)} | {c.get('hung', 0)} | {c.get('skipped', 0)} | "
+            f"{c.get('xfailed', 0)} | {c.get('xpassed', 0)} | "
             f"{run['seconds'] / 60:.1f} |"
         )
     for title, tests in diff.items():
@@ -250,6 +358,13 @@ def main() -> None:
     parser.add_argument("--redis", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds per test")
     parser.add_argument("--reruns", type=int, default=0)
+    parser.add_argument(
+        "--stall",
+        type=float,
+        default=120.0,
+        help="seconds without a test report before pytest is killed (the test then counts "
+        "as hung) and started again with the tests after it",
+    )
     parser.add_argument("-k", default=None, help="pytest -k expression")
     parser.add_argument("--runs", default="postgresql,redis")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/kombu_pgmq_celery_suite"))
