@@ -378,6 +378,11 @@ def main() -> None:
     parser.add_argument("-k", default=None, help="pytest -k expression")
     parser.add_argument("--runs", default="postgresql,redis")
     parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="no run: the JSON and Markdown from the runs' <out>_<run>.jsonl files",
+    )
+    parser.add_argument(
         "--unguard",
         action="store_true",
         help="run the tests Celery skips unless the result backend is Redis's "
@@ -395,8 +400,23 @@ def main() -> None:
     runs: dict[str, Any] = {}
     for name in args.runs.split(","):
         url = args.pg.rstrip("/") + f"_{name}"
-        fresh_database(url)
         backend = url if name == "postgresql" else args.redis
+        if args.report_only:  # the outcomes of an earlier (or interrupted) run
+            reports = args.out.with_name(f"{args.out.name}_{name}.jsonl")
+            tests = parse_reports(reports)
+            counts: dict[str, int] = {}
+            for entry in tests.values():
+                counts[entry["outcome"]] = counts.get(entry["outcome"], 0) + 1
+            runs[name] = {
+                "broker": "postgresql://…",
+                "backend": backend.split("://")[0] + "://…",
+                "exit_codes": ["report only"],
+                "seconds": 0,
+                "counts": counts,
+                "tests": tests,
+            }
+            continue
+        fresh_database(url)
         runs[name] = run_suite(suite, name, url, backend, args, args.out)
     result = {
         "environment": {
