@@ -136,7 +136,10 @@ def pytest_collection_modifyitems(items):
 
 #: Celery's guard in front of the tests that record side effects in Redis (they still use
 #: Redis at localhost for that, whatever the result backend): ``--unguard`` lets them run.
-GUARD = "manager.app.conf.result_backend.startswith('redis')"
+GUARDS = (
+    "manager.app.conf.result_backend.startswith('redis')",
+    'manager.app.conf.result_backend.startswith("redis")',
+)
 UNGUARDED = "manager.app.conf.result_backend.startswith(('redis', 'postgres'))"
 
 
@@ -159,7 +162,10 @@ def prepare_suite(workdir: Path, version: str, unguard: bool = False) -> Path:
     shutil.copytree(workdir / "unpacked" / f"celery-{version}" / "t", suite / "t")
     if unguard:
         for path in (suite / "t" / "integration").glob("test_*.py"):
-            path.write_text(path.read_text().replace(GUARD, UNGUARDED))
+            text = path.read_text()
+            for guard in GUARDS:
+                text = text.replace(guard, UNGUARDED)
+            path.write_text(text)
     (suite / "pytest.ini").write_text(PYTEST_INI)
     (suite / "conftest.py").write_text(CONFTEST)
     return suite
