@@ -356,7 +356,6 @@ def test_a_worker_archives_expired_messages(least_privilege_db):
     assert _owner_count(db, "a_orders") == 2
     with psycopg.connect(db.owner_url, autocommit=True) as conn:
         reasons = conn.execute(
-            "SELECT message->>'n', headers->>'x-archive-reason' FROM pgmq.a_orders"
-            " ORDER BY msg_id"
+            "SELECT message->>'n', headers->>'x-archive-reason' FROM pgmq.a_orders ORDER BY msg_id"
         ).fetchall()
     assert reasons == [("0", "expired"), ("1", None)]
