@@ -673,6 +673,10 @@ SELECT to_regprocedure('kombu_pgmq.results_stats()') IS NOT NULL AS installed
 SELECT kombu_pgmq.results_store(%(key)s, %(state)s, %(meta)s, %(expires_seconds)s::float8,
                                 %(keep_success)s) AS stored
 
+-- name: results_save_group
+-- Store a saved GroupResult (the only key a producer role may write).
+SELECT kombu_pgmq.results_save_group(%(key)s, %(meta)s, %(expires_seconds)s::float8) AS stored
+
 -- name: results_get
 -- Stored meta by key (primary key lookups); revoked: no result, but the task is revoked.
 SELECT key, meta, revoked FROM kombu_pgmq.results_get(%(keys)s::text[], %(task_ids)s::text[])

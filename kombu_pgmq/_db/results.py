@@ -103,6 +103,12 @@ class ResultStore:
         rows: list[tuple[bool]] = self.db.fetch("results_store", params, synchronous=synchronous)
         return bool(rows[0][0])
 
+    def save_group(self, key: str, meta: bytes, expires_seconds: float | None) -> None:
+        """Store a saved GroupResult's encoded meta (a producer role may write nothing
+        else)."""
+        params = {"key": key, "meta": meta, "expires_seconds": expires_seconds}
+        self.db.execute("results_save_group", params)
+
     def get(self, keys: Sequence[str], task_ids: Sequence[str | None]) -> dict[str, bytes | None]:
         """``{key: meta}`` of the keys stored; a task key without a result whose task is
         revoked maps to None (report REVOKED); other keys are left out."""

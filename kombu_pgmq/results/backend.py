@@ -304,6 +304,13 @@ class ResultBackend(AsyncBackendMixin, BaseKeyValueStoreBackend):
             raise BackendStoreError(str(exc), state=state, task_id=task_id) from exc
         return result
 
+    def _save_group(self, group_id: str, result: Any) -> Any:
+        # Its own function: a producer role (the client applying a chord) may store
+        # saved groups, not task results.
+        meta = self._encoded(self.encode({"result": result.as_tuple()}))
+        self.store.save_group(self.get_key_for_group(group_id), meta, self.expires or None)
+        return result
+
     def _revoked_meta(self, task_id: str) -> dict[str, Any]:
         """The meta of a durably revoked task that has no result (yet)."""
         return {

@@ -67,6 +67,21 @@ BEGIN
 END
 $$;
 
+-- A saved GroupResult (GroupResult.save(), a chord whose header holds groups): what a
+-- producer role may store. Any other key is a worker's to write.
+CREATE FUNCTION kombu_pgmq.results_save_group(
+    result_key text, result_meta bytea, expires_seconds double precision
+) RETURNS boolean
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF pg_catalog.strpos(result_key, 'celery-taskset-meta-') = 0 THEN
+        RAISE EXCEPTION 'kombu_pgmq: % is not a saved group''s key: task results are stored by a worker role (kombu-pgmq schema grant worker ROLE)',
+            result_key USING ERRCODE = 'insufficient_privilege';
+    END IF;
+    RETURN kombu_pgmq.results_store(result_key, 'SUCCESS', result_meta, expires_seconds, false);
+END
+$$;
+
 -- The stored meta of each key (keys without a row are left out), and for task keys
 -- without a row whose task id is in kombu_pgmq.revoked, revoked = true (meta NULL): the
 -- caller reports REVOKED. task_ids: the task id of each key (NULL for group keys).
@@ -283,11 +298,12 @@ $$;
 -- -- grants ---------------------------------------------------------------------------------
 
 -- A worker writes results, counts chords, expires and revokes; a producer (the client
--- that applies tasks, chords and groups, and waits for them) reads results, saves groups,
--- starts chords, forgets keys and revokes. Neither has any privilege on the tables: no
+-- that applies tasks, chords and groups, and waits for them) reads results, saves groups
+-- (no other key), starts chords, forgets keys and revokes. Neither has any privilege on the tables: no
 -- role but the owner can read all results, truncate or drop them.
 INSERT INTO kombu_pgmq.grantable (function, kind, definer) VALUES
-    ('kombu_pgmq.results_store(text, text, bytea, double precision, boolean)', 'producer', true),
+    ('kombu_pgmq.results_store(text, text, bytea, double precision, boolean)', 'worker', true),
+    ('kombu_pgmq.results_save_group(text, bytea, double precision)', 'producer', true),
     ('kombu_pgmq.results_get(text[], text[])', 'producer', true),
     ('kombu_pgmq.results_delete(text[])', 'producer', true),
     ('kombu_pgmq.results_expire_at(text[], double precision)', 'producer', true),

@@ -34,6 +34,7 @@ from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import GroupResult, ResultSet
 from kombu import Connection
 
+from kombu_pgmq import errors
 from kombu_pgmq._db.results import ResultStore
 from kombu_pgmq.results import ResultBackend
 from tests.integration.helpers import drain, sql, table, wait_for
@@ -709,8 +710,13 @@ def test_least_privilege_roles_use_results_but_cannot_touch_the_table(least_priv
             worker.backend.mark_as_done(task_id, index)
             request = _header_request(worker, group_id, task_id, index, dict(callback))
             worker.backend.on_chord_part_return(request, states.SUCCESS, index)
-        # producer: reads (get) what the worker stored
+        # producer: reads (get) what the worker stored, saves a group, stores no result
         assert [producer.AsyncResult(t).get(timeout=WAIT_S) for t in ids] == [0, 1]
+        saved = producer.GroupResult(new_id(), [producer.AsyncResult(t) for t in ids])
+        saved.save()
+        assert [r.id for r in producer.GroupResult.restore(saved.id).results] == ids
+        with pytest.raises(errors.PermissionDenied, match="function results_store"):
+            producer.backend.mark_as_done(new_id(), 42)
         with Connection(lp.owner_url) as conn:
             fired = drain(conn, "lp_cb", expect=1, timeout=WAIT_S)
         assert [m.decode()[0] for m in fired] == [[[0, 1]]]
