@@ -733,7 +733,9 @@ def test_least_privilege_roles_use_results_but_cannot_touch_the_table(least_priv
                     pytest.raises(psycopg.errors.InsufficientPrivilege),
                 ):
                     conn.execute(statement)
-        assert sql(lp.owner_url, "SELECT count(*) FROM kombu_pgmq.results")[0][0] == 2
+        assert (
+            sql(lp.owner_url, "SELECT count(*) FROM kombu_pgmq.results")[0][0] == 3
+        )  # two results, one saved group
     finally:
         close_app(worker)
         close_app(producer)
