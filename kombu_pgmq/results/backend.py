@@ -253,11 +253,7 @@ class ResultBackend(AsyncBackendMixin, BaseKeyValueStoreBackend):
         )
 
     def get(self, key: str) -> bytes | None:
-        task_id = self.task_id_of(key)
-        found = self.store.get([key], [task_id])
-        if key in found and found[key] is None and task_id is not None:
-            return self.encode(self._revoked_meta(task_id))
-        return found.get(key)
+        return self.mget([key])[0]
 
     def mget(self, keys: Iterable[str]) -> list[bytes | None]:
         keys = list(keys)

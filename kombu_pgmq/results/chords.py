@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from celery import states
 from celery.canvas import maybe_signature
@@ -40,16 +40,35 @@ from celery.utils.functional import _regen
 
 from .. import _conninfo as conninfo
 from .. import errors
+from .._db.results import ResultStore
 
-if TYPE_CHECKING:
-    from .backend import ResultBackend
+
+class ChordBackend(Protocol):
+    """What chords need of :class:`kombu_pgmq.results.backend.ResultBackend` (named
+    here, so this module does not import the backend that imports it)."""
+
+    app: Any
+    chord_expires: Any
+
+    @property
+    def store(self) -> ResultStore: ...
+
+    def same_database_as_broker(self) -> bool: ...
+    def ensure_chords_allowed(self) -> None: ...
+    def save_group(self, group_id: str, result: Any) -> Any: ...
+    def encode(self, data: Any) -> Any: ...
+    def decode(self, payload: Any) -> Any: ...
+    def encode_result(self, result: Any, state: str) -> Any: ...
+    def exception_to_python(self, exc: Any) -> Any: ...
+    def chord_error_from_stack(self, callback: Any, exc: Any = None) -> Any: ...
+
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["apply_chord", "broker_is_here", "on_chord_part_return"]
 
 
-def apply_chord(backend: ResultBackend, header_result_args: Any) -> None:
+def apply_chord(backend: ChordBackend, header_result_args: Any) -> None:
     """Record a new run of the chord; save a header that holds groups (nested results)."""
     backend.ensure_chords_allowed()
     group_id = header_result_args[0]
@@ -61,14 +80,18 @@ def apply_chord(backend: ResultBackend, header_result_args: Any) -> None:
             backend.save_group(group_id, header_result)
 
 
-def broker_is_here(backend: ResultBackend) -> bool:
-    """True when ``backend.app``'s broker is kombu_pgmq's and in the result backend's
-    database (checked once: one query on each side)."""
+def _broker_url(backend: ChordBackend) -> str | None:
+    """The URL the app publishes to (kombu's ``url1;url2`` for a failover list)."""
     conf = backend.app.conf
     url = conf.broker_write_url or conf.broker_url
-    if isinstance(url, (list, tuple)):
-        url = ";".join(url)
-    if not url or not conninfo.is_ours(url, conf.broker_transport) or ";" in url:
+    return ";".join(url) if isinstance(url, (list, tuple)) else url
+
+
+def broker_is_here(backend: ChordBackend) -> bool:
+    """True when ``backend.app``'s broker is kombu_pgmq's and in the result backend's
+    database (checked once: one query on each side)."""
+    url = _broker_url(backend)
+    if not url or not conninfo.is_ours(url, backend.app.conf.broker_transport) or ";" in url:
         return False
     from ..transactional import using
 
@@ -81,21 +104,19 @@ def broker_is_here(backend: ResultBackend) -> bool:
 
 
 @contextlib.contextmanager
-def _publishing_here(backend: ResultBackend) -> Iterator[None]:
+def _publishing_here(backend: ChordBackend) -> Iterator[None]:
     """Publishes of the block go into the result backend's open transaction when the
     broker is in its database."""
     if backend.same_database_as_broker():
         from ..transactional import using
 
-        conf = backend.app.conf
-        url = conf.broker_write_url or conf.broker_url
-        with using(backend.store.db.connection, broker_url=url):
+        with using(backend.store.db.connection, broker_url=_broker_url(backend)):
             yield
     else:
         yield
 
 
-def on_chord_part_return(backend: ResultBackend, request: Any, state: str, result: Any) -> None:
+def on_chord_part_return(backend: ChordBackend, request: Any, state: str, result: Any) -> None:
     """Count header task ``request.id`` of chord ``request.group``; the part that
     completes it publishes (or fails) the callback. See the module docstring."""
     app = backend.app
@@ -144,7 +165,7 @@ def on_chord_part_return(backend: ResultBackend, request: Any, state: str, resul
         backend.chord_error_from_stack(callback, ChordError(f"Callback error: {exc!r}"))
 
 
-def _header_values(backend: ResultBackend, group_id: str) -> list[Any]:
+def _header_values(backend: ChordBackend, group_id: str) -> list[Any]:
     """The header's results for the callback, in header order.
 
     Raises:
