@@ -33,7 +33,8 @@ meta as Celery encodes it (``result_serializer``, ``result_compression``), its s
 its expiry. The tables are installed by the broker's migrations under the same advisory
 lock; least-privilege roles reach them only through functions (``kombu-pgmq schema
 grant``: a worker writes results and counts chords; a producer reads results, saves
-groups, starts chords and forgets results; neither may read all results, truncate or
+groups (no other key: :class:`~kombu_pgmq.errors.PermissionDenied`), starts chords and
+forgets results; neither may read all results, truncate or
 drop them).
 
 Transport Options
