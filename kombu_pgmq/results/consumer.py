@@ -85,6 +85,7 @@ class ResultConsumer(BaseResultConsumer):
         self._lock = threading.RLock()
         self._db = None
         self._listening = False
+        self._listener_pid = 0
         self._subscribed = set()
         self._inbox.clear()
         self._watchers = []
@@ -174,6 +175,9 @@ class ResultConsumer(BaseResultConsumer):
             and db.backend_pid == self._listener_pid
         ):
             return db
+        # The first LISTEN of a consumer that never lost one: whoever subscribed reads
+        # next (on_wait_for_pending, get_many), no re-read needed.
+        first = self._listener_pid == 0 and not self._warned
         if db is None:
             db = self._db = self.backend.listen_connector(self._on_notify)
         try:
@@ -186,7 +190,10 @@ class ResultConsumer(BaseResultConsumer):
             logger.warning("result backend: listening again; re-reading awaited results")
             self._warned = False
         self._listening = True
-        self._resync()
+        if first:
+            self._next_resync = time.monotonic() + self.resync_seconds
+        else:
+            self._resync()
         return db
 
     def _lost(self, exc: Exception) -> None:
