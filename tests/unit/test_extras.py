@@ -1,7 +1,8 @@
 """Each extra of pyproject.toml installs what its modules import (nothing is installed here).
 
 For each group of modules (the base package, ``kombu_pgmq/embedded.py``,
-``kombu_pgmq/spark/``, ``kombu_pgmq/results/``, ``examples/``) every third-party import
+``kombu_pgmq/spark/``, ``kombu_pgmq/results/``, ``kombu_pgmq/beat/``, ``examples/``) every
+third-party import
 (module level or inside a function; ``if TYPE_CHECKING:`` blocks do not count) is mapped
 to its distribution with ``importlib.metadata.packages_distributions()``, which must be
 required by the base dependencies or that group's extra, directly or through the installed
@@ -139,10 +140,10 @@ def group_files(group: str) -> list[Path]:
             p
             for p in PACKAGE.rglob("*.py")
             if p.relative_to(PACKAGE).parts[0]
-            not in ("spark", "results", "embedded.py", "flower.py")
+            not in ("spark", "results", "beat", "embedded.py", "flower.py")
         )
-    if group == "results":
-        return sorted((PACKAGE / "results").rglob("*.py"))
+    if group in ("results", "beat"):
+        return sorted((PACKAGE / group).rglob("*.py"))
     if group == "embedded":
         return [PACKAGE / "embedded.py"]
     if group == "spark":
@@ -158,6 +159,7 @@ GROUPS = {
     "embedded": "embedded",
     "spark": "spark",
     "results": "celery",
+    "beat": "celery",
     "flower": "flower",
     "examples": "examples",
 }
