@@ -2,9 +2,9 @@
 -- kombu_pgmq.beat (Python) is the only caller; roles reach the tables only through these
 -- SECURITY DEFINER functions.
 --
--- Leader: the session that holds the advisory lock (1802530161, 1650811252) ("kpmq",
--- "beat"); PostgreSQL releases it when the session ends (a killed beat, a cut connection,
--- a restart). A leader that hangs with its session open stops writing heartbeat_at; a
+-- Leader: the session that holds the session advisory lock (1802530166, 1650811252)
+-- ('kpmq' + 5, "beat": no other kombu_pgmq lock uses class 1802530166); PostgreSQL
+-- releases it when the session ends (a killed beat, a cut connection, a restart). A leader that hangs with its session open stops writing heartbeat_at; a
 -- follower then ends that session (pg_terminate_backend) and takes the lock.
 -- Fence: a tick is claimed only by the session that holds the lock at the recorded epoch,
 -- in the transaction that publishes the task, under the unique key (entry, due_at).
@@ -88,7 +88,7 @@ CREATE FUNCTION kombu_pgmq.beat_lock_held() RETURNS boolean
 LANGUAGE sql STABLE AS $$
     SELECT EXISTS (
         SELECT 1 FROM pg_catalog.pg_locks l
-        WHERE l.locktype = 'advisory' AND l.classid = 1802530161 AND l.objid = 1650811252
+        WHERE l.locktype = 'advisory' AND l.classid = 1802530166 AND l.objid = 1650811252
           AND l.objsubid = 2 AND l.granted AND l.pid = pg_catalog.pg_backend_pid())
 $$;
 
@@ -109,7 +109,7 @@ BEGIN
     IF held THEN
         UPDATE kombu_pgmq.beat_leader SET heartbeat_at = clock_timestamp()
         WHERE id = 1 AND backend_pid = pg_catalog.pg_backend_pid();
-    ELSIF pg_catalog.pg_try_advisory_lock(1802530161, 1650811252) THEN
+    ELSIF pg_catalog.pg_try_advisory_lock(1802530166, 1650811252) THEN
         held := true;
         INSERT INTO kombu_pgmq.beat_leader AS l
             (id, identity, backend_pid, epoch, since, heartbeat_at)
@@ -123,7 +123,7 @@ BEGIN
     IF NOT held AND r.heartbeat_at < clock_timestamp() - make_interval(secs => stale_seconds) THEN
         SELECT bool_or(pg_catalog.pg_terminate_backend(l.pid)) INTO ended
         FROM pg_catalog.pg_locks l
-        WHERE l.locktype = 'advisory' AND l.classid = 1802530161 AND l.objid = 1650811252
+        WHERE l.locktype = 'advisory' AND l.classid = 1802530166 AND l.objid = 1650811252
           AND l.objsubid = 2 AND l.granted AND l.pid <> pg_catalog.pg_backend_pid();
         ended := coalesce(ended, false);
     END IF;
@@ -141,7 +141,7 @@ BEGIN
     END IF;
     UPDATE kombu_pgmq.beat_leader SET heartbeat_at = '-infinity'
     WHERE id = 1 AND backend_pid = pg_catalog.pg_backend_pid();
-    RETURN pg_catalog.pg_advisory_unlock(1802530161, 1650811252);
+    RETURN pg_catalog.pg_advisory_unlock(1802530166, 1650811252);
 END
 $$;
 
@@ -153,7 +153,7 @@ LANGUAGE sql STABLE AS $$
     SELECT l.identity, l.backend_pid, l.epoch, l.since, l.heartbeat_at,
            extract(epoch FROM clock_timestamp() - l.heartbeat_at)::double precision,
            EXISTS (SELECT 1 FROM pg_catalog.pg_locks k
-                   WHERE k.locktype = 'advisory' AND k.classid = 1802530161
+                   WHERE k.locktype = 'advisory' AND k.classid = 1802530166
                      AND k.objid = 1650811252 AND k.objsubid = 2 AND k.granted
                      AND k.pid = l.backend_pid)
     FROM kombu_pgmq.beat_leader l WHERE l.id = 1
