@@ -60,7 +60,8 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import psycopg
@@ -68,6 +69,7 @@ from kombu import Connection
 
 from . import errors
 from ._conninfo import is_ours, redact
+from ._db.batch import BatchedPublisher
 from ._db.broker import Broker
 from ._db.connector import Connector, ExternalConnector
 from .schema import ensure_schema
@@ -176,6 +178,25 @@ class Binding:
                 transport.dsn, broker, "the publishing connection's", "or publish outside the block"
             )
         return self.publisher
+
+    @contextmanager
+    def batched(self) -> Iterator[BatchedPublisher]:
+        """Publishes through this binding inside the block are recorded, then sent in one
+        statement when the block ends without an error (still in the application's
+        transaction; see :mod:`kombu_pgmq._db.batch`). A beat tick of many entries
+        publishes this way.
+
+        Raises (at the end of the block):
+            StatementError: the routing table changed meanwhile (nothing was sent).
+        """
+        previous = self.publisher
+        batch = BatchedPublisher(previous)
+        self.publisher = batch
+        try:
+            yield batch
+        finally:
+            self.publisher = previous
+        batch.flush()
 
     def check_broker(self, broker_dsn: str, source: str) -> None:
         """Refuse to publish for a broker (libpq string ``broker_dsn``, from ``source``)

@@ -469,6 +469,22 @@ FROM kombu_pgmq.routing_version v
 -- Cheap freshness check of a cached routing table (one-row table).
 SELECT version FROM kombu_pgmq.routing_version
 
+-- name: send_many
+-- Many publishes in one statement, in order (kombu_pgmq.send_to per message, as send and
+-- send_routed do): queues of a message comma-joined (PGMQ names have no comma). Sent only
+-- if the routing table is still at %(version)s (NULL: no routed publish in the batch);
+-- sent is false (nothing was sent) when it moved.
+SELECT count(*) = cardinality(%(messages)s::text[]) AS sent FROM (
+    SELECT kombu_pgmq.send_to(string_to_array(u.queues, ','), u.message::jsonb,
+                              u.headers::jsonb, u.delay_seconds, u.deduplication_window)
+    FROM unnest(%(queues)s::text[], %(messages)s::text[], %(headers)s::text[],
+                %(delay_seconds)s::integer[], %(windows)s::float8[])
+         WITH ORDINALITY AS u(queues, message, headers, delay_seconds, deduplication_window, n)
+    WHERE %(version)s::bigint IS NULL
+       OR %(version)s::bigint = (SELECT v.version FROM kombu_pgmq.routing_version v)
+    ORDER BY u.n
+) sent
+
 -- name: send_routed
 -- Publish one message to every queue an exchange routed it to, in one transaction (so
 -- in all of them or in none), only if the routing table is still at %(version)s: the

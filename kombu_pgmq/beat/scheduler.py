@@ -471,7 +471,8 @@ class Scheduler(beat.Scheduler):
         if self._broker_here:
             from ..transactional import using
 
-            with using(self.leader.connector.connection, broker_url=url):
+            bound = using(self.leader.connector.connection, broker_url=url)
+            with bound, bound.binding.batched():
                 yield
         else:
             yield
