@@ -3,14 +3,16 @@
 Broker URL: ``$KOMBU_PGMQ_URL``, else ``$DATABASE_URL``, else an embedded PostgreSQL that
 ``kombu_pgmq`` starts on first use (see :func:`kombu_pgmq.default_broker_url`).
 
-Run a worker from the repository root::
+Run a worker from the repository root (``-B``: with Celery beat, its schedule and leader
+election in PostgreSQL)::
 
-    celery -A examples.celeryapp worker --pool prefork --concurrency 2 --loglevel info
+    celery -A examples.celeryapp worker -B --pool prefork --concurrency 2 --loglevel info
 """
 
 from __future__ import annotations
 
 from celery import Celery
+from celery.schedules import schedule
 
 import kombu_pgmq  # registers postgresql:// and postgres:// with kombu
 
@@ -40,6 +42,17 @@ app.conf.update(
     # Results are rows of kombu_pgmq.results; expire them after a day (the worker
     # deletes expired rows itself, no celery beat needed).
     result_expires=86400,
+    # Celery beat on PostgreSQL: the schedule in kombu_pgmq.beat_entries, one leader among
+    # any number of beats (`worker -B` on every worker is fine), each tick sent once.
+    beat_scheduler="kombu_pgmq.beat:Scheduler",
+    beat_schedule={
+        "examples-every-2s": {
+            "task": "examples.tasks.add",
+            "schedule": schedule(2.0),
+            "args": (40, 2),
+            "options": {"expires": 60},
+        },
+    },
     task_serializer="json",
     result_serializer="json",
     accept_content=["json"],

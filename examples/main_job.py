@@ -85,6 +85,7 @@ class Job:
             "-A",
             "examples.celeryapp",
             "worker",
+            "--beat",  # Celery beat with kombu_pgmq.beat:Scheduler (examples.celeryapp)
             "--pool",
             "prefork",
             "--concurrency",
@@ -375,6 +376,26 @@ def run(job: Job) -> None:
     job.step("order + its task in one transaction, committed:", lambda: in_transaction(True))
     job.step("order + its task in one transaction, rolled back:", lambda: in_transaction(False))
     job.step("task enqueued in SQL (kombu_pgmq.send_task):", from_sql)
+
+    def periodic() -> tuple[str, bool]:
+        """The worker's beat (leader elected in PostgreSQL) sends add(40, 2) every 2 s."""
+        from kombu_pgmq.beat import PeriodicTasks
+
+        with PeriodicTasks(app=app) as schedule:
+            deadline = time.monotonic() + START_TIMEOUT
+            ticks = schedule.history("examples-every-2s", limit=1)
+            while not ticks and time.monotonic() < deadline:
+                time.sleep(0.2)
+                ticks = schedule.history("examples-every-2s", limit=1)
+            if not ticks:
+                return "no tick sent", False
+            leader = schedule.leader()
+        value = job.get(app.AsyncResult(ticks[0].task_id))
+        job.tasks += 1
+        who = leader.identity if leader is not None else "?"
+        return f"= {value}, sent once by the leader {who}", value == 42
+
+    job.step("periodic add(40, 2), every 2 s (beat):", periodic)
 
     shown: dict[str, Any] = {}
 

@@ -38,6 +38,7 @@ def test_main_job_runs_every_task_and_the_spark_pipeline(db_dsn, spark_server):
     assert re.search(r"in one transaction, committed: ran once, order \d+ found", out), out
     assert "in one transaction, rolled back: never queued, never ran" in out
     assert re.search(r"enqueued in SQL \(kombu_pgmq.send_task\): ran, order \d+ found", out)
+    assert re.search(r"every 2 s \(beat\): = 42, sent once by the leader \S+:\d+", out), out
     assert "same as pandas" in out
     assert "Frontier Airlines Inc." in out
     assert "flights pipeline (15 Spark tasks) = 16 carriers" in out
