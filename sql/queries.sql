@@ -471,15 +471,16 @@ SELECT version FROM kombu_pgmq.routing_version
 
 -- name: send_many
 -- Many publishes in one statement, in order (kombu_pgmq.send_to per message, as send and
--- send_routed do): queues of a message comma-joined (PGMQ names have no comma). Sent only
--- if the routing table is still at %(version)s (NULL: no routed publish in the batch);
--- sent is false (nothing was sent) when it moved.
-SELECT count(*) = cardinality(%(messages)s::text[]) AS sent FROM (
-    SELECT kombu_pgmq.send_to(string_to_array(u.queues, ','), u.message::jsonb,
-                              u.headers::jsonb, u.delay_seconds, u.deduplication_window)
-    FROM unnest(%(queues)s::text[], %(messages)s::text[], %(headers)s::text[],
-                %(delay_seconds)s::integer[], %(windows)s::float8[])
-         WITH ORDINALITY AS u(queues, message, headers, delay_seconds, deduplication_window, n)
+-- send_routed do). %(batch)s: a JSON array of {"queues": [...], "message": {...},
+-- "headers": {...}, "delay_seconds": n, "deduplication_window": s} (one JSON text: no
+-- per-element array escaping). Sent only if the routing table is still at %(version)s
+-- (NULL: no routed publish in the batch); sent is false (nothing was sent) when it moved.
+SELECT count(*) = jsonb_array_length(%(batch)s::jsonb) AS sent FROM (
+    SELECT kombu_pgmq.send_to(ARRAY(SELECT jsonb_array_elements_text(u.value->'queues')),
+                              u.value->'message', u.value->'headers',
+                              (u.value->>'delay_seconds')::integer,
+                              (u.value->>'deduplication_window')::float8)
+    FROM jsonb_array_elements(%(batch)s::jsonb) WITH ORDINALITY AS u(value, n)
     WHERE %(version)s::bigint IS NULL
        OR %(version)s::bigint = (SELECT v.version FROM kombu_pgmq.routing_version v)
     ORDER BY u.n

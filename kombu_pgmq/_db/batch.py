@@ -17,6 +17,7 @@ transaction is to be rolled back and repeated, as any failed statement in it).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 from ..errors import StatementError
@@ -31,24 +32,22 @@ class BatchedPublisher(Broker):
     def __init__(self, broker: Broker) -> None:
         super().__init__(broker.db)
         self.direct_writes = False
-        self._queues: list[str] = []
-        self._messages: list[str] = []
-        self._headers: list[str] = []
-        self._delays: list[int] = []
-        self._windows: list[float] = []
+        #: One JSON object per message, composed as text (message and headers are JSON
+        #: text already: they are not parsed again).
+        self._items: list[str] = []
         self._version: int | None = None
 
     def __len__(self) -> int:
-        return len(self._messages)
+        return len(self._items)
 
     def _record(
         self, queues: Sequence[str], message: str, headers: str, delay: int, window: float
     ) -> None:
-        self._queues.append(",".join(queues))
-        self._messages.append(message)
-        self._headers.append(headers)
-        self._delays.append(max(int(delay), 0))
-        self._windows.append(float(window))
+        self._items.append(
+            f'{{"queues": {json.dumps(list(queues))}, "message": {message}, '
+            f'"headers": {headers}, "delay_seconds": {max(int(delay), 0)}, '
+            f'"deduplication_window": {float(window)!r}}}'
+        )
 
     def send(
         self,
@@ -86,20 +85,12 @@ class BatchedPublisher(Broker):
             StatementError: the routing table moved since a routed publish was recorded
                 (nothing was sent).
         """
-        n = len(self._messages)
+        n = len(self._items)
         if not n:
             return 0
-        params = {
-            "queues": self._queues,
-            "messages": self._messages,
-            "headers": self._headers,
-            "delay_seconds": self._delays,
-            "windows": self._windows,
-            "version": self._version,
-        }
+        params = {"batch": "[" + ",".join(self._items) + "]", "version": self._version}
+        self._items, self._version = [], None
         sent = self.db.scalar("send_many", params)
-        self._queues, self._messages, self._headers = [], [], []
-        self._delays, self._windows, self._version = [], [], None
         if not sent:
             raise StatementError(
                 "the routing table changed during a batched publish: nothing was sent; roll "
