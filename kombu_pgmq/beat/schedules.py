@@ -156,12 +156,15 @@ def latest_due(
     now = _aware(now)
     latest: datetime | None = None
     count = 0
-    due = next_due(sched, last_run_at)
-    if type(sched) is schedule and not sched.relative and due <= now:
+    if type(sched) is schedule and not sched.relative:  # elapsed time: plain arithmetic
         every = sched.run_every
+        due = _aware(last_run_at).astimezone(timezone.utc) + every
+        if due > now:
+            return None, 0, due
         count = int((now - due) / every) + 1
         latest = due + every * (count - 1)
         return latest, count, latest + every
+    due = next_due(sched, last_run_at)
     while due <= now:
         latest, count = due, count + 1
         if count >= _MAX_STEPS:  # a very long outage: jump
