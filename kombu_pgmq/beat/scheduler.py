@@ -9,9 +9,10 @@ Use::
 Run as many beat processes as you like (on every host, or ``worker -B`` on every worker):
 one leads (:mod:`kombu_pgmq.beat.leader`), the others wait and take over within
 ``beat_takeover_seconds`` when it dies, hangs or loses its connection. The schedule lives
-in ``kombu_pgmq.beat_entries``: ``beat_schedule`` is written there when a process starts
-to lead (the config wins for the entries it names; entries added at run time through
-:class:`~kombu_pgmq.beat.PeriodicTasks` or ``kombu-pgmq beat add`` persist), and any
+in ``kombu_pgmq.beat_entries``: ``beat_schedule`` is written there when a process starts,
+and again when it starts to lead (the config wins for the entries it names; entries
+added at run time through :class:`~kombu_pgmq.beat.PeriodicTasks` or ``kombu-pgmq beat
+add`` persist), and any
 change reaches the leader at once (``NOTIFY kombu_pgmq_beat``).
 
 Each tick once: the leader claims a tick, ``(entry, due time)`` under a unique key, in
@@ -163,6 +164,7 @@ class Scheduler(beat.Scheduler):
             ensure_schema(connector, self.dsn)
         else:
             verify(connector)
+        self._sync_config()  # this process's config applies now (and again when it leads)
         if not [t for t in self.app.tasks if not t.startswith("celery.")]:
             logger.warning(
                 "beat: app %r registers no task: periodic tasks are sent by name, unchecked",
@@ -230,16 +232,23 @@ class Scheduler(beat.Scheduler):
     # -- leading -------------------------------------------------------------------------
 
     def _on_lead(self) -> None:
-        store = self.leader.store
         try:
-            store.listen()
-            written, removed = store.sync_config(self._config)
+            self.leader.store.listen()
         except errors.KombuPgmqError as exc:
-            self.leader.step_down(f"syncing beat_schedule failed ({exc})")
+            self.leader.step_down(f"LISTEN failed ({exc})")
+            return
+        self._sync_config()
+        self._dirty = True
+
+    def _sync_config(self) -> None:
+        """Write this process's ``beat_schedule`` (the config wins for what it names)."""
+        try:
+            written, removed = self.leader.store.sync_config(self._config)
+        except errors.KombuPgmqError as exc:
+            logger.warning("beat: syncing beat_schedule failed (%s); trying when leading", exc)
             return
         if written or removed:
             logger.info("beat: beat_schedule synced (%d written, %d removed)", written, removed)
-        self._dirty = True
 
     def _read_config(self) -> list[dict[str, Any]]:
         data: dict[str, Any] = {}
