@@ -113,7 +113,15 @@ def _with_tasks(url: str | None, check_queues: bool, action: Callable[[PeriodicT
     return _run(url, run)
 
 
-@main.group("beat", cls=_Group)
+@main.group(
+    "beat",
+    cls=_Group,
+    epilog=_examples(
+        "kombu-pgmq beat list",
+        "kombu-pgmq beat add cleanup app.tasks.cleanup --every 300",
+        "kombu-pgmq beat leader",
+    ),
+)
 def beat() -> None:
     """The beat scheduler's periodic tasks (celery beat -S kombu_pgmq.beat:Scheduler):
     list, add, change, run now, history, and which beat leads. Changes reach the leading
@@ -241,7 +249,9 @@ def _schedule(
 @click.argument("task")
 @click.option("--every", type=float, metavar="SECONDS", help="An interval schedule.")
 @click.option("--cron", metavar="'m h dom mon dow'", help="A crontab schedule (five fields).")
-@click.option("--tz", metavar="ZONE", help="--cron's time zone (IANA; default: the app's).")
+@click.option(
+    "--tz", metavar="ZONE", help="--cron's time zone (IANA; default: the beat app's timezone)."
+)
 @click.option(
     "--solar",
     type=(str, float, float),
@@ -288,8 +298,8 @@ def beat_add(
     no_check_queue: bool,
 ) -> None:
     """Add periodic task NAME sending TASK (its registered name) on a schedule: exactly
-    one of --every, --cron or --solar. It first runs one period after it is added; the
-    leading beat sees it at once."""
+    one of --every, --cron or --solar. It first runs one period after it is added (a
+    crontab: at its next matching time); the leading beat sees it at once."""
     args = _json_value("--args", args_json, list, "'[1, 2]'") or []
     kwargs = _json_value("--kwargs", kwargs_json, dict, "'{\"x\": 1}'") or {}
     options = _json_value("--options", options_json, dict, "'{\"countdown\": 5}'") or {}
