@@ -79,7 +79,7 @@ class Beat:
         app = Celery("beatcli", broker=url)
         app.conf.update(result_backend=None, result_expires=None, beat_schedule={})
 
-        @app.task(name=TASK)
+        @app.task(name=TASK, shared=False)
         def noop() -> None:
             return None
 
