@@ -385,8 +385,7 @@ class Management:
     @property
     def _beat(self) -> BeatStore:
         if not self._beat_checked:
-            store = BeatStore(self._db)
-            if not store.installed():
+            if not self.beat_installed():
                 raise errors.ConfigurationError(
                     "this database has no kombu_pgmq beat tables (schema version 20): run "
                     "'kombu-pgmq schema install' with the same URL, or start a beat with "
@@ -394,6 +393,11 @@ class Management:
                 )
             self._beat_checked = True
         return BeatStore(self._db)
+
+    def beat_installed(self) -> bool:
+        """The beat scheduler's tables (migration 0020) are in this database; the other
+        ``beat_*`` methods raise ``ConfigurationError`` (naming the fix) when not."""
+        return BeatStore(self._db).installed()
 
     def beat_entries(self) -> list[StoredEntry]:
         """The beat scheduler's periodic tasks, by name: schedule, enabled, last and next

@@ -98,8 +98,21 @@ def _with_management(url: str | None, action: Callable[[Management], T]) -> T:
     return _run(url, run)
 
 
-def _with_tasks(url: str | None, check_queues: bool, action: Callable[[PeriodicTasks], T]) -> T:
+def _with_tasks(
+    url: str | None,
+    action: Callable[[PeriodicTasks], T],
+    *,
+    check_queues: bool = False,
+    install: bool = False,
+) -> T:
+    """Run ``action`` with :class:`~kombu_pgmq.beat.PeriodicTasks` on ``--url``'s
+    database. ``install``: install the schema if missing (``add``, as the API does);
+    else a database without the beat tables is an error naming the fix."""
+
     def run(resolved: str) -> T:
+        if not install:
+            with Management(resolved) as management:
+                management.beat_leader()  # ConfigurationError without the beat tables
         try:
             from ..beat import PeriodicTasks
         except ImportError as exc:
@@ -319,7 +332,7 @@ def beat_add(
                 _fail(f"periodic task {name!r} exists already: give --replace to replace it")
             raise
 
-    entry = _with_tasks(url, not no_check_queue, add)
+    entry = _with_tasks(url, add, check_queues=not no_check_queue, install=True)
     state = "" if entry.enabled else ", disabled"
     what = schedule_text(entry.schedule_kind, entry.schedule)
     click.echo(f"{'replaced' if replace else 'added'} {name!r}: {task} {what}{state}")
@@ -335,7 +348,7 @@ def _unknown(name: str) -> str:
 def beat_remove(url: str | None, name: str) -> None:
     """Delete periodic task NAME (its history stays until pruned). An entry of
     beat_schedule comes back when a beat next starts to lead: remove it from the config."""
-    if not _with_tasks(url, False, lambda tasks: tasks.remove(name)):
+    if not _with_tasks(url, lambda tasks: tasks.remove(name)):
         _fail(_unknown(name))
     click.echo(f"removed {name!r}")
 
@@ -344,7 +357,7 @@ def _set_enabled(url: str | None, name: str, enabled: bool) -> None:
     def run(tasks: PeriodicTasks) -> None:
         (tasks.enable if enabled else tasks.disable)(name)
 
-    _with_tasks(url, False, run)
+    _with_tasks(url, run)
     click.echo(f"{'enabled' if enabled else 'disabled'} {name!r}")
 
 
@@ -376,7 +389,7 @@ def beat_run_now(url: str | None, name: str) -> None:
         requested = tasks.run_now(name)
         return requested, tasks.leader(), tasks.get(name).enabled
 
-    requested, leader, enabled = _with_tasks(url, False, run)
+    requested, leader, enabled = _with_tasks(url, run)
     click.echo(f"run of {name!r} requested at {_when(requested)} UTC")
     if not enabled:
         click.echo(f"warning: {name!r} is disabled: it is sent once enabled", err=True)

@@ -169,6 +169,12 @@ def test_add_every_schedule_kind_and_option_then_list(db_dsn: str) -> None:
     again = entries(db_dsn)["tick"]
     assert again["schedule_text"] == "every 5 s" and again["total_run_count"] == 7
 
+    # run-now of a disabled entry, no beat leading: asked, with both warnings
+    asked = ok("run-now", "--url", db_dsn, "report")
+    assert asked.stdout.startswith("run of 'report' requested at ")
+    assert "'report' is disabled" in asked.stderr and "no beat leads now" in asked.stderr
+    assert entries(db_dsn)["report"]["run_requested_at"] is not None
+
     ok("disable", "--url", db_dsn, "tick")
     assert entries(db_dsn)["tick"]["enabled"] is False
     ok("enable", "--url", db_dsn, "tick")
@@ -312,10 +318,21 @@ def test_no_beat_ever_led(db_dsn: str) -> None:
     assert "no periodic tasks" in ok("list", "--url", db_dsn).stdout
 
 
-@pytest.mark.parametrize("command", [("list",), ("history",), ("leader",)])
+READING = [("list",), ("history",), ("leader",)]
+CHANGING = [("remove", "x"), ("enable", "x"), ("disable", "x"), ("run-now", "x")]
+
+
+@pytest.mark.parametrize("command", READING + CHANGING)
 def test_a_database_without_the_beat_tables_names_the_fix(
     empty_db_dsn: str, command: tuple[str, ...]
 ) -> None:
     assert_one_error_line(
         invoke(*command, "--url", empty_db_dsn), "no kombu_pgmq beat tables", "schema install"
     )
+    # nothing was installed by the attempt (only "beat add" installs, as PeriodicTasks.add)
+    assert sql(empty_db_dsn, "SELECT to_regnamespace('kombu_pgmq') IS NULL") == [(True,)]
+
+
+def test_add_installs_the_schema_of_an_empty_database(empty_db_dsn: str) -> None:
+    ok("add", "--url", empty_db_dsn, "tick", TASK, "--every", "30")
+    assert list(entries(empty_db_dsn)) == ["tick"]
