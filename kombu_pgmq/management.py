@@ -39,6 +39,7 @@ from typing import Any
 from . import _conninfo as conninfo
 from . import errors, revocations
 from ._db.admin import Admin, BandStats, PeekedRow, TaskRow
+from ._db.beat import BeatStore, LeaderInfo, StoredEntry, StoredTick
 from ._db.connector import Connector
 from ._db.results import ResultStats, ResultStore
 from .dlq import DEFAULT_DEAD_LETTER_QUEUE
@@ -311,6 +312,7 @@ class Management:
         self._db = Connector(conninfo.to_dsn(url))
         self._checked = False
         self._results_checked = False
+        self._beat_checked = False
         self._admin_ops = Admin(self._db)
 
     @property
@@ -377,6 +379,40 @@ class Management:
             if removed < batch_size:
                 break
         return total
+
+    # -- the beat scheduler (kombu_pgmq.beat_entries, migration 0020) ---------------------
+
+    @property
+    def _beat(self) -> BeatStore:
+        if not self._beat_checked:
+            if not self.beat_installed():
+                raise errors.ConfigurationError(
+                    "this database has no kombu_pgmq beat tables (schema version 20): run "
+                    "'kombu-pgmq schema install' with the same URL, or start a beat with "
+                    "-S kombu_pgmq.beat:Scheduler once (it installs them)"
+                )
+            self._beat_checked = True
+        return BeatStore(self._db)
+
+    def beat_installed(self) -> bool:
+        """The beat scheduler's tables (migration 0020) are in this database; the other
+        ``beat_*`` methods raise ``ConfigurationError`` (naming the fix) when not."""
+        return BeatStore(self._db).installed()
+
+    def beat_entries(self) -> list[StoredEntry]:
+        """The beat scheduler's periodic tasks, by name: schedule, enabled, last and next
+        run, run count, missed ticks, last error (:mod:`kombu_pgmq.beat`; no Celery
+        needed to read them)."""
+        return self._beat.entries()
+
+    def beat_leader(self) -> LeaderInfo | None:
+        """The leading beat of record (None: no beat ever led here); ``alive`` False: it
+        is gone (its session ended) and no other took over yet."""
+        return self._beat.leader()
+
+    def beat_history(self, name: str | None = None, limit: int = 50) -> list[StoredTick]:
+        """Ticks sent (or skipped), newest first, of ``name`` or of every entry."""
+        return self._beat.history(name, limit)
 
     def messages(self, queue: str, limit: int = 20) -> list[PeekedMessage]:
         """Up to ``limit`` messages of Kombu queue ``queue`` (higher priority bands first,

@@ -41,6 +41,22 @@ summed; see :mod:`kombu_pgmq.management` for the states):
 ``kombu_pgmq_result_bytes{state}``               their encoded size in bytes
 ``kombu_pgmq_results_expired{state}``            results past ``result_expires`` not
                                                  deleted yet (the workers' sweep is late)
+``kombu_pgmq_beat_leader{identity}``             1 while the beat of record (``host:pid``)
+                                                 leads; 0 when it is gone and no other
+                                                 took over yet (none: no beat ever led)
+``kombu_pgmq_beat_leader_heartbeat_age_seconds`` seconds since the leader's last election
+                                                 round (a hung leader's grows)
+``kombu_pgmq_beat_last_run_timestamp_seconds``   per ``entry``: Unix time of the due time
+                                                 last sent (none: never ran)
+``kombu_pgmq_beat_next_run_timestamp_seconds``   per ``entry``: Unix time of its next due
+                                                 time as the leader computed it
+``kombu_pgmq_beat_runs_total{entry}``            ticks sent (counter; kept when replaced)
+``kombu_pgmq_beat_missed_ticks_total{entry}``    due times folded into a catch-up tick or
+                                                 skipped while no beat led (counter)
+``kombu_pgmq_beat_entry_error{entry}``           1 while the entry has a ``last_error`` (an
+                                                 unknown task, a queue that exists nowhere)
+``kombu_pgmq_beat_entry_enabled{entry}``         1 if enabled (a disabled entry's next run
+                                                 is not sent)
 ``kombu_pgmq_up``                                1 if the last read reached the database
 ``kombu_pgmq_scrape_duration_seconds``           seconds the last read (statement) took
 ``kombu_pgmq_scrape_age_seconds``                seconds since the served snapshot was
@@ -68,7 +84,13 @@ The database role needs the statistics function: the owner, or a role granted wi
 ``kombu-pgmq schema grant producer ROLE`` (it sees counts, not messages). The result
 metrics are left out, and nothing fails, when the database has no result backend tables
 (schema older than version 18) or the role may not read their statistics; they cost one
-scan of ``kombu_pgmq.results`` per snapshot (``results=False`` turns them off).
+scan of ``kombu_pgmq.results`` per snapshot (``results=False`` turns them off). The beat
+metrics (:mod:`kombu_pgmq.beat`: two more statements per snapshot, the leader and the
+entries; ``beat=False`` turns them off) are left out the same way without migration 0020
+or the privilege (a ``producer`` or ``worker`` role has it). Alert on, for example,
+``max(kombu_pgmq_beat_leader) < 1`` (no beat leads) or ``time() -
+kombu_pgmq_beat_next_run_timestamp_seconds > 60 and kombu_pgmq_beat_entry_enabled == 1``
+(a tick is late).
 """
 
 from __future__ import annotations
@@ -84,6 +106,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from . import errors
+from ._db.beat import LeaderInfo, StoredEntry
 from ._stats import FIELDS, STATS
 from .dlq import DEFAULT_DEAD_LETTER_QUEUE
 from .management import EXACT_ARCHIVE_BELOW, Management, QueueStats, ResultStats
@@ -137,6 +160,7 @@ class QueueCollector(Collector):
             of scrapers costs at most one statement per ``cache_seconds`` (plus the
             statement's own duration).
         results: also read the result backend's statistics (``kombu_pgmq_results``...).
+        beat: also read the beat scheduler's leader and entries (``kombu_pgmq_beat_*``).
 
     A read that cannot reach the database gives ``kombu_pgmq_up 0`` and no queue
     metrics (and logs the error); it is cached like any snapshot, and the next read
@@ -154,6 +178,7 @@ class QueueCollector(Collector):
         exact_archive_below: int = EXACT_ARCHIVE_BELOW,
         cache_seconds: float = DEFAULT_CACHE_SECONDS,
         results: bool = True,
+        beat: bool = True,
     ) -> None:
         if not cache_seconds >= 0:
             raise errors.ConfigurationError(
@@ -165,6 +190,7 @@ class QueueCollector(Collector):
         self._lock = threading.Lock()  # one read at a time (and one connection)
         self._snapshot: _Snapshot | None = None
         self._results = results
+        self._beat = beat
 
     def close(self) -> None:
         self._management.close()
@@ -200,8 +226,9 @@ class QueueCollector(Collector):
         else:
             up = 1
         results = self._read_results() if up else []
+        beat = self._read_beat() if up else _Beat()
         return _Snapshot(
-            stats, up=up, seconds=time.monotonic() - taken, taken=taken, results=results
+            stats, up=up, seconds=time.monotonic() - taken, taken=taken, results=results, beat=beat
         )
 
     def _read_results(self) -> list[ResultStats]:
@@ -217,6 +244,20 @@ class QueueCollector(Collector):
         except errors.KombuPgmqError as exc:
             logger.warning("kombu_pgmq metrics: could not read result statistics: %s", exc)
         return []
+
+    def _read_beat(self) -> _Beat:
+        """The beat leader and entries; none (logged once) when the database has no beat
+        tables or the role may not read them, or after any other error."""
+        if not self._beat:
+            return _Beat()
+        try:
+            return _Beat(self._management.beat_leader(), self._management.beat_entries())
+        except (errors.ConfigurationError, errors.PermissionDenied) as exc:
+            logger.info("kombu_pgmq metrics: no beat metrics: %s", exc)
+            self._beat = False
+        except errors.KombuPgmqError as exc:
+            logger.warning("kombu_pgmq metrics: could not read the beat schedule: %s", exc)
+        return _Beat()
 
     @staticmethod
     def _families(snapshot: _Snapshot, *, age_seconds: float) -> Iterator[Metric]:
@@ -283,6 +324,7 @@ class QueueCollector(Collector):
             result_bytes.add_metric([r.state], r.bytes)
             expired.add_metric([r.state], r.expired)
         yield from (results, result_bytes, expired)
+        yield from _beat_families(snapshot.beat)
         yield GaugeMetricFamily(
             "kombu_pgmq_up",
             "1 if the last read of the queue statistics reached the database",
@@ -310,10 +352,72 @@ class _Snapshot:
     seconds: float
     taken: float
     results: list[ResultStats] = field(default_factory=list)
+    beat: _Beat = field(default_factory=lambda: _Beat())
 
     @property
     def finished(self) -> float:
         return self.taken + self.seconds
+
+
+@dataclass(frozen=True)
+class _Beat:
+    """One read of the beat scheduler: the leader of record (None: none ever led, or not
+    read) and the entries."""
+
+    leader: LeaderInfo | None = None
+    entries: list[StoredEntry] = field(default_factory=list)
+
+
+def _beat_families(beat: _Beat) -> Iterator[Metric]:
+    """The ``kombu_pgmq_beat_*`` families of one read (see the module docstring)."""
+    leader = GaugeMetricFamily(
+        "kombu_pgmq_beat_leader",
+        "1 while the beat of record leads, 0 when it is gone and none took over yet",
+        labels=["identity"],
+    )
+    heartbeat = GaugeMetricFamily(
+        "kombu_pgmq_beat_leader_heartbeat_age_seconds",
+        "Seconds since the beat leader's last election round",
+    )
+    if beat.leader is not None:
+        leader.add_metric([beat.leader.identity], 1 if beat.leader.alive else 0)
+        heartbeat.add_metric([], max(0.0, beat.leader.heartbeat_age))
+    last_run = GaugeMetricFamily(
+        "kombu_pgmq_beat_last_run_timestamp_seconds",
+        "Unix time of the due time a periodic task was last sent for",
+        labels=["entry"],
+    )
+    next_run = GaugeMetricFamily(
+        "kombu_pgmq_beat_next_run_timestamp_seconds",
+        "Unix time of a periodic task's next due time",
+        labels=["entry"],
+    )
+    runs = CounterMetricFamily(
+        "kombu_pgmq_beat_runs", "Ticks of a periodic task sent", labels=["entry"]
+    )
+    missed = CounterMetricFamily(
+        "kombu_pgmq_beat_missed_ticks",
+        "Due times of a periodic task caught up in one tick or skipped (no beat led)",
+        labels=["entry"],
+    )
+    error = GaugeMetricFamily(
+        "kombu_pgmq_beat_entry_error",
+        "1 while a periodic task has an error (see kombu-pgmq beat list)",
+        labels=["entry"],
+    )
+    enabled = GaugeMetricFamily(
+        "kombu_pgmq_beat_entry_enabled", "1 if a periodic task is enabled", labels=["entry"]
+    )
+    for e in beat.entries:
+        if e.last_run_at is not None:
+            last_run.add_metric([e.name], e.last_run_at.timestamp())
+        if e.next_run_at is not None:
+            next_run.add_metric([e.name], e.next_run_at.timestamp())
+        runs.add_metric([e.name], e.total_run_count)
+        missed.add_metric([e.name], e.missed_ticks)
+        error.add_metric([e.name], 1 if e.last_error else 0)
+        enabled.add_metric([e.name], 1 if e.enabled else 0)
+    yield from (leader, heartbeat, last_run, next_run, runs, missed, error, enabled)
 
 
 class ProcessCollector(Collector):

@@ -29,6 +29,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
+from celery.exceptions import ImproperlyConfigured
 from celery.schedules import BaseSchedule, crontab, schedule, solar
 
 from ..errors import ConfigurationError
@@ -91,7 +92,8 @@ def from_row(kind: str, spec: Mapping[str, Any], app: Any, name: str = "?") -> B
 
     Raises:
         ConfigurationError: an unknown kind, an invalid crontab field or time zone, a
-            solar event Celery does not know (each names the entry and the fix).
+            solar event Celery does not know, a solar schedule without the ``ephem``
+            package (each names the entry and the fix).
     """
     try:
         if kind == "interval":
@@ -113,7 +115,8 @@ def from_row(kind: str, spec: Mapping[str, Any], app: Any, name: str = "?") -> B
             f"periodic task {name!r}: unknown time zone {spec.get('tz')!r}: give an IANA "
             "name such as 'Europe/Paris'"
         ) from exc
-    except (KeyError, TypeError, ValueError, ImportError) as exc:
+    except (KeyError, TypeError, ValueError, ImportError, ImproperlyConfigured) as exc:
+        # ImproperlyConfigured: a solar schedule without the ephem package
         raise ConfigurationError(
             f"periodic task {name!r}: invalid {kind} schedule {dict(spec)!r}: {exc}"
         ) from exc

@@ -1,5 +1,5 @@
-"""``kombu-pgmq``: operator commands (schema, dead letters, archive retention, embedded
-PostgreSQL, Spark server).
+"""``kombu-pgmq``: operator commands (schema, dead letters, archive retention, queues,
+results, the beat scheduler, metrics, embedded PostgreSQL, Spark server).
 
 The commands that talk to the database take ``--url`` (default: ``$KOMBU_PGMQ_URL``, then
 ``$DATABASE_URL``, then the embedded PostgreSQL of :mod:`kombu_pgmq.embedded` if it is
@@ -19,6 +19,12 @@ starts it); each names the database it reads on stderr (``database: ...``, no pa
     kombu-pgmq task find|cancel TASK_ID       # where a task is; durable revoke
     kombu-pgmq results [--json]               # Celery results by state, size, expired
     kombu-pgmq results expire [--batch-size 5000]   # delete expired results now
+    kombu-pgmq beat list [--json]             # periodic tasks: schedule, last/next run, leader
+    kombu-pgmq beat add NAME TASK (--every S | --cron 'm h dom mon dow' [--tz Z] |
+        --solar EVENT LAT LON) [--args JSON] [--kwargs JSON] [--queue Q] [--replace] ...
+    kombu-pgmq beat remove|enable|disable|run-now NAME
+    kombu-pgmq beat history [NAME] [--limit 50] [--json]   # ticks sent, newest first
+    kombu-pgmq beat leader [--json]           # which beat leads; exit 1 when none does
     kombu-pgmq metrics serve [--port 9808] [--host 127.0.0.1] [--tls-cert F --tls-key F]
         [--basic-auth-user U] [--cache-seconds 5]   # Prometheus /metrics
     kombu-pgmq embedded start|status|url|stop  # the embedded PostgreSQL (no --url)
@@ -30,13 +36,13 @@ Library modules never import this package (tests/unit/test_import_graph.py).
 Exit status: 0 on success, 1 on an error (one line on stderr, ``error: ...``, naming the
 fix; a server's error without its PL/pgSQL context), 2 on bad usage. ``schema status``
 exits 1 when something is missing or too old, ``embedded status`` when the server is not
-running, ``embedded url`` when there is no URL.
+running, ``embedded url`` when there is no URL, ``beat leader`` when no beat leads.
 """
 
 from __future__ import annotations
 
 # Each command group is a module of its own; importing it registers it on ``main``.
-from . import archive, dlq, embedded, operations, results, schema, spark  # noqa: F401
+from . import archive, beat, dlq, embedded, operations, results, schema, spark  # noqa: F401
 from ._base import main, parse_duration, url_option
 
 __all__ = ["main", "parse_duration", "url_option"]

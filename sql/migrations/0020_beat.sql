@@ -133,13 +133,16 @@ END
 $$;
 
 -- Give up the lead (a beat that stops): the lock is released, followers take it at once.
+-- The heartbeat is renewed, not voided: a follower that finds the lock taken by another
+-- in the meantime must not see a stale heartbeat and depose the new leader (and an
+-- infinite timestamp breaks the heartbeat's age and psycopg's datetimes).
 CREATE FUNCTION kombu_pgmq.beat_resign() RETURNS boolean
 LANGUAGE plpgsql AS $$
 BEGIN
     IF NOT kombu_pgmq.beat_lock_held() THEN
         RETURN false;
     END IF;
-    UPDATE kombu_pgmq.beat_leader SET heartbeat_at = '-infinity'
+    UPDATE kombu_pgmq.beat_leader SET heartbeat_at = clock_timestamp()
     WHERE id = 1 AND backend_pid = pg_catalog.pg_backend_pid();
     RETURN pg_catalog.pg_advisory_unlock(1802530166, 1650811252);
 END

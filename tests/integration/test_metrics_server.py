@@ -2,7 +2,9 @@
 unless told otherwise, serves HTTPS with a certificate made here (openssl) and refuses
 plain HTTP then, checks client certificates (mutual TLS), is not stalled by a client that
 connects and sends nothing, requires HTTP basic auth, and reads the statistics once per
-cache window, once for any number of concurrent scrapes. (The command: test_cli_operations.)
+cache window, once for any number of concurrent scrapes. The beat metrics (issue 28) of a
+beat leading in this process, and none (``up`` still 1) without migration 0020 or the
+privilege. (The command: test_cli_operations.)
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +35,7 @@ from kombu_pgmq.management import Management
 from kombu_pgmq.metrics import serve
 
 from .helpers import connect, publish, sql
+from .test_cli_beat import TASK, history, leading_beat, ok
 
 
 @dataclass(frozen=True)
@@ -283,8 +287,9 @@ def test_a_snapshot_is_served_again_within_cache_seconds(db_dsn: str) -> None:
         first_at = time.monotonic()
         first = get(url)[2]
         statement = _last_statement(db_dsn, name)
-        # a scrape's last statement: the results' counts (after the queues' statistics)
-        assert "results_stats" in statement[1], statement
+        # a scrape's last statement: the beat entries (after the queues' statistics, the
+        # results' counts and the beat leader)
+        assert "beat_list" in statement[1], statement
         assert value(first, "kombu_pgmq_queue_messages", queue="srv_cache_a", state="ready") == 1
         with connect(db_dsn) as conn:
             publish(conn, "srv_cache_b", [1, 2])
@@ -340,3 +345,89 @@ def test_concurrent_scrapes_share_one_read(db_dsn: str, monkeypatch: pytest.Monk
         assert len(durations) == 1 and durations.pop() >= 1.0
         get(f"http://127.0.0.1:{port}/metrics")  # a later scrape: a new read (no cache)
         assert len(calls) == 2
+
+
+def beat_samples(body: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """``{(name, labels): value}`` of the ``kombu_pgmq_beat_*`` samples of an exposition."""
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): float(sample.value)
+        for family in text_string_to_metric_families(body)
+        for sample in family.samples
+        if sample.name.startswith("kombu_pgmq_beat_")
+    }
+
+
+def test_beat_metrics_of_a_leading_beat_then_of_a_gone_one(db_dsn: str) -> None:
+    ok("add", "--url", db_dsn, "every-second", TASK, "--every", "1")
+    ok("add", "--url", db_dsn, "late", TASK, "--every", "1")
+    ok("add", "--url", db_dsn, "unknown", "beatcli.missing", "--every", "1")
+    ok("add", "--url", db_dsn, "off", TASK, "--every", "60", "--disabled")
+    sql(
+        db_dsn,
+        "UPDATE kombu_pgmq.beat_entries SET last_run_at = clock_timestamp() - interval '8.5 s'"
+        " WHERE name = 'late'",
+    )
+    with serving(db_dsn, cache_seconds=0) as port:
+        url = f"http://127.0.0.1:{port}/metrics"
+        before = get(url)[2]
+        assert value(before, "kombu_pgmq_up") == 1
+        found = beat_samples(before)
+        # no beat ever led: no leader sample; entries not run yet: no last/next run
+        assert not [k for k in found if k[0].startswith("kombu_pgmq_beat_leader")], found
+        assert value(before, "kombu_pgmq_beat_runs_total", entry="every-second") == 0
+        last_run = "kombu_pgmq_beat_last_run_timestamp_seconds"
+        assert value(before, last_run, entry="every-second") is None
+        assert value(before, last_run, entry="late") == pytest.approx(time.time() - 8.5, abs=5)
+        assert value(before, "kombu_pgmq_beat_next_run_timestamp_seconds", entry="off") is None
+
+        with leading_beat(db_dsn) as beat:
+            beat.run_until(lambda: len(history(db_dsn, "every-second")) >= 2)
+            last_tick = history(db_dsn, "every-second")[0]
+            body = get(url)[2]
+            me = beat.identity
+            assert value(body, "kombu_pgmq_beat_leader", identity=me) == 1
+            age = value(body, "kombu_pgmq_beat_leader_heartbeat_age_seconds")
+            assert age is not None and 0 <= age < 5
+            runs = value(body, "kombu_pgmq_beat_runs_total", entry="every-second")
+            assert runs is not None and runs >= 2
+            last = value(body, "kombu_pgmq_beat_last_run_timestamp_seconds", entry="every-second")
+            due = datetime.fromisoformat(last_tick["due_at"]).timestamp()
+            assert last == pytest.approx(due, abs=1e-3)
+            following = value(
+                body, "kombu_pgmq_beat_next_run_timestamp_seconds", entry="every-second"
+            )
+            assert following is not None and following > due
+            late = history(db_dsn, "late")
+            missed = value(body, "kombu_pgmq_beat_missed_ticks_total", entry="late")
+            assert missed == sum(t["missed"] for t in late) and missed >= 4
+            assert value(body, "kombu_pgmq_beat_missed_ticks_total", entry="every-second") == 0
+            assert value(body, "kombu_pgmq_beat_entry_error", entry="unknown") == 1
+            assert value(body, "kombu_pgmq_beat_runs_total", entry="unknown") == 0
+            assert value(body, "kombu_pgmq_beat_entry_error", entry="every-second") == 0
+            assert value(body, "kombu_pgmq_beat_entry_enabled", entry="off") == 0
+            assert value(body, "kombu_pgmq_beat_entry_enabled", entry="late") == 1
+        gone = get(url)[2]  # the beat stopped: its record stays, not alive
+        assert value(gone, "kombu_pgmq_beat_leader", identity=me) == 0
+        assert value(gone, "kombu_pgmq_up") == 1
+
+
+def test_no_beat_metrics_without_the_tables_or_the_privilege(
+    db_dsn: str, least_privilege_db: Any
+) -> None:
+    from psycopg import sql as pgsql
+
+    sql(db_dsn, "DROP FUNCTION kombu_pgmq.beat_list()")  # as before migration 0020
+    lp = least_privilege_db
+    ok("add", "--url", lp.producer_url, "tick", TASK, "--every", "30")  # a producer may
+    with serving(lp.producer_url, cache_seconds=0) as port:
+        body = get(f"http://127.0.0.1:{port}/metrics")[2]
+        assert value(body, "kombu_pgmq_beat_runs_total", entry="tick") == 0
+    for function in ("beat_list()", "beat_leader_info()"):
+        revoke = f"REVOKE EXECUTE ON FUNCTION kombu_pgmq.{function} FROM {{}}"
+        sql(lp.owner_url, pgsql.SQL(revoke).format(pgsql.Identifier(lp.producer)))
+    for url in (db_dsn, lp.producer_url):
+        with serving(url, cache_seconds=0) as port:
+            first, again = (get(f"http://127.0.0.1:{port}/metrics")[2] for _ in range(2))
+        for body in (first, again):
+            assert value(body, "kombu_pgmq_up") == 1, url
+            assert beat_samples(body) == {}, url
