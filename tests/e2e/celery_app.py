@@ -27,6 +27,11 @@ Environment
     Celery's SQLAlchemy backend. ``KPT_RESULT_OPTIONS`` (JSON object, optional): its
     ``result_backend_transport_options``. ``KPT_TRACK_STARTED`` (optional):
     ``task_track_started``.
+    ``KPT_BEAT`` (optional): beat runs kombu_pgmq's scheduler (``beat_scheduler =
+    "kombu_pgmq.beat:Scheduler"``) with ``beat_schedule`` :data:`BEAT_SCHEDULE`: task
+    ``e2e.beat_tick`` every second and every minute (crontab), each run recorded in table
+    ``e2e_beat_runs`` (:data:`BEAT_RUNS_DDL`, created by the tests).
+    ``KPT_BEAT_TAKEOVER_SECONDS`` (seconds, optional, default 6): ``beat_takeover_seconds``.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from urllib.parse import urlsplit
 
 import psycopg
 from celery import Celery
+from celery.schedules import crontab
 from kombu import Exchange, Queue
 
 import kombu_pgmq  # noqa: F401  (registers postgresql:// with kombu)
@@ -58,6 +64,30 @@ CREATE TABLE IF NOT EXISTS e2e_runs (
     started_at timestamptz NOT NULL DEFAULT clock_timestamp()
 )
 """
+
+
+#: DDL of the table where ``e2e.beat_tick`` records each execution (created by the tests).
+BEAT_RUNS_DDL = """
+CREATE TABLE IF NOT EXISTS e2e_beat_runs (
+    id bigserial PRIMARY KEY,
+    task_id text NOT NULL,
+    entry text NOT NULL,
+    pid int NOT NULL,
+    ran_at timestamptz NOT NULL DEFAULT clock_timestamp()
+)
+"""
+#: Entry names of :data:`BEAT_SCHEDULE`.
+BEAT_EVERY_SECOND = "e2e-every-second"
+BEAT_EVERY_MINUTE = "e2e-every-minute"
+#: ``beat_schedule`` with ``KPT_BEAT``: each entry passes its own name to ``e2e.beat_tick``.
+BEAT_SCHEDULE: dict[str, dict[str, Any]] = {
+    BEAT_EVERY_SECOND: {"task": "e2e.beat_tick", "schedule": 1.0, "args": [BEAT_EVERY_SECOND]},
+    BEAT_EVERY_MINUTE: {
+        "task": "e2e.beat_tick",
+        "schedule": crontab(),
+        "args": [BEAT_EVERY_MINUTE],
+    },
+}
 
 
 def result_backend_url(broker_url: str) -> str:
@@ -151,6 +181,10 @@ def create_app(env: Mapping[str, str] = os.environ) -> Celery:
         ]
     if env.get("KPT_PREFETCH_MULTIPLIER"):
         app.conf.worker_prefetch_multiplier = int(env["KPT_PREFETCH_MULTIPLIER"])
+    if env.get("KPT_BEAT"):
+        app.conf.beat_scheduler = "kombu_pgmq.beat:Scheduler"
+        app.conf.beat_takeover_seconds = float(env.get("KPT_BEAT_TAKEOVER_SECONDS") or 6)
+        app.conf.beat_schedule = BEAT_SCHEDULE
 
     @app.task(shared=False, name="e2e.ping")
     def ping() -> str:
@@ -165,6 +199,15 @@ def create_app(env: Mapping[str, str] = os.environ) -> Celery:
         """Record the execution (``e2e_runs``, name ``e2e.record``); return the label."""
         record_run(broker_url, self)
         return label
+
+    @app.task(shared=False, name="e2e.beat_tick", bind=True, ignore_result=True)
+    def beat_tick(self: Any, entry: str) -> None:
+        """Record the execution of a periodic task (``e2e_beat_runs``: task id, entry)."""
+        with psycopg.connect(broker_url, autocommit=True, application_name="kpt_e2e_task") as c:
+            c.execute(
+                "INSERT INTO e2e_beat_runs (task_id, entry, pid) VALUES (%s, %s, %s)",
+                (self.request.id, entry, os.getpid()),
+            )
 
     @app.task(shared=False, name="e2e.fifo_step", bind=True, acks_late=True)
     def fifo_step(self: Any, group: str, seq: int, seconds: float = 0.03) -> None:

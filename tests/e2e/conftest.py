@@ -22,7 +22,8 @@ from celery import Celery
 from tests.e2e import celery_app
 from tests.e2e.helpers import DEFAULT_WITHOUT, REPO_ROOT, Worker
 
-_WORKERS_KEY = pytest.StashKey[list[Worker]]()
+#: Processes whose logs a failed test's report shows (anything with ``name`` and ``log()``).
+_WORKERS_KEY = pytest.StashKey[list[Any]]()
 
 
 @pytest.hookimpl(wrapper=True)
@@ -31,8 +32,15 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     report = yield
     if report.failed and report.when in ("setup", "call"):
         for worker in item.stash.get(_WORKERS_KEY, []):
-            report.sections.append((f"celery worker {worker.name} log", worker.log()))
+            report.sections.append((f"celery {worker.name} log", worker.log()))
     return report
+
+
+@pytest.fixture
+def reported_logs(request: pytest.FixtureRequest) -> list[Any]:
+    """Append a process (``name``, ``log() -> str``) to this list: a failed test's report
+    shows its log (as it shows the logs of :func:`start_worker`'s workers)."""
+    return request.node.stash.setdefault(_WORKERS_KEY, [])
 
 
 @pytest.fixture
@@ -75,7 +83,7 @@ def start_worker(
     queues=("celery",), concurrency=2, **env_overrides) -> Worker`` (keywords as
     :class:`Worker`'s); every worker is stopped at teardown."""
     workers: list[Worker] = []
-    request.node.stash[_WORKERS_KEY] = workers
+    reported = request.node.stash.setdefault(_WORKERS_KEY, [])
 
     def start(
         wait: bool = True,
@@ -99,6 +107,7 @@ def start_worker(
             concurrency=concurrency,
         )
         workers.append(worker)
+        reported.append(worker)
         worker.start()
         if wait:
             worker.wait_ready(app)
