@@ -191,3 +191,138 @@ def test_a_bad_entry_never_stops_the_others(db_dsn, tasks, schedulers):
     assert "-Q kpt_beat_missing" in errors_["no-queue"]
     assert "'kpt.beat.misspelt' is not registered" in errors_["unknown-task"]
     assert len(messages(db_dsn)) == len(ticks(db_dsn))
+
+
+# -- beat_schedule sync ----------------------------------------------------------------------
+
+
+def test_beat_schedule_is_synced_and_the_config_wins_for_what_it_names(db_dsn, schedulers):
+    """A process writes its beat_schedule when it starts and when it starts to lead:
+    config entries are rewritten from it, entries added by the API persist, a config
+    entry no longer named is deleted, and enabled stays as it was set."""
+    conf = {
+        "beat_schedule": {
+            "cfg-a": {"task": TASK, "schedule": 60.0, "args": [1]},
+            "cfg-b": {"task": TASK, "schedule": crontab(minute="*/5"), "catch_up": "skip"},
+            "cfg-bad": {"task": "kpt.beat.misspelt", "schedule": 60.0},  # left out, logged
+        }
+    }
+    with PeriodicTasks(db_dsn) as api:
+        api.add("api-x", TASK, 30)
+        schedulers(**conf)  # starts (follower or not: its config is written now)
+        rows = {e.name: e for e in api.all()}
+        assert sorted(rows) == ["api-x", "cfg-a", "cfg-b"]
+        assert (rows["cfg-a"].source, rows["cfg-a"].args) == ("config", [1])
+        assert (rows["cfg-b"].catch_up, rows["api-x"].source) == ("skip", "api")
+
+        api.disable("cfg-a")
+        api.update("cfg-b", schedule=7)  # a run-time change of a config entry
+        conf2 = {
+            "beat_schedule": {
+                "cfg-a": {"task": TASK, "schedule": 60.0, "args": [2]},
+                "cfg-b": {"task": TASK, "schedule": crontab(minute="*/5"), "catch_up": "skip"},
+            }
+        }
+        s = schedulers(**conf2)
+        rows = {e.name: e for e in api.all()}
+        assert rows["cfg-a"].args == [2] and rows["cfg-a"].enabled is False  # kept disabled
+        assert rows["cfg-b"].schedule_kind == "crontab"  # the config wins again
+
+        api.update("cfg-b", schedule=9)
+        lead(s)  # leading: written again
+        assert api.get("cfg-b").schedule_kind == "crontab"
+
+        schedulers(beat_schedule={"cfg-b": conf2["beat_schedule"]["cfg-b"]})
+        assert sorted(e.name for e in api.all()) == ["api-x", "cfg-b"]  # cfg-a removed
+
+
+# -- run-time changes ------------------------------------------------------------------------
+
+
+def _first_tick(url: str, name: str, timeout: float) -> float:
+    """Seconds until ``name`` has a tick."""
+    start = time.monotonic()
+    wait_for(lambda: ticks(url, name), timeout, f"a tick of {name}")
+    return time.monotonic() - start
+
+
+def test_changes_reach_a_ticking_leader_without_a_restart(db_dsn, tasks, schedulers):
+    """Added, changed, disabled and removed entries take effect within about a second
+    (NOTIFY wakes the leader: it waits on its connection, not on a poll)."""
+    tasks.add("slow", TASK, 3600)
+    s = lead(schedulers())
+    with running(s):
+        added = tasks.add("added", TASK, 1)
+        elapsed = _first_tick(db_dsn, "added", 10)
+        first = ticks(db_dsn, "added")[0]
+        assert first[1] == added.created_at + timedelta(seconds=1)  # one period after
+        assert elapsed < 3.0
+
+        tasks.update("slow", schedule=1)  # next run: last (creation) + 1 s, long past
+        assert _first_tick(db_dsn, "slow", 10) < 2.0
+
+        tasks.disable("added")
+        time.sleep(0.5)  # the leader hears it
+        count = len(ticks(db_dsn, "added"))
+        time.sleep(2.0)
+        assert len(ticks(db_dsn, "added")) == count
+
+        tasks.remove("slow")
+        time.sleep(0.5)
+        count = len(ticks(db_dsn, "slow"))
+        time.sleep(2.0)
+        assert len(ticks(db_dsn, "slow")) == count
+    assert len(messages(db_dsn)) == len(ticks(db_dsn))
+
+
+def test_run_now_sends_once_and_the_schedule_does_not_move(db_dsn, tasks, schedulers):
+    tasks.add("hourly", TASK, 3600)
+    s = lead(schedulers())
+    tick_until([s], lambda: tasks.get("hourly").next_run_at, 5, "next_run_at")
+    before = tasks.get("hourly")
+    with running(s):
+        requested = tasks.run_now("hourly")
+        elapsed = _first_tick(db_dsn, "hourly", 10)
+        time.sleep(1.0)  # nothing more comes
+    assert elapsed < 3.0
+    (tick,) = ticks(db_dsn, "hourly")
+    assert (tick[1], tick[2], tick[3]) == (requested, "manual", 0)
+    assert messages(db_dsn) == [tick[4]]
+    after = tasks.get("hourly")
+    assert after.run_requested_at is None and after.total_run_count == 1
+    assert (after.last_run_at, after.next_run_at) == (before.last_run_at, before.next_run_at)
+
+
+# -- least privilege -------------------------------------------------------------------------
+
+
+def test_a_worker_role_runs_beat_and_a_producer_role_manages_entries(least_privilege_db):
+    """kombu-pgmq schema grant: a beat as a worker role elects, claims and sends; a
+    producer role adds, changes and reads entries; neither reads or deletes the beat
+    tables directly."""
+    db = least_privilege_db
+    with PeriodicTasks(db.producer_url) as api:
+        api.add("lp", TASK, 1)
+        api.update("lp", kwargs={"n": 1})
+        api.add("gone", TASK, 60)
+        assert api.remove("gone") is True
+    s = Scheduler(make_app(db.worker_url))
+    try:
+        tick_until([s], lambda: len(ticks(db.owner_url, "lp")) >= 2, 15, "two ticks")
+    finally:
+        s.close()
+    with PeriodicTasks(db.producer_url) as api:
+        assert api.get("lp").total_run_count >= 2
+        assert len(api.history("lp")) >= 2
+        info = api.leader()  # resigned at close
+        assert info is not None and not info.alive
+        assert info.heartbeat_at is None and info.heartbeat_age == float("inf")
+    assert len(messages(db.owner_url)) == len(ticks(db.owner_url))
+    for url in (db.producer_url, db.worker_url):
+        for statement in (
+            "SELECT * FROM kombu_pgmq.beat_entries",
+            "DELETE FROM kombu_pgmq.beat_ticks",
+            "UPDATE kombu_pgmq.beat_leader SET epoch = epoch + 1",
+        ):
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                sql(url, statement)
