@@ -11,17 +11,16 @@ fencing and catch-up: ``test_beat_leader.py``.
 from __future__ import annotations
 
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 
 import psycopg
 import pytest
-from celery.schedules import crontab, schedule
+from celery.schedules import crontab
 
 from kombu_pgmq import errors
 from kombu_pgmq.beat import PeriodicTasks, Scheduler, UnknownPeriodicTask
 from tests.integration.beat_helpers import (
     TASK,
-    entry_row,
     lead,
     make_app,
     messages,
@@ -96,7 +95,7 @@ def test_the_api_adds_changes_and_removes_entries(tasks):
 
 def test_adding_an_existing_name_is_refused_unless_replaced(tasks):
     tasks.add("x", TASK, 10)
-    with pytest.raises(errors.ConfigurationError, match="'x' exists already.*replace=True"):
+    with pytest.raises(errors.ConfigurationError, match=r"'x' exists already.*replace=True"):
         tasks.add("x", TASK, 20)
     assert tasks.get("x").schedule["every"] == 10.0
     tasks.add("x", TASK, 20, replace=True)
@@ -163,7 +162,7 @@ def test_bad_input_is_refused_naming_the_entry_and_the_fix(tasks, kwargs, match)
 def test_an_unknown_time_zone_is_refused(tasks):
     cron = crontab(minute=0)
     cron.tz = "Mars/Olympus"  # as a str: to_row stores it, from_row refuses it
-    with pytest.raises(errors.ConfigurationError, match="'tz'.*unknown time zone 'Mars/Olympus'"):
+    with pytest.raises(errors.ConfigurationError, match=r"'tz'.*unknown time zone 'Mars/Olympus'"):
         tasks.add("tz", TASK, cron)
     assert tasks.all() == []
 
@@ -259,7 +258,7 @@ def test_changes_reach_a_ticking_leader_without_a_restart(db_dsn, tasks, schedul
         assert elapsed < 3.0
 
         tasks.update("slow", schedule=1)  # next run: last (creation) + 1 s, long past
-        assert _first_tick(db_dsn, "slow", 10) < 2.0
+        assert _first_tick(db_dsn, "slow", 10) < 3.0
 
         tasks.disable("added")
         time.sleep(0.5)  # the leader hears it

@@ -132,7 +132,7 @@ def test_a_schedule_that_cannot_be_stored_is_refused():
     class Custom(BaseSchedule):
         pass
 
-    with pytest.raises(ConfigurationError, match="'e'.*cannot be stored"):
+    with pytest.raises(ConfigurationError, match=r"'e'.*cannot be stored"):
         to_row(Custom(), "e")
     with pytest.raises(ConfigurationError, match="not positive"):
         to_row(-5, "e")
