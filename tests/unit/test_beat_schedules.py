@@ -275,6 +275,18 @@ PARITY_CASES = {
         _local(NY, 2026, 3, 8, 1, 30),
         _local(NY, 2026, 3, 8, 4),
     ),
+    "relative-hourly-over-spring-forward": (
+        "America/New_York",
+        lambda: schedule(timedelta(hours=1), relative=True),
+        _local(NY, 2026, 3, 7, 23, 17),
+        _local(NY, 2026, 3, 8, 6),
+    ),
+    "relative-daily-over-fall-back": (
+        "America/New_York",
+        lambda: schedule(timedelta(days=1), relative=True),
+        _local(NY, 2026, 10, 29, 13, 5),
+        _local(NY, 2026, 11, 4, 2),
+    ),
     "interval-1-day-over-fall-back": (
         "America/New_York",
         lambda: schedule(timedelta(days=1)),
@@ -363,3 +375,19 @@ def test_a_last_run_in_the_repeated_hour_is_not_due_at_once(cron, last, expected
     latest, count, following = latest_due(stored, last_utc, due + timedelta(minutes=1))
     assert (latest, count) == (due, 1)
     assert following > due
+
+
+@pytest.mark.parametrize("event", ["sunrise", "sunset", "dawn_civil", "solar_noon"])
+def test_next_due_of_a_solar_schedule_is_celery_beats(event):
+    """Solar events in Paris over a week across the 2026-03-29 DST change (Celery's
+    firings on the fake clock: the whole second at or after each of ours)."""
+    pytest.importorskip("ephem", reason="solar schedules need the ephem package (not a dep)")
+    app = make_app("Europe/Paris")
+    start = datetime(2026, 3, 26, 12, tzinfo=UTC)
+    end = start + timedelta(days=7)
+    celery = celery_fires(app, solar(event, 48.85, 2.35), start, end)
+    ours = our_fires(app, solar(event, 48.85, 2.35), start, end)
+    assert len(celery) >= 6 and len(ours) == len(celery)
+    # Solar events fall between seconds: the fake clock's second is at most 1 s late.
+    late = [c - o for o, c in zip(ours, celery, strict=True)]
+    assert all(timedelta(0) <= d < timedelta(seconds=1) for d in late), late
