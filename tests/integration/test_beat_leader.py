@@ -111,6 +111,8 @@ def test_a_deposed_leader_is_fenced_and_another_leads(db_dsn, schedulers, kill):
     old, new = schedulers(), schedulers()
     took = _takes_over(old, new, db_dsn, kill)
     assert took < (2.0 if kill else TAKEOVER + 1.5)
+    if not kill:  # not before its heartbeat is stale (1.5 s; one round of 0.5 s earlier)
+        assert took > TAKEOVER - 1.0 - 0.5 - 0.2
     old_epoch = old.leader.epoch or 1
     assert new.leader.epoch == old_epoch + 1
     tick_until([new], lambda: any(t[5] == new.leader.epoch for t in ticks(db_dsn)), 5, "tick")
