@@ -475,11 +475,14 @@ SELECT version FROM kombu_pgmq.routing_version
 -- "headers": {...}, "delay_seconds": n, "deduplication_window": s} (one JSON text: no
 -- per-element array escaping). Sent only if the routing table is still at %(version)s
 -- (NULL: no routed publish in the batch); sent is false (nothing was sent) when it moved.
+-- Each message goes through publish_routed (granted to producer and worker roles; send_to
+-- is the owner's) with expected_version NULL: no version check of its own, it sends.
 SELECT count(*) = jsonb_array_length(%(batch)s::jsonb) AS sent FROM (
-    SELECT kombu_pgmq.send_to(ARRAY(SELECT jsonb_array_elements_text(u.value->'queues')),
-                              u.value->'message', u.value->'headers',
-                              (u.value->>'delay_seconds')::integer,
-                              (u.value->>'deduplication_window')::float8)
+    SELECT kombu_pgmq.publish_routed(
+               ARRAY(SELECT jsonb_array_elements_text(u.value->'queues')),
+               u.value->'message', u.value->'headers', NULL,
+               (u.value->>'delay_seconds')::integer,
+               (u.value->>'deduplication_window')::float8)
     FROM jsonb_array_elements(%(batch)s::jsonb) WITH ORDINALITY AS u(value, n)
     WHERE %(version)s::bigint IS NULL
        OR %(version)s::bigint = (SELECT v.version FROM kombu_pgmq.routing_version v)
@@ -754,7 +757,9 @@ FROM kombu_pgmq.beat_elect(%(me)s, %(stale_seconds)s::float8)
 SELECT kombu_pgmq.beat_resign() AS resigned
 
 -- name: beat_leader_info
-SELECT identity, backend_pid, epoch, since, heartbeat_at, heartbeat_age, alive
+-- heartbeat_at NULL: the leader resigned (stored as -infinity, which Python cannot hold).
+SELECT identity, backend_pid, epoch, since, nullif(heartbeat_at, '-infinity') AS heartbeat_at,
+       heartbeat_age, alive
 FROM kombu_pgmq.beat_leader_info()
 
 -- name: beat_claim

@@ -288,6 +288,8 @@ class Scheduler(beat.Scheduler):
             previous = old.get(row.name)
             if previous is not None and previous.row.updated_at == row.updated_at:
                 entry.retry_after, entry.warned = previous.retry_after, previous.warned
+                if previous.error and not entry.error and entry.retry_after > monotonic():
+                    entry.error = previous.error  # a failed send: kept until its retry
             if entry.schedule is not None:
                 try:
                     check_task(self.app, row.task, row.name)

@@ -23,7 +23,6 @@ and DST transitions give the same times as ``celery beat``'s default scheduler.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -130,7 +129,10 @@ def _aware(value: datetime) -> datetime:
 
 
 def _remaining(sched: BaseSchedule, last_run_at: datetime, now: datetime) -> timedelta:
-    frozen = copy.copy(sched)
+    # A copy with its clock at ``now``. Not copy.copy: crontab's __reduce__ rebuilds it
+    # from its fields and drops a time zone set on it (``cron.tz = ...``).
+    frozen = object.__new__(type(sched))
+    frozen.__dict__.update(sched.__dict__)
     frozen.nowfun = lambda: now
     result: timedelta = frozen.remaining_estimate(last_run_at)
     return result
@@ -138,9 +140,23 @@ def _remaining(sched: BaseSchedule, last_run_at: datetime, now: datetime) -> tim
 
 def next_due(sched: BaseSchedule, last_run_at: datetime) -> datetime:
     """The first instant after ``last_run_at`` at which Celery's ``is_due`` holds (an
-    aware UTC datetime)."""
+    aware UTC datetime), except where Celery's crontab is due at once after a run in the
+    repeated hour of a DST fall-back (its target is before its last run; celery beat sends
+    at every tick then, until the target's wall time comes again): the target's second
+    occurrence."""
     last = _aware(last_run_at)
     t = last
+    if isinstance(sched, crontab):
+        end = last + _remaining(sched, last, last)
+        if end < last:
+            # Celery's crontab, run last in the repeated hour of a DST fall-back before
+            # the minute it runs at (01:02 EST, second 01:00-02:00), aims at that minute's
+            # first occurrence (01:30 EDT, already past) and is due at once, and again
+            # after each run, until then: the same wall time's second occurrence is
+            # the next run (01:30 EST).
+            later = end.astimezone(sched.tz).replace(fold=1).astimezone(timezone.utc)
+            if later > last:
+                return later
     for _ in range(4):  # a DST shift moves the end once; the loop settles at once
         rem = _remaining(sched, last, t)
         if rem <= timedelta(0) and t > last:
