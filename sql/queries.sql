@@ -757,9 +757,7 @@ FROM kombu_pgmq.beat_elect(%(me)s, %(stale_seconds)s::float8)
 SELECT kombu_pgmq.beat_resign() AS resigned
 
 -- name: beat_leader_info
--- heartbeat_at NULL: the leader resigned (stored as -infinity, which Python cannot hold).
-SELECT identity, backend_pid, epoch, since, nullif(heartbeat_at, '-infinity') AS heartbeat_at,
-       heartbeat_age, alive
+SELECT identity, backend_pid, epoch, since, heartbeat_at, heartbeat_age, alive
 FROM kombu_pgmq.beat_leader_info()
 
 -- name: beat_claim

@@ -38,14 +38,14 @@ class Election(NamedTuple):
 
 
 class LeaderInfo(NamedTuple):
-    """The leader of record; ``alive``: its session still holds the lock;
-    ``heartbeat_at`` None and ``heartbeat_age`` infinite: it resigned (a clean stop)."""
+    """The leader of record; ``alive``: its session still holds the lock (False after
+    a clean stop: the lock was released, ``heartbeat_at`` is when)."""
 
     identity: str
     backend_pid: int
     epoch: int
     since: datetime
-    heartbeat_at: datetime | None
+    heartbeat_at: datetime
     heartbeat_age: float
     alive: bool
 

@@ -128,9 +128,7 @@ BEGIN
         ended := coalesce(ended, false);
     END IF;
     RETURN QUERY SELECT held, r.epoch, r.identity, r.backend_pid,
-        CASE WHEN isfinite(r.heartbeat_at)  -- -infinity: resigned (PG < 16 cannot subtract)
-             THEN extract(epoch FROM clock_timestamp() - r.heartbeat_at)::double precision
-             ELSE 'Infinity' END, ended;
+        extract(epoch FROM clock_timestamp() - r.heartbeat_at)::double precision, ended;
 END
 $$;
 
@@ -156,9 +154,7 @@ RETURNS TABLE (identity text, backend_pid integer, epoch bigint, since timestamp
                heartbeat_at timestamptz, heartbeat_age double precision, alive boolean)
 LANGUAGE sql STABLE AS $$
     SELECT l.identity, l.backend_pid, l.epoch, l.since, l.heartbeat_at,
-           CASE WHEN isfinite(l.heartbeat_at)  -- -infinity: resigned
-                THEN extract(epoch FROM clock_timestamp() - l.heartbeat_at)::double precision
-                ELSE 'Infinity' END,
+           extract(epoch FROM clock_timestamp() - l.heartbeat_at)::double precision,
            EXISTS (SELECT 1 FROM pg_catalog.pg_locks k
                    WHERE k.locktype = 'advisory' AND k.classid = 1802530166
                      AND k.objid = 1650811252 AND k.objsubid = 2 AND k.granted

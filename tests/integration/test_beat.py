@@ -315,7 +315,7 @@ def test_a_worker_role_runs_beat_and_a_producer_role_manages_entries(least_privi
         assert len(api.history("lp")) >= 2
         info = api.leader()  # resigned at close
         assert info is not None and not info.alive
-        assert info.heartbeat_at is None and info.heartbeat_age == float("inf")
+        assert info.heartbeat_age < 60  # resigned: the lock released, its time recorded
     assert len(messages(db.owner_url)) == len(ticks(db.owner_url))
     for url in (db.producer_url, db.worker_url):
         for statement in (
