@@ -470,24 +470,12 @@ FROM kombu_pgmq.routing_version v
 SELECT version FROM kombu_pgmq.routing_version
 
 -- name: send_many
--- Many publishes in one statement, in order (kombu_pgmq.send_to per message, as send and
--- send_routed do). %(batch)s: a JSON array of {"queues": [...], "message": {...},
--- "headers": {...}, "delay_seconds": n, "deduplication_window": s} (one JSON text: no
--- per-element array escaping). Sent only if the routing table is still at %(version)s
--- (NULL: no routed publish in the batch); sent is false (nothing was sent) when it moved.
--- Each message goes through publish_routed (granted to producer and worker roles; send_to
--- is the owner's) with expected_version NULL: no version check of its own, it sends.
-SELECT count(*) = jsonb_array_length(%(batch)s::jsonb) AS sent FROM (
-    SELECT kombu_pgmq.publish_routed(
-               ARRAY(SELECT jsonb_array_elements_text(u.value->'queues')),
-               u.value->'message', u.value->'headers', NULL,
-               (u.value->>'delay_seconds')::integer,
-               (u.value->>'deduplication_window')::float8)
-    FROM jsonb_array_elements(%(batch)s::jsonb) WITH ORDINALITY AS u(value, n)
-    WHERE %(version)s::bigint IS NULL
-       OR %(version)s::bigint = (SELECT v.version FROM kombu_pgmq.routing_version v)
-    ORDER BY u.n
-) sent
+-- Many publishes in one call, in order (kombu_pgmq.publish_many, migration 0020).
+-- %(batch)s: a JSON array of {"queues": [...], "message": {...}, "headers": {...},
+-- "delay_seconds": n, "visible_at": "...", "deduplication_window": s} (one JSON text: no
+-- per-element array escaping). sent is false (nothing was sent) when the routing table
+-- is no longer at %(version)s (NULL: no routed publish in the batch).
+SELECT kombu_pgmq.publish_many(%(batch)s::jsonb, %(version)s::bigint) AS sent
 
 -- name: send_routed
 -- Publish one message to every queue an exchange routed it to, in one transaction (so

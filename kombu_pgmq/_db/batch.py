@@ -6,8 +6,10 @@ A :class:`BatchedPublisher` stands in for the :class:`~kombu_pgmq._db.broker.Bro
 bound connection: ``send`` and ``send_routed`` record the message and answer as if it were
 sent (a msg_id of 0: deduplication is decided at :meth:`BatchedPublisher.flush`, so a
 duplicate is dropped there without a log line); :meth:`~BatchedPublisher.flush` sends
-every recorded message in order, each through ``kombu_pgmq.send_to`` as the one-by-one
-statements do (deduplication, NOTIFY of waiting consumers, delays).
+every recorded message in order, in ``kombu_pgmq.publish_many`` (migration 0020): as
+the one-by-one statements do (the queues' shared locks, deduplication, delays), waking
+waiting consumers once per queue. A publish recorded while
+:attr:`BatchedPublisher.visible_at` is set stays invisible until that instant.
 
 Errors: :meth:`~BatchedPublisher.flush` raises what the statements raise
 (:func:`kombu_pgmq.errors.translate`) and :class:`~kombu_pgmq.errors.StatementError` when
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from datetime import datetime
 
 from ..errors import StatementError
 from .broker import Broker
@@ -36,6 +39,10 @@ class BatchedPublisher(Broker):
         #: text already: they are not parsed again).
         self._items: list[str] = []
         self._version: int | None = None
+        #: When set, the next publishes stay invisible until this instant (sub-second:
+        #: ``pgmq.send``'s timestamptz delay), e.g. a beat tick published ahead of its due
+        #: time. None: visible at commit (or after their ``delay_seconds``).
+        self.visible_at: datetime | None = None
 
     def __len__(self) -> int:
         return len(self._items)
@@ -43,10 +50,12 @@ class BatchedPublisher(Broker):
     def _record(
         self, queues: Sequence[str], message: str, headers: str, delay: int, window: float
     ) -> None:
+        at = self.visible_at
+        visible = "" if at is None else f', "visible_at": "{at.isoformat()}"'
         self._items.append(
             f'{{"queues": {json.dumps(list(queues))}, "message": {message}, '
             f'"headers": {headers}, "delay_seconds": {max(int(delay), 0)}, '
-            f'"deduplication_window": {float(window)!r}}}'
+            f'"deduplication_window": {float(window)!r}{visible}}}'
         )
 
     def send(

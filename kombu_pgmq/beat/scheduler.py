@@ -33,6 +33,9 @@ Settings (Celery configuration):
 ``beat_catch_up``              default catch-up policy: ``once`` or ``skip``
 ``beat_history_seconds``       how long sent ticks are kept (default 7 days, seconds)
 ``beat_install_schema``        install the migrations if missing (default True)
+``beat_lookahead_seconds``     publish ticks up to this early, invisible until their due
+                               time (default 0: at the due time; seconds, at most 60;
+                               only with the broker in the schedule's database)
 =============================  ===========================================================
 
 Bad entries never stop the others: an unknown task (when the app knows its tasks), an
@@ -55,6 +58,7 @@ from celery import beat
 
 from .. import _conninfo as conninfo
 from .. import errors
+from .._db.batch import BatchedPublisher
 from .._db.beat import Claim
 from .._db.broker import Broker
 from .._naming import pgmq_queue_name
@@ -121,6 +125,20 @@ def _takeover(conf: Any) -> float:
     return seconds
 
 
+def _lookahead(conf: Any) -> float:
+    value = conf.get("beat_lookahead_seconds", 0)
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = -1.0
+    if not 0 <= seconds <= 60:
+        raise errors.ConfigurationError(
+            f"beat_lookahead_seconds={value!r}: give seconds from 0 (publish at the due time, "
+            "the default) to 60"
+        )
+    return seconds
+
+
 class _Fenced(Exception):
     """The claim found this session no longer leads."""
 
@@ -135,6 +153,8 @@ class Scheduler(beat.Scheduler):
         self.default_catch_up = str(conf.get("beat_catch_up", "once"))
         self.history_seconds = float(conf.get("beat_history_seconds", 7 * 86400))
         self.install_schema = bool(conf.get("beat_install_schema", True))
+        self.lookahead_seconds = _lookahead(conf)
+        self._batch: BatchedPublisher | None = None
         self._leader: Leader | None = None
         self._entries: dict[str, LoadedEntry] = {}
         self._queue: list[tuple[datetime, str]] = []
@@ -323,8 +343,15 @@ class Scheduler(beat.Scheduler):
         entry.when = when
         heapq.heappush(self._queue, (when, entry.name))
 
+    def _horizon(self) -> float:
+        """Seconds ahead a tick may be published (0 unless the broker is here)."""
+        if self.lookahead_seconds and self._broker_here is None:
+            self._broker_here = self._check_broker_here(self._broker_url())
+        return self.lookahead_seconds if self._broker_here else 0.0
+
     def _send_due(self) -> None:
         now = datetime.now(timezone.utc)
+        horizon = now + timedelta(seconds=self._horizon())
         batch: list[tuple[LoadedEntry, Claim]] = []
         for name in sorted(self._manual):
             entry = self._entries.get(name)
@@ -334,7 +361,7 @@ class Scheduler(beat.Scheduler):
                 continue
             task_id = self._task_id(name, requested)
             batch.append((entry, Claim(name, requested, requested, None, task_id, "manual", 0)))
-        while self._queue and self._queue[0][0] <= now:
+        while self._queue and self._queue[0][0] <= horizon:
             when, name = heapq.heappop(self._queue)
             entry = self._entries.get(name)
             if entry is None or when != entry.when or not entry.row.enabled:
@@ -342,7 +369,7 @@ class Scheduler(beat.Scheduler):
             if monotonic() < entry.retry_after:
                 self._schedule(entry, now + timedelta(seconds=entry.retry_after - monotonic()))
                 continue
-            claim = self._claim_for(entry, now)
+            claim = self._claim_for(entry, now, horizon)
             if claim is None:
                 continue
             try:
@@ -361,15 +388,20 @@ class Scheduler(beat.Scheduler):
         if batch:
             self._commit(batch)
 
-    def _claim_for(self, entry: LoadedEntry, now: datetime) -> Claim | None:
+    def _claim_for(self, entry: LoadedEntry, now: datetime, horizon: datetime) -> Claim | None:
         row = entry.row
         if entry.schedule is None:
             return None
         latest, count, following = entry.passed(now)
         if latest is None:
-            entry.due = following
-            self._schedule(entry, following)
-            return None
+            if following > horizon:
+                entry.due = following
+                self._schedule(entry, following)
+                return None
+            # Due within beat_lookahead_seconds: published now, invisible until then.
+            _, _, after = entry.passed(following)
+            ahead = self._task_id(row.name, following)
+            return Claim(row.name, following, row.last_run_at, after, ahead, "scheduled", 0)
         missed, kind = count - 1, "scheduled" if count == 1 else "catch-up"
         if row.catch_up == "skip" and count > 1:
             kind = "scheduled"
@@ -412,10 +444,10 @@ class Scheduler(beat.Scheduler):
                 claimed = leader.store.claim(epoch, leader.me, [c for _, c in batch])
                 if claimed is None:
                     raise _Fenced
-                with self._publishing():
+                with self._publishing() as published:
                     for entry, claim in batch:
                         if claim.name in claimed and claim.kind != "skipped":
-                            self._apply(entry, claim)
+                            self._apply(entry, claim, published)
         except _Fenced:
             self.fenced += 1
             leader.step_down("another process leads now (its claim was fenced)")
@@ -473,7 +505,7 @@ class Scheduler(beat.Scheduler):
             logger.debug("beat: recording an entry's error failed: %s", exc)
 
     @contextlib.contextmanager
-    def _publishing(self) -> Iterator[None]:
+    def _publishing(self) -> Iterator[BatchedPublisher | None]:
         """Publishes of the block go into the leader's transaction when the broker is
         kombu_pgmq in the schedule's database."""
         url = self._broker_url()
@@ -483,10 +515,10 @@ class Scheduler(beat.Scheduler):
             from ..transactional import using
 
             bound = using(self.leader.connector.connection, broker_url=url)
-            with bound, bound.binding.batched():
-                yield
+            with bound, bound.binding.batched() as batch:
+                yield batch
         else:
-            yield
+            yield None
 
     def _broker_url(self) -> str | None:
         conf = self.app.conf
@@ -510,9 +542,17 @@ class Scheduler(beat.Scheduler):
             return False
         return True
 
-    def _apply(self, entry: LoadedEntry, claim: Claim) -> None:
+    def _apply(self, entry: LoadedEntry, claim: Claim, batch: BatchedPublisher | None) -> None:
         row = entry.row
         options = dict(row.options)
+        ahead = claim.kind != "manual" and claim.due_at > datetime.now(timezone.utc)
+        if batch is not None:
+            # Published ahead (beat_lookahead_seconds): invisible until the due time, and
+            # a relative expiry counts from then.
+            batch.visible_at = claim.due_at if ahead else None
+            expires = options.get("expires")
+            if ahead and isinstance(expires, (int, float)) and not isinstance(expires, bool):
+                options["expires"] = claim.due_at + timedelta(seconds=expires)
         options["headers"] = {**dict(options.get("headers") or {}), "celery_beat_task": True}
         options["task_id"] = claim.task_id
         task = self.app.tasks.get(row.task)
@@ -526,7 +566,8 @@ class Scheduler(beat.Scheduler):
         round, or a notification; returns 0 (call tick again)."""
         until = self.leader.round_due
         if self._queue:
-            delta = (self._queue[0][0] - datetime.now(timezone.utc)).total_seconds()
+            head = self._queue[0][0] - timedelta(seconds=self._horizon())
+            delta = (head - datetime.now(timezone.utc)).total_seconds()
             until = min(until, monotonic() + max(delta, 0.0))
         timeout = until - monotonic()
         if timeout > 0:

@@ -356,6 +356,68 @@ BEGIN
 END
 $$;
 
+-- -- batched publishes (kombu_pgmq._db.batch: a beat tick's tasks, in its transaction) -------
+
+-- Publish a batch of messages in one call: batch is a JSON array of {"queues": [...],
+-- "message": {...}, "headers": {...}, "delay_seconds": n, "visible_at": timestamptz,
+-- "deduplication_window": s}, sent in order as kombu_pgmq.send_to sends each (the
+-- queues' shared locks, deduplication, pgmq.send), with two differences: a message with
+-- visible_at stays invisible until that instant (pgmq.send's timestamptz delay: sub-second,
+-- unlike delay_seconds), and consumers are woken once per queue at the end, for the
+-- earliest message (not once per message). Nothing is sent, and false returned, when
+-- expected_version (NULL: no check) is not the routing table's version.
+CREATE FUNCTION kombu_pgmq.publish_many(batch jsonb, expected_version bigint)
+RETURNS boolean
+LANGUAGE plpgsql AS $$
+DECLARE
+    item jsonb;
+    q text;
+    dedup record;
+    visible timestamptz;
+    delay integer;
+    woken text[] := '{}';
+    dues timestamptz[] := '{}';
+    due timestamptz;
+BEGIN
+    IF expected_version IS NOT NULL AND expected_version IS DISTINCT FROM
+            (SELECT v.version FROM kombu_pgmq.routing_version v) THEN
+        RETURN false;
+    END IF;
+    PERFORM pg_advisory_xact_lock_shared(1802530161, hashtext(x.q))
+    FROM (SELECT DISTINCT jsonb_array_elements_text(e->'queues') AS q
+          FROM jsonb_array_elements(batch) e ORDER BY 1) x;
+    FOR item IN SELECT e FROM jsonb_array_elements(batch) e LOOP
+        visible := (item->>'visible_at')::timestamptz;
+        delay := greatest(coalesce((item->>'delay_seconds')::integer, 0), 0);
+        IF visible IS NULL AND delay > 0 THEN
+            visible := clock_timestamp() + make_interval(secs => delay);
+        ELSIF visible <= clock_timestamp() THEN
+            visible := NULL;
+        END IF;
+        FOR q IN SELECT jsonb_array_elements_text(item->'queues') LOOP
+            SELECT * INTO dedup FROM kombu_pgmq.deduplication_of(q, item->'headers');
+            CONTINUE WHEN dedup.dedup_id IS NOT NULL
+                AND NOT kombu_pgmq.claim_deduplication(dedup.scope, dedup.dedup_id,
+                    coalesce((item->>'deduplication_window')::float8, 300));
+            IF visible IS NULL THEN
+                PERFORM pgmq.send(q, item->'message', item->'headers', 0);
+            ELSE
+                PERFORM pgmq.send(q, item->'message', item->'headers', visible);
+            END IF;
+            woken := woken || q;
+            dues := dues || visible;
+        END LOOP;
+    END LOOP;
+    FOR q, due IN
+        SELECT w.q, CASE WHEN bool_or(w.due IS NULL) THEN NULL ELSE min(w.due) END
+        FROM unnest(woken, dues) AS w(q, due) GROUP BY w.q ORDER BY w.q
+    LOOP
+        PERFORM kombu_pgmq.wake_due(q, due);
+    END LOOP;
+    RETURN true;
+END
+$$;
+
 -- -- grants ---------------------------------------------------------------------------------
 
 -- A beat runs as a worker role (it elects, claims and publishes); application code that
@@ -375,5 +437,6 @@ INSERT INTO kombu_pgmq.grantable (function, kind, definer) VALUES
     ('kombu_pgmq.beat_run_now(text)', 'producer', true),
     ('kombu_pgmq.beat_list()', 'producer', true),
     ('kombu_pgmq.beat_history(text, integer)', 'producer', true),
-    ('kombu_pgmq.beat_leader_info()', 'producer', true);
+    ('kombu_pgmq.beat_leader_info()', 'producer', true),
+    ('kombu_pgmq.publish_many(jsonb, bigint)', 'producer', true);
 SELECT kombu_pgmq.secure_functions();

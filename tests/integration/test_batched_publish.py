@@ -106,3 +106,24 @@ def test_deduplication_holds_in_a_batch(db_dsn):
             producer.publish({"n": 1}, routing_key="batched_dedup", headers=headers)
             producer.publish({"n": 2}, routing_key="batched_dedup", headers=headers)
         assert [m.payload["n"] for m in drain(broker, "batched_dedup", expect=1)] == [1]
+
+
+def test_visible_at_keeps_a_message_invisible_until_then(db_dsn):
+    from datetime import datetime, timedelta, timezone
+
+    with connect(db_dsn) as broker, psycopg.connect(db_dsn) as pg:
+        producer = Producer(broker)
+        producer.publish({}, routing_key="batched_at", declare=[Queue("batched_at")])
+        drain(broker, "batched_at", expect=1)
+        bound = kombu_pgmq.using(pg, broker_url=db_dsn)
+        at = datetime.now(timezone.utc) + timedelta(seconds=1.25)
+        with pg.transaction(), bound, bound.binding.batched() as batch:
+            batch.visible_at = at
+            producer.publish({"n": 1}, routing_key="batched_at")
+            batch.visible_at = None
+            producer.publish({"n": 2}, routing_key="batched_at")
+        vts = sql(db_dsn, "SELECT message->>'body', vt FROM pgmq.q_batched_at ORDER BY msg_id")
+        assert vts[0][1] == at  # to the microsecond: not rounded to whole seconds
+        assert vts[1][1] < at
+        assert [m.payload["n"] for m in drain(broker, "batched_at", expect=1)] == [2]
+        assert [m.payload["n"] for m in drain(broker, "batched_at", expect=1)] == [1]

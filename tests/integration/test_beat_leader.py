@@ -190,3 +190,32 @@ def test_a_due_time_no_leader_reached_is_sent_by_the_next(db_dsn, schedulers):
     all_ticks = sent_once(db_dsn)
     assert any(t[1] < stopped for t in all_ticks) and any(t[1] > stopped for t in all_ticks)
     assert {t[5] for t in all_ticks} == {1, 2}
+
+
+def test_lookahead_publishes_ahead_invisible_until_the_due_time(db_dsn, schedulers):
+    # beat_lookahead_seconds: a tick is claimed and published up to that early; its
+    # message's visibility time is the due time itself (sub-second), and a relative
+    # expiry counts from the due time.
+    with PeriodicTasks(db_dsn) as api:
+        api.add("ahead", TASK, 1, options={"expires": 30})
+    s = lead(schedulers(beat_lookahead_seconds=1.5))
+    tick_until([s], lambda: len(ticks(db_dsn)) >= 3, 15, "three ticks")
+    rows = sql(
+        db_dsn,
+        "SELECT t.due_at, t.sent_at, q.vt, q.headers->>'expires' FROM kombu_pgmq.beat_ticks t "
+        "JOIN pgmq.q_celery q ON q.headers->>'id' = t.task_id ORDER BY t.due_at",
+    )
+    assert len(rows) >= 3
+    for due_at, sent_at, vt, expires in rows[1:]:  # the first may be claimed late
+        assert sent_at < due_at - timedelta(seconds=1)  # published ahead
+        assert vt == due_at  # invisible until the due time, to the microsecond
+        assert datetime.fromisoformat(expires) == due_at + timedelta(seconds=30)
+    sent_once(db_dsn)
+
+
+def test_lookahead_setting_is_checked(db_dsn):
+    from kombu_pgmq.errors import ConfigurationError
+
+    for bad in (-1, 61, "soon"):
+        with pytest.raises(ConfigurationError, match="beat_lookahead_seconds"):
+            Scheduler(make_app(db_dsn, beat_lookahead_seconds=bad), lazy=True)
