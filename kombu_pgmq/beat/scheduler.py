@@ -361,6 +361,9 @@ class Scheduler(beat.Scheduler):
                 continue
             task_id = self._task_id(name, requested)
             batch.append((entry, Claim(name, requested, requested, None, task_id, "manual", 0)))
+        if batch:  # a transaction of their own: one claim per entry and statement
+            self._commit(batch)
+            batch = []
         while self._queue and self._queue[0][0] <= horizon:
             when, name = heapq.heappop(self._queue)
             entry = self._entries.get(name)

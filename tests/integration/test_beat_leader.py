@@ -219,3 +219,22 @@ def test_lookahead_setting_is_checked(db_dsn):
     for bad in (-1, 61, "soon"):
         with pytest.raises(ConfigurationError, match="beat_lookahead_seconds"):
             Scheduler(make_app(db_dsn, beat_lookahead_seconds=bad), lazy=True)
+
+
+def test_run_now_and_a_due_tick_of_the_same_entry_in_one_pass(db_dsn, schedulers):
+    # Both are claimed, each in its own transaction: the scheduled tick moves the last
+    # run on, the manual one does not (claimed together, one UPDATE would lose one).
+    with PeriodicTasks(db_dsn) as api:
+        api.add("both", TASK, 60)
+    s = lead(schedulers())
+    with PeriodicTasks(db_dsn) as api:
+        last = _set_last_run(db_dsn, "both", 60.5)  # one due time passed
+        api.run_now("both")
+    tick_until([s], lambda: len(ticks(db_dsn)) >= 2, 10, "the manual and the due tick")
+    step(s)
+    kinds = sorted(t[2] for t in ticks(db_dsn))
+    assert kinds == ["manual", "scheduled"]
+    row = entry_row(db_dsn, "both")
+    assert row["total_run_count"] == 2 and row["run_requested_at"] is None
+    assert datetime.fromisoformat(row["last_run_at"]) == last + timedelta(seconds=60)
+    sent_once(db_dsn)
