@@ -154,7 +154,8 @@ class Scheduler(beat.Scheduler):
         self.history_seconds = float(conf.get("beat_history_seconds", 7 * 86400))
         self.install_schema = bool(conf.get("beat_install_schema", True))
         self.lookahead_seconds = _lookahead(conf)
-        self._batch: BatchedPublisher | None = None
+        self._ready = False  # schema installed or checked
+        self._waiting = False  # the database could not be reached (logged once)
         self._leader: Leader | None = None
         self._entries: dict[str, LoadedEntry] = {}
         self._queue: list[tuple[datetime, str]] = []
@@ -179,17 +180,36 @@ class Scheduler(beat.Scheduler):
 
     def setup_schedule(self) -> None:
         self._config = self._read_config()
-        connector = self.leader.connector
-        if self.install_schema:
-            ensure_schema(connector, self.dsn)
-        else:
-            verify(connector)
-        self._sync_config()  # this process's config applies now (and again when it leads)
+        if self._prepare():
+            self._sync_config()  # this process's config applies now (and again when it leads)
         if not [t for t in self.app.tasks if not t.startswith("celery.")]:
             logger.warning(
                 "beat: app %r registers no task: periodic tasks are sent by name, unchecked",
                 self.app.main,
             )
+
+    def _prepare(self) -> bool:
+        """Install (or check) the schema once; False while the database cannot be reached
+        (a beat started during an outage waits for it instead of exiting).
+
+        Raises:
+            BootstrapError: the schema is missing and ``beat_install_schema`` is off.
+        """
+        if self._ready:
+            return True
+        connector = self.leader.connector
+        try:
+            if self.install_schema:
+                ensure_schema(connector, self.dsn)
+            else:
+                verify(connector)
+        except errors.BrokerConnectionError as exc:
+            if not self._waiting:
+                logger.warning("beat: the database cannot be reached (%s); waiting for it", exc)
+                self._waiting = True
+            return False
+        self._ready = True
+        return True
 
     def get_schedule(self) -> dict[str, Any]:
         return {
@@ -232,6 +252,8 @@ class Scheduler(beat.Scheduler):
     def tick(self, *args: Any, **kwargs: Any) -> float:
         """Elect, then (leading) send what is due; returns seconds to the next call."""
         leader = self.leader
+        if not self._prepare():
+            return leader.round_seconds
         if monotonic() >= leader.round_due and leader.elect():
             self._on_lead()
         if not leader.is_leader:

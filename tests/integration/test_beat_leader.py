@@ -238,3 +238,18 @@ def test_run_now_and_a_due_tick_of_the_same_entry_in_one_pass(db_dsn, schedulers
     assert row["total_run_count"] == 2 and row["run_requested_at"] is None
     assert datetime.fromisoformat(row["last_run_at"]) == last + timedelta(seconds=60)
     sent_once(db_dsn)
+
+
+def test_a_beat_started_while_the_database_is_down_waits_for_it(caplog):
+    # Nothing listens on port 1: the beat neither exits nor spins; it says so once.
+    url = "postgresql://postgres@127.0.0.1:1/nowhere?connect_timeout=1"
+    s = Scheduler(make_app(url))
+    try:
+        with caplog.at_level("WARNING", logger="kombu_pgmq.beat.scheduler"):
+            delays = [s.tick() for _ in range(2)]
+        assert all(d == s.leader.round_seconds for d in delays)
+        assert not s.leader.is_leader
+        waiting = [r for r in caplog.records if "cannot be reached" in r.getMessage()]
+        assert len(waiting) == 1
+    finally:
+        s.close()
