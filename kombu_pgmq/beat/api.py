@@ -59,7 +59,7 @@ class PeriodicTasks:
 
     Arguments:
         url: the schedule's database (``postgresql://...``); default: ``app``'s
-            (:func:`kombu_pgmq.beat.scheduler.database_url`).
+            (:func:`kombu_pgmq.beat.settings.database_url`).
         app: a Celery app: its settings give the database, and task names and queues
             are checked against it.
         check_queues: refuse options naming a queue that exists neither in the app's
@@ -74,7 +74,7 @@ class PeriodicTasks:
                 raise ConfigurationError(
                     "PeriodicTasks(): give the schedule's database URL or a Celery app"
                 )
-            from .scheduler import database_url
+            from .settings import database_url
 
             self.dsn = database_url(app)
         else:

@@ -65,6 +65,7 @@ from .._naming import pgmq_queue_name
 from ..schema import ensure_schema, verify
 from .entries import LoadedEntry, check_task, from_config, validate_queue
 from .leader import Leader
+from .settings import database_url, lookahead_seconds, takeover_seconds
 
 __all__ = ["Scheduler"]
 
@@ -80,65 +81,6 @@ ON_TIME_SECONDS = 2.0
 PRUNE_SECONDS = 60.0
 
 
-def database_url(app: Any) -> str:
-    """The libpq string of the schedule's database (see the module docstring).
-
-    Raises:
-        ConfigurationError: ``beat_database_url`` is not a PostgreSQL URL.
-    """
-    conf = app.conf
-    url = conf.get("beat_database_url")
-    if not url:
-        broker = conf.broker_write_url or conf.broker_url
-        if isinstance(broker, (list, tuple)):
-            broker = ";".join(broker)
-        backend = conf.result_backend
-        if broker and conninfo.is_ours(broker, conf.broker_transport):
-            url = broker
-        elif isinstance(backend, str) and backend.split("://")[0] in ("postgresql", "postgres"):
-            url = backend
-        else:
-            from ..embedded import default_broker_url
-
-            url = default_broker_url()
-    urls = [u for u in str(url).split(";") if u.strip()]
-    if not urls or not conninfo.is_ours(urls[0]):
-        raise errors.ConfigurationError(
-            f"beat_database_url {conninfo.redact(str(url))!r} is not a PostgreSQL URL: give "
-            "postgresql://user@host/db"
-        )
-    if len(urls) > 1:
-        return conninfo.make_dsn(conninfo.failover_params(urls))
-    return conninfo.to_dsn(urls[0])
-
-
-def _takeover(conf: Any) -> float:
-    value = conf.get("beat_takeover_seconds", 10)
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        seconds = 0.0
-    if seconds <= 1:
-        raise errors.ConfigurationError(
-            f"beat_takeover_seconds={value!r}: give seconds > 1 (default 10)"
-        )
-    return seconds
-
-
-def _lookahead(conf: Any) -> float:
-    value = conf.get("beat_lookahead_seconds", 0)
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        seconds = -1.0
-    if not 0 <= seconds <= 60:
-        raise errors.ConfigurationError(
-            f"beat_lookahead_seconds={value!r}: give seconds from 0 (publish at the due time, "
-            "the default) to 60"
-        )
-    return seconds
-
-
 class _Fenced(Exception):
     """The claim found this session no longer leads."""
 
@@ -149,11 +91,11 @@ class Scheduler(beat.Scheduler):
     def __init__(self, app: Any, *args: Any, **kwargs: Any) -> None:
         conf = app.conf
         self.dsn = database_url(app)
-        self.takeover_seconds = _takeover(conf)
+        self.takeover_seconds = takeover_seconds(conf)
         self.default_catch_up = str(conf.get("beat_catch_up", "once"))
         self.history_seconds = float(conf.get("beat_history_seconds", 7 * 86400))
         self.install_schema = bool(conf.get("beat_install_schema", True))
-        self.lookahead_seconds = _lookahead(conf)
+        self.lookahead_seconds = lookahead_seconds(conf)
         self._ready = False  # schema installed or checked
         self._waiting = False  # the database could not be reached (logged once)
         self._leader: Leader | None = None
