@@ -779,6 +779,9 @@ SELECT kombu_pgmq.beat_run_now(%(name)s) AS requested_at
 -- name: beat_list
 SELECT * FROM kombu_pgmq.beat_list()
 
+-- name: beat_entry
+SELECT * FROM kombu_pgmq.beat_get(%(name)s)
+
 -- name: beat_history
 SELECT * FROM kombu_pgmq.beat_history(%(name)s, %(max_rows)s::integer)
 

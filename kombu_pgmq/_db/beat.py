@@ -220,6 +220,11 @@ class BeatStore:
         """Every entry, by name."""
         return self.db.fetch("beat_list", None, StoredEntry)
 
+    def entry(self, name: str) -> StoredEntry | None:
+        """The entry ``name`` (None: there is none)."""
+        rows = self.db.fetch("beat_entry", {"name": name}, StoredEntry)
+        return rows[0] if rows else None
+
     def history(self, name: str | None, max_rows: int) -> list[StoredTick]:
         """Ticks of ``name`` (None: all entries), newest first."""
         return self.db.fetch("beat_history", {"name": name, "max_rows": max_rows}, StoredTick)

@@ -35,9 +35,7 @@ from typing import Any
 
 from .. import _conninfo as conninfo
 from .._db.beat import BeatStore, LeaderInfo, StoredEntry, StoredTick
-from .._db.broker import Broker
 from .._db.connector import Connector
-from .._naming import pgmq_queue_name
 from ..errors import ConfigurationError
 from ..schema import ensure_schema
 from .entries import to_stored, validate_queue
@@ -107,13 +105,7 @@ class PeriodicTasks:
     def _check_queue(self, row: Mapping[str, Any]) -> None:
         if not self.check_queues:
             return
-        broker_db = Broker(self._db)
-        validate_queue(
-            row["name"],
-            row["options"],
-            self.app,
-            lambda q: broker_db.queue_exists(pgmq_queue_name(q)),
-        )
+        validate_queue(row["name"], row["options"], self.app, self._db)
 
     def add(
         self,
@@ -230,10 +222,10 @@ class PeriodicTasks:
         Raises:
             UnknownPeriodicTask: no such name.
         """
-        for entry in self.store.entries():
-            if entry.name == name:
-                return entry
-        raise self._unknown(name)
+        entry = self.store.entry(name)
+        if entry is None:
+            raise self._unknown(name)
+        return entry
 
     def all(self) -> list[PeriodicTask]:
         """Every periodic task, by name."""

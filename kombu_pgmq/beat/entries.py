@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -19,6 +19,9 @@ from typing import Any
 from celery.schedules import BaseSchedule, crontab
 
 from .._db.beat import StoredEntry
+from .._db.broker import Broker
+from .._db.connector import Connector
+from .._naming import pgmq_queue_name
 from ..errors import ConfigurationError
 from .schedules import CATCH_UP, from_row, latest_due, next_due, to_row
 
@@ -74,8 +77,7 @@ def check_task(app: Any, task: str, name: str) -> None:
     """
     if app is None:
         return
-    known = [t for t in app.tasks if not t.startswith("celery.")]
-    if known and task not in app.tasks:
+    if task not in app.tasks and any(not t.startswith("celery.") for t in app.tasks):
         raise ConfigurationError(
             f"periodic task {name!r}: task {task!r} is not registered in app {app.main!r} "
             "(misspelled, or its module is not imported: add it to the app's imports or "
@@ -215,11 +217,9 @@ class LoadedEntry:
         return latest_due(self.schedule, self.anchor, now)
 
 
-def validate_queue(
-    name: str, options: Mapping[str, Any], app: Any, exists: Callable[[str], bool]
-) -> None:
-    """Refuse options naming a queue unknown to ``app`` (``task_queues``) and to the
-    broker (``exists(queue)``).
+def validate_queue(name: str, options: Mapping[str, Any], app: Any, db: Connector) -> None:
+    """Refuse options naming a queue unknown to ``app`` (``task_queues``, the default
+    queue) and to the broker in ``db``'s database (one statement).
 
     Raises:
         ConfigurationError: the queue exists nowhere.
@@ -231,7 +231,7 @@ def validate_queue(
         declared = {str(getattr(q, "name", q)) for q in app.conf.task_queues or ()}
         if queue in declared or queue == app.conf.task_default_queue:
             return
-    if exists(queue):
+    if Broker(db).queue_exists(pgmq_queue_name(queue)):
         return
     raise ConfigurationError(
         f"periodic task {name!r}: queue {queue!r} does not exist (not in task_queues, not "

@@ -60,10 +60,8 @@ from .. import _conninfo as conninfo
 from .. import errors
 from .._db.batch import BatchedPublisher
 from .._db.beat import Claim
-from .._db.broker import Broker
-from .._naming import pgmq_queue_name
 from ..schema import ensure_schema, verify
-from .entries import LoadedEntry, check_task, from_config, validate_queue
+from .entries import LoadedEntry, check_task, from_config, tick_task_id, validate_queue
 from .leader import Leader
 from .settings import database_url, lookahead_seconds, takeover_seconds
 
@@ -323,7 +321,7 @@ class Scheduler(beat.Scheduler):
             if entry is None or requested is None or not entry.row.enabled:
                 self._manual.discard(name)
                 continue
-            task_id = self._task_id(name, requested)
+            task_id = tick_task_id(name, requested)
             batch.append((entry, Claim(name, requested, requested, None, task_id, "manual", 0)))
         if batch:  # a transaction of their own: one claim per entry and statement
             self._commit(batch)
@@ -367,34 +365,22 @@ class Scheduler(beat.Scheduler):
                 return None
             # Due within beat_lookahead_seconds: published now, invisible until then.
             _, _, after = entry.passed(following)
-            ahead = self._task_id(row.name, following)
+            ahead = tick_task_id(row.name, following)
             return Claim(row.name, following, row.last_run_at, after, ahead, "scheduled", 0)
         missed, kind = count - 1, "scheduled" if count == 1 else "catch-up"
         if row.catch_up == "skip" and count > 1:
             kind = "scheduled"
             if (now - latest).total_seconds() > ON_TIME_SECONDS:
                 kind, missed = "skipped", count
-        task_id = None if kind == "skipped" else self._task_id(row.name, latest)
+        task_id = None if kind == "skipped" else tick_task_id(row.name, latest)
         return Claim(row.name, latest, row.last_run_at, following, task_id, kind, missed)
-
-    @staticmethod
-    def _task_id(name: str, due_at: datetime) -> str:
-        from .entries import tick_task_id
-
-        return tick_task_id(name, due_at)
 
     def _check(self, entry: LoadedEntry) -> None:
         """Refuse a queue that exists nowhere (cached a minute per queue)."""
         queue = entry.row.options.get("queue")
         if not queue or self._queues_seen.get(queue, 0.0) > monotonic():
             return
-        broker_db = Broker(self.leader.connector)
-        validate_queue(
-            entry.name,
-            entry.row.options,
-            self.app,
-            lambda q: broker_db.queue_exists(pgmq_queue_name(q)),
-        )
+        validate_queue(entry.name, entry.row.options, self.app, self.leader.connector)
         self._queues_seen[queue] = monotonic() + 60.0
 
     def _heartbeat(self) -> bool:

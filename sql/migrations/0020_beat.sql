@@ -330,6 +330,13 @@ LANGUAGE sql STABLE AS $$
     SELECT * FROM kombu_pgmq.beat_entries ORDER BY name
 $$;
 
+-- One entry (primary key lookup).
+CREATE FUNCTION kombu_pgmq.beat_get(entry_name text)
+RETURNS SETOF kombu_pgmq.beat_entries
+LANGUAGE sql STABLE AS $$
+    SELECT * FROM kombu_pgmq.beat_entries WHERE name = entry_name
+$$;
+
 -- Ticks sent (newest first), of one entry or all (entry_name NULL).
 CREATE FUNCTION kombu_pgmq.beat_history(entry_name text, max_rows integer)
 RETURNS SETOF kombu_pgmq.beat_ticks
@@ -436,6 +443,7 @@ INSERT INTO kombu_pgmq.grantable (function, kind, definer) VALUES
     ('kombu_pgmq.beat_remove(text)', 'producer', true),
     ('kombu_pgmq.beat_run_now(text)', 'producer', true),
     ('kombu_pgmq.beat_list()', 'producer', true),
+    ('kombu_pgmq.beat_get(text)', 'producer', true),
     ('kombu_pgmq.beat_history(text, integer)', 'producer', true),
     ('kombu_pgmq.beat_leader_info()', 'producer', true),
     ('kombu_pgmq.publish_many(jsonb, bigint)', 'producer', true);
