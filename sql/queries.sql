@@ -68,8 +68,9 @@ FROM kombu_pgmq.read(%(queues)s::text[], %(vt_seconds)s::integer, %(qty)s::integ
 -- already archived (an UNLOGGED queue's ids restarted after a crash) is archived under a
 -- new one (kombu_pgmq.archive_under_new_id, migration 0014), never dropped. read: up to
 -- qty visible rows in msg_id order, FOR UPDATE SKIP LOCKED, never one being acked here,
--- nothing from a paused queue (migration 0012). Rows with acked = true are the acks
--- applied. {queue_table}/{archive_table}: pgmq.q_<name>/pgmq.a_<name>;
+-- nothing from a paused queue (migration 0012) or a limited one (migration 0021: it is
+-- read by kombu_pgmq.read; a row with msg_id NULL says it is limited). Rows with acked =
+-- true are the acks applied. {queue_table}/{archive_table}: pgmq.q_<name>/pgmq.a_<name>;
 -- {archive_columns}: the queue table's columns the archive has; {touch}:
 -- read_touch_last_read_at, or nothing for PGMQ < 1.11 (no last_read_at); {last_read_at}:
 -- a.last_read_at, or NULL for PGMQ < 1.11.
@@ -88,6 +89,7 @@ WITH acked AS (
     SELECT msg_id FROM {queue_table}
     WHERE vt <= clock_timestamp() AND msg_id <> ALL(%(ack_ids)s::bigint[])
       AND NOT EXISTS (SELECT 1 FROM kombu_pgmq.paused p WHERE p.pgmq_queue = %(queue)s)
+      AND NOT EXISTS (SELECT 1 FROM kombu_pgmq.limited l WHERE l.pgmq_queue = %(queue)s)
     ORDER BY msg_id
     LIMIT %(qty)s
     FOR UPDATE SKIP LOCKED
@@ -111,6 +113,9 @@ WHERE CASE WHEN a.msg_id IN (SELECT msg_id FROM archived) THEN true
                                                 a.vt, a.message, a.headers,
                                                 {last_read_at}) IS NOT NULL
       END
+UNION ALL
+SELECT NULL, 0, NULL, NULL, NULL, NULL, false
+FROM kombu_pgmq.limited l WHERE l.pgmq_queue = %(queue)s
 ORDER BY acked, msg_id
 
 -- name: ack_queue
@@ -119,7 +124,7 @@ ORDER BY acked, msg_id
 -- parts alone, so a finished task's ack reaches the server at once instead of waiting
 -- for the next read. $1, $2, $3: the receipts (msg_id, read_ct, enqueued_at); $4: 'on'
 -- or 'off', synchronous_commit of this statement's own transaction. Returns the msg_ids
--- settled. Placeholders as read_queue's.
+-- settled. Placeholders as read_queue's; {wake}: ack_wake for a limited queue, else nothing.
 WITH acked AS (
     DELETE FROM {queue_table} AS t
     USING unnest($1::bigint[], $2::integer[], $3::timestamptz[]) AS h(id, ct, at)
@@ -131,13 +136,18 @@ WITH acked AS (
     ON CONFLICT DO NOTHING
     RETURNING msg_id
 )
-SELECT a.msg_id, set_config('synchronous_commit', $4::text, true) AS synchronous_commit
+SELECT a.msg_id, set_config('synchronous_commit', $4::text, true) AS synchronous_commit{wake}
 FROM acked a
 WHERE CASE WHEN a.msg_id IN (SELECT msg_id FROM archived) THEN true
            ELSE kombu_pgmq.archive_under_new_id($5::text, a.msg_id, a.read_ct, a.enqueued_at,
                                                 a.vt, a.message, a.headers,
                                                 {last_read_at}) IS NOT NULL
       END
+
+-- name: ack_wake
+-- ack_queue's {wake} for a limited queue (migration 0021): a settled message frees its
+-- slot, so the consumers waiting on the queue are woken (at commit; only if one waits).
+, kombu_pgmq.notify_waiting($5::text) AS woken
 
 -- name: read_touch_last_read_at
 , last_read_at = clock_timestamp()
@@ -790,3 +800,16 @@ SELECT kombu_pgmq.beat_prune(%(keep_seconds)s::float8, %(batch)s::integer) AS pr
 
 -- name: listen_beat
 LISTEN kombu_pgmq_beat
+
+-- name: set_queue_limits
+-- Set a Kombu queue's limits (migration 0021; JSON, a null removes one; replace: the ones
+-- not given are removed). A row back: the queue is limited.
+SELECT queue FROM kombu_pgmq.set_queue_limits(%(queue)s, %(limits)s::jsonb, %(replace)s)
+
+-- name: limits_info
+-- Every limited queue (or one) with its limits and their use now (migration 0021).
+SELECT queue, concurrency, rate, rate_per_second, burst, limit_key, key_concurrency, key_rate,
+       key_rate_per_second, key_burst, ordered_keys, in_flight, tokens, keys_in_flight,
+       keys_at_limit, throttled_concurrency, throttled_rate, throttled_keys, updated_at,
+       updated_by
+FROM kombu_pgmq.limits_info(%(queue)s)

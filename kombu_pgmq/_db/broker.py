@@ -21,10 +21,12 @@ from .declarations import Declarations
 from .rows import (
     QueueInfo,
     ReadRow,
+    Reads,
     Receipt,
     Renewed,
     RoutingTable,
     Row,
+    Throttle,
     VersionRow,
     receipt_handles,
     text_array,
@@ -48,6 +50,9 @@ class Broker(Declarations):
         #: Reads of one queue go straight to PGMQ's tables (statement ``read_queue``);
         #: False once the role turned out not to have the privileges for it.
         self.direct_reads = True
+        #: PGMQ queues known to be limited (migration 0021): read through
+        #: ``kombu_pgmq.read``, never statement ``read_queue``; learned from each read.
+        self.limited: set[str] = set()
         #: Publishes without deduplication go straight into PGMQ's queue tables
         #: (statement ``send_queue``): on the transport's own connection only (in the
         #: application's transaction the wake-up waits for its commit), and until the
@@ -100,16 +105,13 @@ class Broker(Declarations):
         msg_id = self.db.scalar("send", params)
         return None if msg_id is None else int(msg_id)
 
-    def read(self, queue: str, vt_seconds: int, qty: int, *, fifo: bool = False) -> list[Row]:
+    def read(self, queue: str, vt_seconds: int, qty: int) -> Reads:
         """Deliver up to ``qty`` visible messages, invisible for ``vt_seconds`` afterwards
-        (a FIFO queue: one message per group at a time)."""
-        params = {
-            "queue": queue,
-            "vt_seconds": vt_seconds,
-            "qty": qty,
-            "fifo_queues": [queue] if fifo else [],
-        }
-        return self.db.fetch("read", params, Row, synchronous=None)
+        (within the queue's limits, if it has any: ``Reads.limits``)."""
+        params = {"queue": queue, "vt_seconds": vt_seconds, "qty": qty, "fifo_queues": []}
+        reads = Reads.of(self.db.fetch("read", params, Row, synchronous=None))
+        self._learn_limits([queue], reads, complete=len(reads) < qty)
+        return reads
 
     def read_many(
         self,
@@ -119,12 +121,12 @@ class Broker(Declarations):
         acks: Sequence[Receipt] = (),
         *,
         durable_acks: bool = True,
-        fifo_queues: Sequence[str] = (),
-    ) -> list[Row]:
+    ) -> Reads:
         """Archive ``acks`` (receipts; a stale one is not applied and the server's notice
         is logged), then deliver up to ``qty`` messages
         from ``queues`` in the order given, all in one round trip and one transaction
-        (each row names its ``queue``).
+        (each row names its ``queue``). A limited queue (migration 0021) delivers no
+        more than its limits allow; ``Reads.limits`` says what they did.
 
         The commit is asynchronous unless there are acks and ``durable_acks``: a server
         crash may then forget the deliveries and acks, and those messages are delivered
@@ -136,15 +138,21 @@ class Broker(Declarations):
         if (
             self.direct_reads
             and len(queues) == 1
-            and not fifo_queues
+            and queues[0] not in self.limited
             and all(a.queue == queues[0] for a in acks)
         ):
             try:
-                return self._read_queue(queues[0], vt_seconds, qty, acks, durable_acks)
+                reads = self._read_queue(queues[0], vt_seconds, qty, acks, durable_acks)
             except PermissionDenied:
                 # A least-privilege role (kombu-pgmq schema grant worker) may use PGMQ's
                 # tables only through kombu_pgmq's functions: read through them from now on.
                 self.direct_reads = False
+            else:
+                if not reads.limits:
+                    return reads
+                # limited since we last looked: the acks are applied, read within limits
+                self.limited.add(queues[0])
+                acks = ()
         params = {
             "queues": list(queues),
             "vt_seconds": vt_seconds,
@@ -154,10 +162,21 @@ class Broker(Declarations):
             "ack_cts": [a.read_ct for a in acks],
             "ack_enqueued": [a.enqueued_at for a in acks],
             "durable_acks": durable_acks,
-            "fifo_queues": list(fifo_queues),
+            "fifo_queues": [],
         }
         # kombu_pgmq.read sets synchronous_commit itself
-        return self.db.fetch("read_many", params, Row, synchronous=None)
+        reads = Reads.of(self.db.fetch("read_many", params, Row, synchronous=None))
+        self._learn_limits(queues, reads, complete=len(reads) < qty)
+        return reads
+
+    def _learn_limits(self, queues: Sequence[str], reads: Reads, *, complete: bool) -> None:
+        """Remember which of ``queues`` are limited (their reads skip statement
+        ``read_queue``, their acks wake waiting consumers). ``complete``: every queue was
+        read (the read was not filled), so one without a marker is not limited."""
+        limited = self.limited
+        limited.update(reads.limits)
+        if complete and limited:
+            limited.difference_update(q for q in queues if q not in reads.limits)
 
     def _send_queue(self, queue: str, message: str, headers: str, delay_seconds: int) -> int:
         params = {
@@ -176,7 +195,7 @@ class Broker(Declarations):
 
     def _read_queue(
         self, queue: str, vt_seconds: int, qty: int, acks: Sequence[Receipt], durable_acks: bool
-    ) -> list[Row]:
+    ) -> Reads:
         """:meth:`read_many` of one non-FIFO queue: statement ``read_queue`` on PGMQ's
         tables (one plan-cached statement; see sql/queries.sql)."""
         delivered, settled = self._read_queue_settled(
@@ -198,8 +217,9 @@ class Broker(Declarations):
         acks: Sequence[Receipt],
         *,
         durable_acks: bool,
-    ) -> tuple[list[Row], list[int]]:
-        """Statement ``read_queue``: (rows delivered, msg_ids of the acks applied)."""
+    ) -> tuple[Reads, list[int]]:
+        """Statement ``read_queue``: (rows delivered, msg_ids of the acks applied). A
+        limited queue delivers nothing this way: ``Reads.limits`` names it."""
         params = {
             "queue": queue,
             "vt_seconds": vt_seconds,
@@ -216,7 +236,7 @@ class Broker(Declarations):
             ReadRow,
             synchronous=bool(acks) and durable_acks,
         )
-        delivered = [
+        delivered = Reads(
             Row(
                 r.msg_id,
                 r.read_ct,
@@ -227,8 +247,10 @@ class Broker(Declarations):
                 r.enqueued_at,
             )
             for r in rows
-            if not r.acked
-        ]
+            if not r.acked and r.msg_id is not None
+        )
+        if any(r.msg_id is None for r in rows):
+            delivered.limits[queue] = Throttle(0)
         return delivered, [int(r.msg_id) for r in rows if r.acked]
 
     def ack_nowait(
@@ -255,16 +277,18 @@ class Broker(Declarations):
         queue = receipts[0].queue
         if any(r.queue != queue for r in receipts):
             return False
-        key = ("ack_queue", queue)
+        # a limited queue's acks wake the consumers its limits hold back
+        key = ("ack_queue", queue) if queue not in self.limited else ("ack_queue_wake", queue)
         statement = self._statements.get(key)
         if statement is None:
-            composed = self._compose_read_queue(queue, "ack_queue")
+            composed = self._compose_read_queue(queue, "ack_queue", wake=key[0] != "ack_queue")
             statement = self._statements[key] = composed.as_bytes(self.db.connection)
 
         def settled(rows: list[tuple[str | None, ...]]) -> None:
             on_settled({(queue, int(r[0])) for r in rows if r[0] is not None})
 
-        name = f"kombu_pgmq_ack_{queue}"  # PGMQ names: at most 47 of [a-z0-9_]
+        # PGMQ names: at most 47 of [a-z0-9_]
+        name = f"kombu_pgmq_ack_{queue}" if key[0] == "ack_queue" else f"kombu_pgmq_ackw_{queue}"
 
         def failed(error: KombuPgmqError) -> None:
             if isinstance(error, PermissionDenied):
@@ -289,10 +313,13 @@ class Broker(Declarations):
         )
         return True
 
-    def _compose_read_queue(self, queue: str, name: str = "read_queue") -> sql.Composed:
+    def _compose_read_queue(
+        self, queue: str, name: str = "read_queue", *, wake: bool = False
+    ) -> sql.Composed:
         """Statement ``read_queue`` (or ``ack_queue``, ``archive_expired``) for
         ``queue``'s tables (the columns differ between PGMQ versions: PGMQ < 1.11 has no
-        last_read_at)."""
+        last_read_at). ``wake``: ``ack_queue`` wakes the consumers waiting on the queue
+        (a limited queue's settled message frees its slot)."""
         queue_table, archive_table = f"q_{queue}", f"a_{queue}"
         present = set(self.db.column("table_columns", {"table": f"pgmq.{queue_table}"}))
         archived = set(self.db.column("table_columns", {"table": f"pgmq.{archive_table}"}))
@@ -310,6 +337,7 @@ class Broker(Declarations):
             marks=marks,
             touch=sql.SQL(touch),
             last_read_at=sql.SQL("a.last_read_at" if "last_read_at" in columns else "NULL"),
+            wake=sql.SQL(self.db.statement("ack_wake") if wake else ""),
         )
 
     def _fetch_direct(
@@ -348,7 +376,12 @@ class Broker(Declarations):
         """Archive the messages these deliveries still hold; return the ``(queue, msg_id)``
         settled (a stale receipt is left out, nothing is applied for it).
         ``durable=False`` commits asynchronously (a server crash may forget the ack)."""
-        if self.direct_reads and receipts and all(r.queue == receipts[0].queue for r in receipts):
+        if (
+            self.direct_reads
+            and receipts
+            and receipts[0].queue not in self.limited  # kombu_pgmq.ack wakes its consumers
+            and all(r.queue == receipts[0].queue for r in receipts)
+        ):
             # one queue: statement read_queue reading nothing (plan-cached, no EXECUTE)
             try:
                 _, settled = self._read_queue_settled(

@@ -8,14 +8,18 @@ from datetime import datetime
 from typing import Any, NamedTuple
 
 __all__ = [
+    "THROTTLED_RATE",
+    "THROTTLED_SETTLE",
     "QueueArgs",
     "QueueInfo",
     "ReadRow",
+    "Reads",
     "Receipt",
     "Renewed",
     "RoutingRow",
     "RoutingTable",
     "Row",
+    "Throttle",
     "VersionRow",
     "receipt_handles",
     "text_array",
@@ -36,6 +40,46 @@ class Row(NamedTuple):
     age_seconds: float
     queue: str = ""
     enqueued_at: datetime | None = None
+
+
+#: :attr:`Throttle.state` of a read a limit held back until a message settles (an ack
+#: wakes waiting consumers).
+THROTTLED_SETTLE = 1
+#: :attr:`Throttle.state` of a read a rate limit held back until its tokens refill.
+THROTTLED_RATE = 2
+
+
+class Throttle(NamedTuple):
+    """What the limits of a limited queue did to one read of one of its PGMQ queues
+    (the marker rows of ``kombu_pgmq.read_limited``, migration 0021): ``state`` 0 (not
+    throttled), :data:`THROTTLED_SETTLE` or :data:`THROTTLED_RATE`; ``retry_seconds``:
+    when the rate allows the next delivery (seconds from the read; None: not rate
+    throttled)."""
+
+    state: int
+    retry_seconds: float | None = None
+
+
+class Reads(list[Row]):
+    """The rows a read delivered, and :attr:`limits`: ``{PGMQ queue: Throttle}`` for
+    every limited queue read (a queue left out is not limited)."""
+
+    limits: dict[str, Throttle]
+
+    def __init__(self, rows: Iterable[Row] = (), limits: dict[str, Throttle] | None = None):
+        super().__init__(rows)
+        self.limits = limits or {}
+
+    @classmethod
+    def of(cls, rows: Iterable[Row]) -> Reads:
+        """Split a read's result: message rows, and marker rows (``msg_id`` NULL)."""
+        reads = cls()
+        for row in rows:
+            if row.msg_id is None:
+                reads.limits[row.queue] = Throttle(int(row.read_ct or 0), row.age_seconds)
+            else:
+                reads.append(row)
+        return reads
 
 
 class Receipt(NamedTuple):

@@ -215,6 +215,11 @@ with ``x-deduplicate-task-id``, a Celery task id) is enqueued once per queue wit
 ``x-fifo-groups`` (no priorities), messages with the same ``x-group-id`` header are
 delivered one at a time in publish order, the next once the previous is acked (use
 ``task_acks_late``); different groups in parallel.
+Fleet-wide limits (:mod:`kombu_pgmq.limits`): a queue's concurrency (messages delivered
+and not settled, across every worker) and rate (a token bucket, ``"100/s"``), and the
+same per key (header ``x-limit-key``, or the task name), are enforced in the read: a
+worker is never handed a message it may not start. FIFO groups are the key limit of
+concurrency 1.
 
 Headers any Python value can hold round-trip exactly: one PostgreSQL's jsonb cannot store
 (a NUL character, NaN, a lone surrogate, bytes; Celery puts task arguments in
@@ -312,6 +317,13 @@ line (:mod:`kombu_pgmq._worker_checks`).
   enqueued again (SQS FIFO's ``MessageDeduplicationId``); the publish returns as if it
   had, and logs at debug level. At most 604800 (7 days; the server refuses more).
 * ``connection_options`` (dict): extra libpq parameters, merged over the URL's.
+* ``queue_limits`` (dict, default ``{}``): fleet-wide limits per Kombu queue,
+  ``{"queue": {"concurrency": 20, "rate": "100/s", "burst": 10, "key_concurrency": 2,
+  "key_rate": "5/s", "key_burst": 1, "limit_key": "task"}}`` (any subset). A worker sets
+  them when it declares the queue, replacing the limits stored for it (those not named
+  are removed; ``kombu-pgmq queue limit`` changes them at run time until then). Checked
+  when the connection is made: an unknown limit or a bad rate raises
+  ``ConfigurationError``. See :mod:`kombu_pgmq.limits`.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ classes fit where they are passed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol
 
 from .._db.broker import Broker, Receipt
@@ -46,6 +47,9 @@ class Consumed(NamedTuple):
     acks_sent: bool
     #: The read was put off until half the prefetch window is free.
     deferred: bool
+    #: PGMQ names of queues a rate limit held back -> seconds until it allows more
+    #: (migration 0021): read them again then (no notification comes for it).
+    retry: Mapping[str, float] = MappingProxyType({})
 
 
 class ReaderView(Protocol):

@@ -261,8 +261,11 @@ class Channel(virtual.Channel):
             info = self._passive_declare(queue, exc)
         self.reader.set_lifetime(queue, info.message_ttl_ms, info.expires_ms)
         self.connection.topology.set_bands(
-            queue, priorities.stored(name, info.floors, info.band_queues), fifo=info.fifo_groups
+            queue, priorities.stored(name, info.floors, info.band_queues)
         )
+        limits = self.options.queue_limits.get(queue)
+        if limits is not None:
+            self.connection.topology.set_limits(queue, limits)
         if max_priority is not None and info.max_priority != max_priority:
             raise ChannelError(
                 f"PRECONDITION_FAILED - inequivalent arg 'x-max-priority' for queue {queue!r}: "

@@ -19,6 +19,7 @@ from typing import Any
 
 from .._priorities import validate_steps
 from ..errors import ConfigurationError
+from ..limits import validate_limits
 
 __all__ = ["JSONB_MAX_BYTES", "KOMBU_OPTIONS", "OPTIONS", "TransportOptions"]
 
@@ -118,6 +119,10 @@ class TransportOptions:
         default=300.0,
         metadata=_doc("seconds", "a deduplication id is accepted once within this window"),
     )
+    queue_limits: Mapping[str, Mapping[str, Any]] = field(
+        default_factory=dict,
+        metadata=_doc("dict", "fleet-wide limits per queue, set when a worker declares it"),
+    )
 
     @property
     def vt_seconds(self) -> int:
@@ -203,7 +208,14 @@ class TransportOptions:
             if most is not None and number > most:
                 raise bad(name, f"seconds > 0, at most {most} (the server caps it there)")
             timing[name] = number
+        limits = values["queue_limits"] or {}
+        if not isinstance(limits, Mapping):
+            raise bad("queue_limits", "a dict {queue: {'concurrency': 20, 'rate': '100/s'}}")
+        queue_limits = {
+            str(queue): validate_limits(str(queue), each) for queue, each in limits.items()
+        }
         return cls(
+            queue_limits=queue_limits,
             visibility_timeout=vt,
             lease_renewal_interval=renewal,
             max_deliveries=md,

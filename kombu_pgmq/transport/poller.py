@@ -342,6 +342,7 @@ class Poller:
         delivered = 0
         drained: set[str] = set()
         full: set[str] = set()
+        retry: dict[str, float] = {}
         ready = set(self._ready)
         self._polling = True
         try:
@@ -354,6 +355,7 @@ class Poller:
                 delivered += consumed.delivered
                 drained |= consumed.drained
                 full |= consumed.full
+                retry.update(consumed.retry)
         finally:
             self._polling = False
             if taken and not acks:
@@ -398,6 +400,11 @@ class Poller:
             self._schedule_due()
             self._waiting |= to_wait
             self._ready |= to_wait  # the final read, after wait_for committed
+        if retry:  # a rate limit allows more then (nothing notifies it)
+            now = monotonic()
+            for name, seconds in retry.items():
+                self._due_at(name, now + seconds)
+            self._schedule_due()
         if full and self._hub is not None:
             self.wake()  # more may wait: read again after the loop's other work
         return delivered, bool(to_wait)

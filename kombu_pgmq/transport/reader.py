@@ -32,6 +32,7 @@ from typing import Any
 from .. import _encoding as encoding
 from .. import errors
 from .._db.broker import Receipt, Row
+from .._db.rows import THROTTLED_RATE, Reads
 from .._naming import pgmq_queue_name
 from .._stats import STATS
 from ._channel_part import ChannelPart
@@ -188,6 +189,7 @@ class Reader(ChannelPart):
             return Consumed(0, set(), set(), False, True)
         drained: set[str] = set()
         full: set[str] = set()
+        retry: dict[str, float] = {}
         batches: list[tuple[str, str, list[Row], bool]] = []
 
         def account(queue: str, name: str, rows: list[Row], no_ack: bool) -> None:
@@ -196,6 +198,11 @@ class Reader(ChannelPart):
             remaining -= len(rows)
             if rows:
                 batches.append((queue, name, rows, no_ack))
+
+        def throttled(reads: Reads) -> None:
+            for name, throttle in reads.limits.items():
+                if throttle.state == THROTTLED_RATE and throttle.retry_seconds is not None:
+                    retry[name] = throttle.retry_seconds
 
         bands = self.connection.topology.bands
         acked: list[tuple[str, str]] = []  # (kombu queue, PGMQ queue of a band)
@@ -220,7 +227,6 @@ class Reader(ChannelPart):
                     remaining,
                     acks,
                     durable_acks=durable,
-                    fifo_queues=self.connection.topology.fifo_queues(names),
                 )
                 acks_sent = True
             except errors.QueueNotFound:
@@ -228,8 +234,11 @@ class Reader(ChannelPart):
             if rows is None:
                 for queue, name in acked:
                     if remaining > 0:
-                        account(queue, name, self._rows(queue, name, remaining), False)
+                        one = self._rows(queue, name, remaining)
+                        throttled(one)
+                        account(queue, name, one, False)
             else:
+                throttled(rows)
                 by_name: dict[str, list[Row]] = defaultdict(list)
                 for row in rows:
                     by_name[row.queue].append(row)
@@ -242,10 +251,10 @@ class Reader(ChannelPart):
             for message in self._to_messages(queue, name, rows, no_ack=no_ack)
         ]
         no_ack_read: dict[str, list[Receipt]] = defaultdict(list)
-        for _, name, rows, no_ack in batches:
+        for _, name, batch, no_ack in batches:
             if no_ack:
                 no_ack_read[name].extend(
-                    Receipt(name, r.msg_id, r.read_ct, r.enqueued_at) for r in rows
+                    Receipt(name, r.msg_id, r.read_ct, r.enqueued_at) for r in batch
                 )
         undelivered: list[Any] = []
         try:
@@ -265,7 +274,7 @@ class Reader(ChannelPart):
         finally:
             if no_ack_read:
                 self._forget_no_ack(no_ack_read, undelivered)
-        return Consumed(len(deliveries), drained, full, acks_sent, False)
+        return Consumed(len(deliveries), drained, full, acks_sent, False, retry)
 
     def _deliver(self, message: Any, queue: str) -> None:
         """Hand a message to the consumer of ``queue`` on this channel (held for its ack
@@ -340,12 +349,7 @@ class Reader(ChannelPart):
         names = self.connection.topology.bands(queue).read_order
         if len(names) > 1 and not no_ack:
             try:
-                rows = self.pgmq.read_many(
-                    names,
-                    self.vt_seconds,
-                    qty,
-                    fifo_queues=self.connection.topology.fifo_queues(names),
-                )
+                rows = self.pgmq.read_many(names, self.vt_seconds, qty)
             except errors.QueueNotFound:
                 pass  # one is gone: band by band below (recreates a consumed queue)
             else:
@@ -368,19 +372,17 @@ class Reader(ChannelPart):
             messages += self._to_messages(queue, name, rows, no_ack)
         return messages, read
 
-    def _rows(self, queue: str, name: str, qty: int, no_ack: bool = False) -> list[Row]:
+    def _rows(self, queue: str, name: str, qty: int, no_ack: bool = False) -> Reads:
         """Read (or pop, for no_ack) up to ``qty`` rows of one queue; a consumed queue
         found dropped is declared again (and yields nothing this time)."""
         try:
             if no_ack:
-                return self.pgmq.pop(name, qty)
-            return self.pgmq.read(
-                name, self.vt_seconds, qty, fifo=bool(self.connection.topology.fifo_queues([name]))
-            )
+                return Reads(self.pgmq.pop(name, qty))
+            return self.pgmq.read(name, self.vt_seconds, qty)
         except errors.QueueNotFound:
             if queue in self.channel.consumed_queues:
                 self.channel.recreate(queue)
-            return []
+            return Reads()
 
     def _to_messages(self, queue: str, name: str, rows: list[Row], no_ack: bool) -> list[Any]:
         """Rows -> Kombu messages: poison messages dead-lettered (undecodable: any

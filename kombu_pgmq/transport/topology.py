@@ -1,23 +1,30 @@
 """What a transport caches of the database's topology: each Kombu queue's priority bands
-(:mod:`kombu_pgmq._priorities`), which PGMQ queues are FIFO (``x-fifo-groups``), and the
-routing table of exchanges and bindings (:mod:`._routing`). One per transport, shared by
-its channels; loaded on first use through the transport's statement connection."""
+(:mod:`kombu_pgmq._priorities`), the routing table of exchanges and bindings
+(:mod:`._routing`), and which queues got their ``queue_limits`` (:mod:`kombu_pgmq.limits`).
+One per transport, shared by its channels; loaded on first use through the transport's
+statement connection."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from .. import _priorities as priorities
 from .._db.broker import Broker
+from .._db.limits import LimitStore
 from .._naming import pgmq_queue_name
 from .._priorities import Bands
+from ..errors import PermissionDenied
 from ._routing import Routes
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Topology"]
 
 
 class Topology:
-    """Bands, FIFO queues and routes as stored (see the module docstring).
+    """Bands and routes as stored (see the module docstring).
 
     ``broker``: returns the transport's statement-connection broker (connecting if needed).
     """
@@ -26,7 +33,7 @@ class Topology:
         self._broker = broker
         self._routes: Routes | None = None
         self._bands: dict[str, Bands] = {}  # Kombu queue -> priority bands, as stored
-        self._fifo: set[str] = set()  # PGMQ names of FIFO queues (x-fifo-groups), as stored
+        self._limits_set: set[str] = set()  # Kombu queues given their queue_limits
 
     @property
     def routes_loaded(self) -> bool:
@@ -43,8 +50,6 @@ class Topology:
             if info is None:  # not declared yet: ask again next time
                 return priorities.single(name)
             bands = self._bands[queue] = priorities.stored(name, info.floors, info.band_queues)
-            if info.fifo_groups:
-                self._fifo.add(name)
         return bands
 
     def known_bands(self, queue: str) -> Bands:
@@ -52,22 +57,32 @@ class Topology:
         closed connection)."""
         return self._bands.get(queue) or priorities.single(pgmq_queue_name(queue))
 
-    def set_bands(self, queue: str, bands: Bands, *, fifo: bool = False) -> None:
-        """Record ``queue``'s bands as declared (and whether its PGMQ queues are FIFO)."""
+    def set_bands(self, queue: str, bands: Bands) -> None:
+        """Record ``queue``'s bands as declared."""
         self._bands[queue] = bands
-        if fifo:
-            self._fifo.update(bands.queues)
-        else:
-            self._fifo.difference_update(bands.queues)
 
-    def fifo_queues(self, names: Iterable[str]) -> list[str]:
-        """The FIFO queues (``x-fifo-groups``, as stored) among PGMQ queue ``names``."""
-        fifo = self._fifo
-        return [n for n in names if n in fifo] if fifo else []
+    def set_limits(self, queue: str, limits: Mapping[str, Any]) -> None:
+        """Give Kombu queue ``queue`` the ``limits`` of transport option ``queue_limits``
+        (the whole set: limits not named are removed), once per transport; a role without
+        the privilege (a producer) leaves them to the workers (logged)."""
+        if queue in self._limits_set:
+            return
+        try:
+            LimitStore(self._broker().db).set(queue, limits, replace=True)
+        except PermissionDenied as exc:
+            logger.warning(
+                "queue_limits of queue %r not set: %s (a worker role sets them when it "
+                "declares the queue)",
+                queue,
+                exc,
+            )
+        self._limits_set.add(queue)
 
     def forget_bands(self, queue: str) -> None:
-        """Forget ``queue``'s cached bands (dropped or redeclared): read again on next use."""
+        """Forget ``queue``'s cached bands (dropped or redeclared): read again on next use
+        (and its ``queue_limits`` set again when it is declared again)."""
         self._bands.pop(queue, None)
+        self._limits_set.discard(queue)
 
     def routes(self) -> Routes:
         """The cached routing table (loaded on first use; see :mod:`._routing`)."""

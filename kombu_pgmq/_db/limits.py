@@ -1,0 +1,75 @@
+"""The limits store: fleet-wide concurrency and rate limits of queues (migration 0021,
+:mod:`kombu_pgmq.limits`), as named statements of ``sql/queries.sql`` sent through a
+:class:`~kombu_pgmq._db.connector.Connector`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any, NamedTuple
+
+from .connector import Connector
+
+__all__ = ["LimitInfo", "LimitStore"]
+
+
+class LimitInfo(NamedTuple):
+    """One limited queue: its limits (None: not limited that way; rates as given and in
+    messages per second, bursts in tokens with the default filled in) and their use now:
+    ``in_flight`` messages (all priority bands), ``tokens`` left in its bucket,
+    ``keys_in_flight`` distinct keys with a message in flight, ``keys_at_limit`` of them at
+    ``key_concurrency``; ``throttled_*``: reads a limit held back, since it was set."""
+
+    queue: str
+    concurrency: int | None
+    rate: str | None
+    rate_per_second: float | None
+    burst: float | None
+    limit_key: str
+    key_concurrency: int | None
+    key_rate: str | None
+    key_rate_per_second: float | None
+    key_burst: float | None
+    ordered_keys: bool
+    in_flight: int
+    tokens: float | None
+    keys_in_flight: int
+    keys_at_limit: int
+    throttled_concurrency: int
+    throttled_rate: int
+    throttled_keys: int
+    updated_at: datetime
+    updated_by: str
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready (``updated_at`` ISO 8601)."""
+        out = self._asdict()
+        out["updated_at"] = self.updated_at.isoformat()
+        return out
+
+
+class LimitStore:
+    """Typed limit operations over one connector."""
+
+    def __init__(self, db: Connector) -> None:
+        self.db = db
+
+    def set(self, queue: str, limits: Mapping[str, Any], *, replace: bool = False) -> bool:
+        """Set Kombu queue ``queue``'s ``limits`` (validated by
+        :func:`kombu_pgmq.limits.validate_limits`; None removes one; ``replace``: the
+        limits not given are removed). Returns whether the queue is limited afterwards.
+
+        Raises:
+            StatementError: the queue does not exist, or a limit the server refuses (the
+                message says which and why).
+        """
+        rows: list[Any] = self.db.fetch(
+            "set_queue_limits",
+            {"queue": queue, "limits": json.dumps(dict(limits)), "replace": replace},
+        )
+        return bool(rows)
+
+    def info(self, queue: str | None = None) -> list[LimitInfo]:
+        """Every limited queue (or only ``queue``) with its limits and their use now."""
+        return self.db.fetch("limits_info", {"queue": queue}, LimitInfo)
