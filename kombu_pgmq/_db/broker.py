@@ -19,6 +19,7 @@ from ..errors import KombuPgmqError, PermissionDenied, QueueNotFound
 from .connector import Connector, ExternalConnector
 from .declarations import Declarations
 from .rows import (
+    KEY_LIMITED,
     QueueInfo,
     ReadRow,
     Reads,
@@ -53,6 +54,8 @@ class Broker(Declarations):
         #: PGMQ queues known to be limited (migration 0021): read through
         #: ``kombu_pgmq.read``, never statement ``read_queue``; learned from each read.
         self.limited: set[str] = set()
+        #: Those of them with key limits: read through ``kombu_pgmq.read`` only.
+        self.keyed: set[str] = set()
         #: Publishes without deduplication go straight into PGMQ's queue tables
         #: (statement ``send_queue``): on the transport's own connection only (in the
         #: application's transaction the wake-up waits for its commit), and until the
@@ -138,7 +141,7 @@ class Broker(Declarations):
         if (
             self.direct_reads
             and len(queues) == 1
-            and queues[0] not in self.limited
+            and queues[0] not in self.keyed
             and all(a.queue == queues[0] for a in acks)
         ):
             try:
@@ -148,11 +151,9 @@ class Broker(Declarations):
                 # tables only through kombu_pgmq's functions: read through them from now on.
                 self.direct_reads = False
             else:
-                if not reads.limits:
+                if reads is not None:
                     return reads
-                # limited since we last looked: the acks are applied, read within limits
-                self.limited.add(queues[0])
-                acks = ()
+                acks = ()  # applied; the queue has key limits: read through kombu_pgmq.read
         params = {
             "queues": list(queues),
             "vt_seconds": vt_seconds,
@@ -176,7 +177,9 @@ class Broker(Declarations):
         limited = self.limited
         limited.update(reads.limits)
         if complete and limited:
-            limited.difference_update(q for q in queues if q not in reads.limits)
+            gone = [q for q in queues if q not in reads.limits]
+            limited.difference_update(gone)
+            self.keyed.difference_update(gone)
 
     def _send_queue(self, queue: str, message: str, headers: str, delay_seconds: int) -> int:
         params = {
@@ -195,11 +198,14 @@ class Broker(Declarations):
 
     def _read_queue(
         self, queue: str, vt_seconds: int, qty: int, acks: Sequence[Receipt], durable_acks: bool
-    ) -> Reads:
-        """:meth:`read_many` of one non-FIFO queue: statement ``read_queue`` on PGMQ's
-        tables (one plan-cached statement; see sql/queries.sql)."""
+    ) -> Reads | None:
+        """:meth:`read_many` of one queue: statement ``read_queue`` on PGMQ's tables (one
+        plan-cached statement; see sql/queries.sql), or ``read_limited_queue`` for a
+        limited one. None: the acks are applied, but the queue has key limits (read it
+        through ``kombu_pgmq.read``)."""
+        limited = queue in self.limited
         delivered, settled = self._read_queue_settled(
-            queue, vt_seconds, qty, acks, durable_acks=durable_acks
+            queue, vt_seconds, qty, acks, durable_acks=durable_acks, limited=limited
         )
         if len(settled) < len(acks):
             logger.warning(
@@ -207,6 +213,17 @@ class Broker(Declarations):
                 "after its visibility timeout, or is gone)",
                 len(acks) - len(settled),
             )
+        throttle = delivered.limits.get(queue)
+        if throttle is None:
+            if limited:  # its limits were cleared
+                self.limited.discard(queue)
+            return delivered
+        self.limited.add(queue)
+        if throttle.state == KEY_LIMITED:
+            self.keyed.add(queue)
+            return None
+        if not limited:  # limited since we last looked: nothing was read, read within limits
+            return self._read_queue(queue, vt_seconds, qty, (), durable_acks)
         return delivered
 
     def _read_queue_settled(
@@ -217,9 +234,11 @@ class Broker(Declarations):
         acks: Sequence[Receipt],
         *,
         durable_acks: bool,
+        limited: bool = False,
     ) -> tuple[Reads, list[int]]:
-        """Statement ``read_queue``: (rows delivered, msg_ids of the acks applied). A
-        limited queue delivers nothing this way: ``Reads.limits`` names it."""
+        """Statement ``read_queue`` (``limited``: ``read_limited_queue``): (rows delivered,
+        msg_ids of the acks applied). ``Reads.limits`` has the marker of a limited queue
+        (``read_queue`` delivers nothing from one)."""
         params = {
             "queue": queue,
             "vt_seconds": vt_seconds,
@@ -228,10 +247,11 @@ class Broker(Declarations):
             "ack_cts": [a.read_ct for a in acks],
             "ack_enqueued": [a.enqueued_at for a in acks],
         }
+        name = "read_limited_queue" if limited else "read_queue"
         rows = self._fetch_direct(
-            "read_queue",
+            name,
             queue,
-            lambda: self._compose_read_queue(queue),
+            lambda: self._compose_read_queue(queue, name),
             params,
             ReadRow,
             synchronous=bool(acks) and durable_acks,
@@ -249,8 +269,9 @@ class Broker(Declarations):
             for r in rows
             if not r.acked and r.msg_id is not None
         )
-        if any(r.msg_id is None for r in rows):
-            delivered.limits[queue] = Throttle(0)
+        for r in rows:
+            if r.msg_id is None:
+                delivered.limits[queue] = Throttle(r.read_ct, r.age_seconds)
         return delivered, [int(r.msg_id) for r in rows if r.acked]
 
     def ack_nowait(

@@ -8,6 +8,7 @@ from datetime import datetime
 from typing import Any, NamedTuple
 
 __all__ = [
+    "KEY_LIMITED",
     "THROTTLED_RATE",
     "THROTTLED_SETTLE",
     "QueueArgs",
@@ -47,6 +48,9 @@ class Row(NamedTuple):
 THROTTLED_SETTLE = 1
 #: :attr:`Throttle.state` of a read a rate limit held back until its tokens refill.
 THROTTLED_RATE = 2
+#: :attr:`Throttle.state` of statement ``read_limited_queue`` on a queue with key limits:
+#: nothing read, read it through ``kombu_pgmq.read``.
+KEY_LIMITED = 3
 
 
 class Throttle(NamedTuple):

@@ -26,7 +26,9 @@
 
 -- One row per limited Kombu queue. rate/key_rate as given ('100/s'), *_per_second parsed;
 -- burst NULL: the default, the tokens of 0.1 s and at least 1. tokens/refilled_at: the
--- queue's bucket (NULL: full). throttled_*: reads that left visible messages undelivered
+-- queue's bucket (NULL: full). in_flight_bound: at least as many messages as are in
+-- flight (NULL: unknown): the last exact count plus every delivery since; a read counts
+-- again only when the bound leaves less room than it asks for (see limit_take). throttled_*: reads that left visible messages undelivered
 -- because of that limit (counters for kombu_pgmq_queue_throttled_total).
 CREATE TABLE kombu_pgmq.queue_limits (
     queue text PRIMARY KEY REFERENCES kombu_pgmq.queues (queue) ON DELETE CASCADE,
@@ -42,6 +44,7 @@ CREATE TABLE kombu_pgmq.queue_limits (
     ordered_keys boolean NOT NULL DEFAULT false,
     tokens double precision,
     refilled_at timestamptz,
+    in_flight_bound bigint,
     throttled_concurrency bigint NOT NULL DEFAULT 0,
     throttled_rate bigint NOT NULL DEFAULT 0,
     throttled_keys bigint NOT NULL DEFAULT 0,
@@ -219,6 +222,7 @@ BEGIN
             key_rate = excluded.key_rate, key_rate_per_second = excluded.key_rate_per_second,
             key_burst = excluded.key_burst, ordered_keys = excluded.ordered_keys,
             tokens = CASE WHEN excluded.rate_per_second IS NULL THEN NULL ELSE l.tokens END,
+            in_flight_bound = NULL,
             refilled_at = CASE WHEN excluded.rate_per_second IS NULL THEN NULL
                                ELSE l.refilled_at END,
             updated_at = excluded.updated_at, updated_by = excluded.updated_by;
@@ -259,11 +263,13 @@ FROM kombu_pgmq.queues q WHERE q.fifo_groups;
 -- Read up to qty messages of limited Kombu queue kombu_queue from its PGMQ queues
 -- read_bands (in that order: priority bands highest first), within its limits; then one
 -- marker row per band (see the top of this file). A queue without limits (cleared
--- meanwhile) is read as pgmq.read reads it, without markers. Cost: one lock and update of
--- the limits row; counting in flight reads the rows with vt in the future (pgmq's vt
--- index: in flight and delayed); keyed reads rank at most qty * 16 + 100 visible rows of
--- keys not at their limit per band (ordered keys: every keyed row, as PGMQ's
--- read_grouped_head), skipping over rows of keys at their limit.
+-- meanwhile) is read as pgmq.read reads it, without markers. Queue limits alone: the
+-- budget of kombu_pgmq.limit_take (as statement read_limited_queue), then pgmq.read.
+-- Key limits: what is in flight is counted at every read (pgmq's vt index: in flight and
+-- delayed rows); keyed reads rank at most qty * 16 + 100 visible rows of keys not at
+-- their limit per band (ordered keys: every keyed row, as PGMQ's read_grouped_head),
+-- skipping over rows of keys at their limit. Either way the limits row is locked (and
+-- updated) by the read.
 CREATE FUNCTION kombu_pgmq.read_limited(
     kombu_queue text, read_bands text[], vt integer, qty integer
 ) RETURNS TABLE (
@@ -295,6 +301,7 @@ DECLARE
     retry double precision;
     stamp text := '';
     more boolean := false;
+    seqscan text := current_setting('enable_seqscan');
 BEGIN
     SELECT * INTO lim FROM kombu_pgmq.queue_limits l WHERE l.queue = kombu_queue FOR UPDATE;
     IF NOT FOUND THEN
@@ -309,12 +316,50 @@ BEGIN
         END LOOP;
         RETURN;
     END IF;
+    keyed := lim.key_concurrency IS NOT NULL OR lim.key_rate_per_second IS NOT NULL;
+    IF NOT keyed THEN
+        -- queue limits only: the budget as read_limited_queue takes it
+        SELECT t.allowed, t.cut, t.taken INTO budget, cut, avail
+        FROM kombu_pgmq.limit_take(read_bands[1], qty, '{}') t;
+        FOREACH b IN ARRAY read_bands LOOP
+            EXIT WHEN budget - delivered <= 0;
+            RETURN QUERY
+                SELECT b, p.msg_id, p.read_ct, p.enqueued_at, p.message::text, p.headers::text,
+                       extract(epoch FROM clock_timestamp() - p.enqueued_at)::float8
+                FROM pgmq.read(b, vt, budget - delivered) AS p;
+            GET DIAGNOSTICS n = ROW_COUNT;
+            delivered := delivered + n;
+        END LOOP;
+        IF cut > 0 OR delivered < budget THEN
+            IF cut > 0 AND delivered >= budget THEN
+                FOREACH b IN ARRAY read_bands LOOP
+                    EXECUTE format('SELECT EXISTS (SELECT 1 FROM pgmq.%I t WHERE t.vt <= $1)',
+                                   'q_' || b) INTO more USING clock_timestamp();
+                    EXIT WHEN more;
+                END LOOP;
+            END IF;
+            SELECT s.state, s.retry_seconds INTO throttle, retry
+            FROM kombu_pgmq.limit_settle(read_bands[1], budget, cut, avail, delivered, more) s;
+        END IF;
+        FOREACH b IN ARRAY read_bands LOOP
+            queue := b;
+            msg_id := NULL;
+            read_ct := throttle;
+            enqueued_at := NULL;
+            message := NULL;
+            headers := NULL;
+            age_seconds := retry;
+            RETURN NEXT;
+        END LOOP;
+        RETURN;
+    END IF;
+    -- key limits: counted exactly at every read
     all_bands := ARRAY(SELECT l.pgmq_queue FROM kombu_pgmq.limited l
                        WHERE l.queue = kombu_queue ORDER BY l.pgmq_queue);
-    keyed := lim.key_concurrency IS NOT NULL OR lim.key_rate_per_second IS NOT NULL;
     -- in flight: delivered and not settled, lease live (a delayed message has read_ct 0)
     IF lim.concurrency IS NOT NULL OR (lim.key_concurrency IS NOT NULL AND NOT lim.ordered_keys)
     THEN
+        PERFORM set_config('enable_seqscan', 'off', true);  -- as limit_take: vt index
         FOREACH b IN ARRAY all_bands LOOP
             EXECUTE format(
                 'SELECT coalesce(sum(s.n), 0)::bigint,
@@ -334,6 +379,7 @@ BEGIN
                     GROUP BY x.key) e);
             END IF;
         END LOOP;
+        PERFORM set_config('enable_seqscan', seqscan, true);
     END IF;
     IF lim.concurrency IS NOT NULL AND lim.concurrency - in_flight < budget THEN
         budget := greatest(0, lim.concurrency - in_flight)::integer;
@@ -529,9 +575,131 @@ BEGIN
 END
 $$;
 
--- Ack and read in one round trip (migration 0012's function): limited queues (FIFO ones
--- included) are read by kombu_pgmq.read_limited, their limits rows locked first in name
--- order; fifo_queues is no longer needed (kept for older clients, ignored).
+-- The budget of one read of limited PGMQ queue pgmq_name (a queue without key limits),
+-- for statement read_limited_queue (sql/queries.sql: the read straight on PGMQ's tables,
+-- as read_queue). Locks the queue's limits row (held to the end of the reader's
+-- transaction) and, in statements of its own (a snapshot taken after the lock: the
+-- deliveries of the reader before us are counted), counts what is in flight, leaving out
+-- acked_ids (acked by the same statement), and takes up to qty tokens. Returns allowed
+-- (messages the read may deliver), cut (1 concurrency, 2 rate, 0 none) and the tokens
+-- taken; limit_settle gives back what was not delivered. allowed NULL: the queue is not
+-- limited (read it as any); cut 3: it has key limits (read it through kombu_pgmq.read).
+-- ROWS 1 (as limit_settle): the planner's default of 1000 rows per function made the
+-- statement's estimated cost pass jit_above_cost, and JIT compiling cost 20 ms a read.
+-- enable_seqscan off: counting what is in flight reads pgmq's vt index (vt > now: in
+-- flight and delayed rows), never the whole table; with a backlog analyzed while it was
+-- visible, the planner chose a sequential scan of every row.
+CREATE FUNCTION kombu_pgmq.limit_take(pgmq_name text, qty integer, acked_ids bigint[])
+RETURNS TABLE (allowed integer, cut smallint, taken double precision)
+LANGUAGE plpgsql ROWS 1 SET enable_seqscan = off SET enable_bitmapscan = off AS $$
+#variable_conflict use_column
+DECLARE
+    lim kombu_pgmq.queue_limits;
+    b text;
+    n bigint;
+    in_flight bigint := 0;
+    burst double precision;
+    avail double precision;
+    t0 timestamptz;
+BEGIN
+    SELECT l.* INTO lim FROM kombu_pgmq.queue_limits l
+    WHERE l.queue = (SELECT x.queue FROM kombu_pgmq.limited x WHERE x.pgmq_queue = pgmq_name)
+    FOR UPDATE OF l;
+    IF NOT FOUND THEN
+        allowed := NULL;
+        cut := 0;
+        taken := 0;
+        RETURN NEXT;
+        RETURN;
+    END IF;
+    IF lim.key_concurrency IS NOT NULL OR lim.key_rate_per_second IS NOT NULL THEN
+        allowed := 0;
+        cut := 3;
+        taken := 0;
+        RETURN NEXT;
+        RETURN;
+    END IF;
+    t0 := clock_timestamp();
+    allowed := greatest(qty, 0);
+    cut := 0;
+    taken := 0;
+    IF lim.concurrency IS NOT NULL THEN
+        IF lim.in_flight_bound IS NOT NULL
+           AND lim.in_flight_bound + allowed <= lim.concurrency THEN
+            in_flight := lim.in_flight_bound;  -- room enough even if all are still in flight
+        ELSE
+            FOR b IN SELECT x.pgmq_queue FROM kombu_pgmq.limited x WHERE x.queue = lim.queue LOOP
+                -- counted up to the limit: more makes no difference
+                EXECUTE format('SELECT count(*) FROM (SELECT FROM pgmq.%I t
+                                    WHERE t.vt > $1 AND t.read_ct > 0 AND t.msg_id <> ALL($2)
+                                    LIMIT $3) s', 'q_' || b)
+                    INTO n USING t0, CASE WHEN b = pgmq_name THEN acked_ids ELSE '{}' END,
+                                 lim.concurrency;
+                in_flight := in_flight + n;
+            END LOOP;
+        END IF;
+        IF lim.concurrency - in_flight < allowed THEN
+            allowed := greatest(0, lim.concurrency - in_flight)::integer;
+            cut := 1;
+        END IF;
+    END IF;
+    IF lim.rate_per_second IS NOT NULL THEN
+        burst := kombu_pgmq.burst_of(lim.burst, lim.rate_per_second);
+        avail := least(burst, coalesce(lim.tokens, burst) + lim.rate_per_second
+                       * greatest(0, extract(epoch FROM t0 - coalesce(lim.refilled_at, t0))));
+        IF floor(avail) < allowed THEN
+            allowed := floor(avail)::integer;
+            cut := 2;
+        END IF;
+        taken := allowed;
+    END IF;
+    UPDATE kombu_pgmq.queue_limits l
+    SET tokens = CASE WHEN l.rate_per_second IS NOT NULL THEN avail - allowed END,
+        refilled_at = CASE WHEN l.rate_per_second IS NOT NULL THEN t0 END,
+        in_flight_bound = CASE WHEN l.concurrency IS NOT NULL THEN in_flight + allowed END
+    WHERE l.queue = lim.queue;
+    RETURN NEXT;
+END
+$$;
+
+-- After a read that limit_take cut or that delivered less than allowed: give back the
+-- tokens taken and the room in in_flight_bound not used, count a throttled read (a
+-- limit cut it, and visible messages were left: more), and return the marker of the
+-- read (state as read_limited's markers; retry:
+-- seconds until the rate allows one more, for state 2).
+CREATE FUNCTION kombu_pgmq.limit_settle(
+    pgmq_name text, allowed integer, cut smallint, taken double precision, delivered integer,
+    more boolean
+) RETURNS TABLE (state smallint, retry_seconds double precision)
+LANGUAGE plpgsql ROWS 1 AS $$
+#variable_conflict use_column
+DECLARE
+    lim kombu_pgmq.queue_limits;
+    throttled boolean := cut IN (1, 2) AND more AND delivered >= allowed;
+BEGIN
+    state := CASE WHEN throttled THEN cut ELSE 0 END;
+    retry_seconds := NULL;
+    UPDATE kombu_pgmq.queue_limits l
+    SET tokens = CASE WHEN l.rate_per_second IS NOT NULL
+                      THEN least(kombu_pgmq.burst_of(l.burst, l.rate_per_second),
+                                 l.tokens + greatest(0, taken - delivered)) END,
+        in_flight_bound = l.in_flight_bound - greatest(0, allowed - delivered),
+        throttled_concurrency = l.throttled_concurrency
+            + CASE WHEN throttled AND cut = 1 THEN 1 ELSE 0 END,
+        throttled_rate = l.throttled_rate + CASE WHEN throttled AND cut = 2 THEN 1 ELSE 0 END
+    WHERE l.queue = (SELECT x.queue FROM kombu_pgmq.limited x WHERE x.pgmq_queue = pgmq_name)
+    RETURNING l.* INTO lim;
+    IF throttled AND cut = 2 THEN
+        retry_seconds := (1 - lim.tokens) / lim.rate_per_second;
+    END IF;
+    RETURN NEXT;
+END
+$$;
+
+-- Ack and read in one round trip (migration 0017's function, its checks kept): limited
+-- queues (FIFO ones included) are read by kombu_pgmq.read_limited, their limits rows
+-- locked first in name order; fifo_queues is no longer needed (kept for older clients,
+-- ignored).
 CREATE OR REPLACE FUNCTION kombu_pgmq.read(
     queues text[], vt integer, qty integer,
     ack_queues text[] DEFAULT '{}', ack_ids bigint[] DEFAULT '{}',
@@ -554,6 +722,8 @@ DECLARE
     bands text[];
     r record;
 BEGIN
+    PERFORM kombu_pgmq.check_window('visibility timeout (seconds)', vt, 43200);
+    PERFORM kombu_pgmq.guard_dead_letters(queues, 'SELECT');
     IF coalesce(cardinality(ack_ids), 0) = 0 OR NOT durable_acks THEN
         PERFORM set_config('synchronous_commit', 'off', true);
     END IF;
@@ -758,5 +928,8 @@ INSERT INTO kombu_pgmq.grantable (function, kind, definer) VALUES
     ('kombu_pgmq.set_queue_limits(text, jsonb, boolean)', 'worker', true),
     ('kombu_pgmq.limit_fifo_groups()', 'owner', false),
     ('kombu_pgmq.read_limited(text, text[], integer, integer)', 'owner', true),
+    ('kombu_pgmq.limit_take(text, integer, bigint[])', 'owner', true),
+    ('kombu_pgmq.limit_settle(text, integer, smallint, double precision, integer, boolean)',
+     'owner', true),
     ('kombu_pgmq.limits_info(text)', 'worker', true);
 SELECT kombu_pgmq.secure_functions();
