@@ -20,6 +20,12 @@ land, messages already delivered are acked or renewed as usual, and Celery's vie
 (``celery inspect active_queues``) does not change. PGMQ's own functions and clients do
 not know about it.
 
+Limits (:meth:`Management.limits`, :meth:`Management.set_limits`; migration 0021, see
+:mod:`kombu_pgmq.limits`): each queue's fleet-wide concurrency and rate limits and their
+use now. :meth:`Management.queues` adds them to the statistics (``QueueStats.limits``) with
+one more statement, and leaves them out (None) when the database has no migration 0021 or
+the role may not read them (a ``producer`` role: ``limits_info`` is granted to workers).
+
 Cancelling (:meth:`Management.cancel_task`) is a durable revoke: the task's messages no
 consumer holds (ready, delayed, or whose lease lapsed) are removed from their queue and
 archived with the headers ``x-archive-reason: cancelled``, ``x-cancelled-at`` and
@@ -30,8 +36,10 @@ does (a broadcast on Celery's remote-control exchange).
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from collections.abc import Iterable
+import logging
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -41,11 +49,13 @@ from . import errors, revocations
 from ._db.admin import Admin, BandStats, PeekedRow, TaskRow
 from ._db.beat import BeatStore, LeaderInfo, StoredEntry, StoredTick
 from ._db.connector import Connector
+from ._db.limits import LimitInfo, LimitStore
 from ._db.results import ResultStats, ResultStore
 from .dlq import DEFAULT_DEAD_LETTER_QUEUE
 
 __all__ = [
     "CancelResult",
+    "LimitInfo",
     "Management",
     "PeekedMessage",
     "QueueStats",
@@ -59,6 +69,8 @@ __all__ = [
 EXACT_ARCHIVE_BELOW = 100_000
 _PREVIEW_CHARS = 80
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class QueueStats:
@@ -69,7 +81,8 @@ class QueueStats:
     ``archived_estimated`` (see :data:`EXACT_ARCHIVE_BELOW`; None: the archive was
     locked); ``dead_letters`` counts the dead-letter queue's messages from this queue;
     ``bands`` has one entry per PGMQ queue (band floor ``band``; one entry without
-    priorities).
+    priorities); ``limits``: the queue's limits and their use (None: not limited, or
+    not read: see :meth:`Management.queues`).
     """
 
     name: str
@@ -83,6 +96,7 @@ class QueueStats:
     dead_letters: int
     paused: bool
     bands: tuple[BandStats, ...]
+    limits: LimitInfo | None = None
 
     @property
     def messages(self) -> int:
@@ -113,7 +127,14 @@ class QueueStats:
                 }
                 for b in self.bands
             ],
+            "limits": None if self.limits is None else _limit_dict(self.limits),
         }
+
+
+def _limit_dict(info: LimitInfo) -> dict[str, Any]:
+    out = info.as_dict()
+    del out["queue"]
+    return out
 
 
 def queue_stats(rows: Iterable[BandStats]) -> list[QueueStats]:
@@ -313,6 +334,7 @@ class Management:
         self._checked = False
         self._results_checked = False
         self._beat_checked = False
+        self._limits_readable: bool | None = None  # None: not tried yet
         self._admin_ops = Admin(self._db)
 
     @property
@@ -336,13 +358,91 @@ class Management:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def queues(self, *, exact_archive_below: int = EXACT_ARCHIVE_BELOW) -> list[QueueStats]:
+    def queues(
+        self, *, exact_archive_below: int = EXACT_ARCHIVE_BELOW, limits: bool = True
+    ) -> list[QueueStats]:
         """Every queue's statistics (one statement: one scan of each queue table), sorted
-        by name."""
+        by name; with ``limits``, each limited queue's limits and their use
+        (``QueueStats.limits``: one more statement, which counts the in-flight messages
+        of each limited queue), left out when they cannot be read (see
+        :meth:`limits_readable`)."""
         from ._naming import pgmq_queue_name
 
         rows = self._admin.queue_stats(pgmq_queue_name(self.dead_letter_queue), exact_archive_below)
-        return queue_stats(rows)
+        stats = queue_stats(rows)
+        if not limits or not self.limits_readable():
+            return stats
+        try:
+            found = {info.queue: info for info in LimitStore(self._db).info()}
+        except errors.PermissionDenied as exc:
+            logger.info("kombu_pgmq: queue limits left out: %s", exc)
+            self._limits_readable = False
+            return stats
+        return [dataclasses.replace(q, limits=found.get(q.name)) for q in stats]
+
+    # -- limits (kombu_pgmq.limits, migration 0021) ----------------------------------------
+
+    def limits_readable(self) -> bool:
+        """Migration 0021 (limits) is in this database and this role may read the limits
+        (checked once; False also after a read was refused: a ``producer`` role)."""
+        if self._limits_readable is None:
+            self._limits_readable = bool(self._db.scalar("limits_installed"))
+        return self._limits_readable
+
+    def _limit_store(self) -> LimitStore:
+        if not self.limits_readable():
+            raise errors.ConfigurationError(
+                "this database has no kombu_pgmq queue limits (schema version 21): run "
+                "'kombu-pgmq schema install' with the same URL, or start a worker on it once "
+                "(it installs them)"
+            )
+        return LimitStore(self._db)
+
+    def limits(self, queue: str | None = None) -> list[LimitInfo]:
+        """Every limited queue (or only ``queue``; empty: not limited) with its limits and
+        their use now: messages in flight, tokens left, keys at their limit, reads held
+        back (:class:`~kombu_pgmq._db.limits.LimitInfo`).
+
+        Raises:
+            QueueNotFound: ``queue`` is not declared.
+            ConfigurationError: no migration 0021 (the message says how to install it).
+            PermissionDenied: the role is not granted ``worker``.
+        """
+        found = self._limit_store().info(queue)
+        if (
+            queue is not None
+            and not found
+            and not self._db.scalar("kombu_queue_declared", {"queue": queue})
+        ):
+            raise errors.QueueNotFound(
+                f"queue {queue!r} does not exist: declare it first (start a worker that "
+                "consumes it, or publish to it; see kombu-pgmq queues)"
+            )
+        return found
+
+    def set_limits(
+        self, queue: str, limits: Mapping[str, Any], *, replace: bool = False
+    ) -> LimitInfo | None:
+        """Change Kombu queue ``queue``'s limits (names of
+        :data:`kombu_pgmq.limits.LIMIT_NAMES`; None or 0 removes one; the others are kept,
+        or removed with ``replace``); persisted, in force at the consumers' next read.
+        Returns what is in force afterwards (None: not limited). A FIFO queue keeps its
+        group limit (key ``x-group-id``, one message per group at a time).
+
+        Raises:
+            ConfigurationError: a limit is invalid (:func:`kombu_pgmq.limits.validate_limits`)
+                or no migration 0021.
+            StatementError: the queue does not exist, or the server refuses a limit (a key
+                limit on a FIFO queue, a burst without its rate): the message says why.
+        """
+        from .limits import validate_limits
+
+        checked = validate_limits(queue, limits, complete=replace)
+        store = self._limit_store()
+        with self._db.transaction():
+            store.set(queue, checked, replace=replace)
+            found = store.info(queue)
+        return found[0] if found else None
 
     # -- Celery results (kombu_pgmq.results, migration 0018) ------------------------------
 

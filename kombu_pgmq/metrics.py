@@ -36,6 +36,18 @@ summed; see :mod:`kombu_pgmq.management` for the states):
                                                  PostgreSQL's estimate above 100,000
 ``kombu_pgmq_consumers{queue}``                  live consumers (heartbeat not stale)
 ``kombu_pgmq_queue_paused{queue}``               1 while ``kombu-pgmq queue pause``-d
+``kombu_pgmq_queue_limit{queue,limit}``          a limited queue's limits across every
+                                                 worker (:mod:`kombu_pgmq.limits`);
+                                                 ``limit``: ``concurrency``,
+                                                 ``rate_per_second``, ``burst`` (tokens),
+                                                 ``key_concurrency``,
+                                                 ``key_rate_per_second``, ``key_burst``
+``kombu_pgmq_queue_limit_in_flight{queue}``      what its concurrency limit counts now
+``kombu_pgmq_queue_limit_tokens{queue}``         tokens left in its rate's bucket
+``kombu_pgmq_queue_limit_keys_at_limit{queue}``  keys at their ``key_concurrency``
+``kombu_pgmq_queue_throttled_total{queue,limit}``  reads a limit held back (counter;
+                                                 ``limit``: ``concurrency``, ``rate``,
+                                                 ``keys``)
 ``kombu_pgmq_results{state}``                    Celery results stored by kombu_pgmq's
                                                  result backend, by state (``SUCCESS``...)
 ``kombu_pgmq_result_bytes{state}``               their encoded size in bytes
@@ -90,7 +102,9 @@ entries; ``beat=False`` turns them off) are left out the same way without migrat
 or the privilege (a ``producer`` or ``worker`` role has it). Alert on, for example,
 ``max(kombu_pgmq_beat_leader) < 1`` (no beat leads) or ``time() -
 kombu_pgmq_beat_next_run_timestamp_seconds > 60 and kombu_pgmq_beat_entry_enabled == 1``
-(a tick is late).
+(a tick is late). The limit metrics (one more statement per snapshot, counting the
+in-flight messages of each limited queue) are left out the same way without migration
+0021 or the privilege (a ``worker`` role has it, a ``producer`` role not).
 """
 
 from __future__ import annotations
@@ -107,6 +121,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from . import errors
 from ._db.beat import LeaderInfo, StoredEntry
+from ._metrics_limits import limit_families
 from ._stats import FIELDS, STATS
 from .dlq import DEFAULT_DEAD_LETTER_QUEUE
 from .management import EXACT_ARCHIVE_BELOW, Management, QueueStats, ResultStats
@@ -306,6 +321,7 @@ class QueueCollector(Collector):
             consumers.add_metric([q.name], q.consumers)
             paused.add_metric([q.name], 1 if q.paused else 0)
         yield from (messages, bands, age, dead, archive, consumers, paused)
+        yield from limit_families(snapshot.stats)
         results = GaugeMetricFamily(
             "kombu_pgmq_results",
             "Celery results stored by kombu_pgmq's result backend, by state",

@@ -888,6 +888,14 @@ SELECT kombu_pgmq.beat_prune(%(keep_seconds)s::float8, %(batch)s::integer) AS pr
 -- name: listen_beat
 LISTEN kombu_pgmq_beat
 
+-- name: limits_installed
+-- Migration 0021 (queue limits) is installed.
+SELECT to_regprocedure('kombu_pgmq.limits_info(text)') IS NOT NULL AS installed
+
+-- name: kombu_queue_declared
+-- The Kombu queue is declared (kombu_pgmq.queues' primary key).
+SELECT EXISTS (SELECT 1 FROM kombu_pgmq.queues WHERE queue = %(queue)s) AS found
+
 -- name: set_queue_limits
 -- Set a Kombu queue's limits (migration 0021; JSON, a null removes one; replace: the ones
 -- not given are removed). A row back: the queue is limited.

@@ -13,9 +13,12 @@ starts it); each names the database it reads on stderr (``database: ...``, no pa
     kombu-pgmq dlq replay (--all | --id N ... | --queue Q | --reason R | --task T)
     kombu-pgmq dlq purge  (--all | --id N ... | --queue Q | --reason R | --task T) [--yes]
     kombu-pgmq archive prune --older-than 7d [--queue Q ...] [--batch-size 5000]
-    kombu-pgmq queues [--all] [--json]        # ready, in flight, delayed, oldest, consumers
+    kombu-pgmq queues [--all] [--json]        # ready, in flight, delayed, oldest, limits
     kombu-pgmq messages QUEUE [--limit 20] [--json]   # peek, nothing consumed
     kombu-pgmq queue pause|resume QUEUE       # consumers stop/start receiving from QUEUE
+    kombu-pgmq queue limit QUEUE [--concurrency N] [--rate R] [--burst B]
+        [--key-concurrency N] [--key-rate R] [--key-burst B] [--limit-key H] [--clear]
+        [--json]                              # fleet-wide limits; no option: show them
     kombu-pgmq task find|cancel TASK_ID       # where a task is; durable revoke
     kombu-pgmq results [--json]               # Celery results by state, size, expired
     kombu-pgmq results expire [--batch-size 5000]   # delete expired results now
@@ -42,7 +45,17 @@ running, ``embedded url`` when there is no URL, ``beat leader`` when no beat lea
 from __future__ import annotations
 
 # Each command group is a module of its own; importing it registers it on ``main``.
-from . import archive, beat, dlq, embedded, operations, results, schema, spark  # noqa: F401
+from . import (  # noqa: F401
+    archive,
+    beat,
+    dlq,
+    embedded,
+    limits,
+    operations,
+    results,
+    schema,
+    spark,
+)
 from ._base import main, parse_duration, url_option
 
 __all__ = ["main", "parse_duration", "url_option"]

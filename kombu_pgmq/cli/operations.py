@@ -24,6 +24,7 @@ from rich.table import Table
 from ..dlq import DEFAULT_DEAD_LETTER_QUEUE
 from ..management import Management, QueueStats
 from ._base import _console, _examples, _fail, _Group, _run, main, url_option
+from ._limit_text import summary as limit_summary
 
 T = TypeVar("T")
 
@@ -88,12 +89,15 @@ def _table(title: str, columns: list[tuple[str, str]]) -> Table:
 @click.option("--all", "everything", is_flag=True, help="Include Celery's pidbox/reply queues.")
 @json_option
 def queues(url: str | None, dlq_name: str, everything: bool, as_json: bool) -> None:
-    """Every queue: ready, in flight, delayed, oldest age, consumers, archive, DLQ.
+    """Every queue: ready, in flight, delayed, oldest age, consumers, archive, DLQ,
+    limits.
 
     ready: visible now; in flight: delivered, held by a consumer's visibility timeout;
     delayed: countdown/ETA not due yet. Oldest: age since publish of the oldest ready or
     in-flight message. Archive: acked messages (an estimate above 100,000, marked ~).
-    DLQ: dead letters that came from the queue.
+    DLQ: dead letters that came from the queue. Limits (shown when a queue has some):
+    conc 3/5 = 3 in flight of a concurrency limit of 5, a rate (100/s), key 2 = 2 per key,
+    fifo = a FIFO queue (see kombu-pgmq queue limit QUEUE).
     """
     stats = _with_management(url, lambda m: m.queues(), dlq_name)
     if not everything:
@@ -106,6 +110,7 @@ def queues(url: str | None, dlq_name: str, everything: bool, as_json: bool) -> N
     if not stats:
         console.print("no queues (a worker or a publish declares them)")
         return
+    limited = any(q.limits is not None for q in stats)
     table = _table(
         "queues",
         [
@@ -118,6 +123,7 @@ def queues(url: str | None, dlq_name: str, everything: bool, as_json: bool) -> N
             ("archive", "right"),
             ("DLQ", "right"),
             ("state", "left"),
+            *([("limits", "left")] if limited else []),
         ],
     )
     for q in stats:
@@ -134,6 +140,7 @@ def queues(url: str | None, dlq_name: str, everything: bool, as_json: bool) -> N
             archive,
             f"{q.dead_letters:,}",
             "[yellow]paused[/yellow]" if q.paused else "",
+            *([limit_summary(q.limits)] if limited else []),
         )
     console.print(table)
 
@@ -198,12 +205,16 @@ def messages(url: str | None, queue: str, limit: int, as_json: bool) -> None:
     console.print(table)
 
 
-# -- queue pause|resume -----------------------------------------------------------------
+# -- queue pause|resume (queue limit: cli/limits.py) ---------------------------------------
 
 
-@main.group("queue", cls=_Group, epilog=_examples("kombu-pgmq queue pause celery"))
+@main.group(
+    "queue",
+    cls=_Group,
+    epilog=_examples("kombu-pgmq queue pause celery", "kombu-pgmq queue limit celery --rate 10/s"),
+)
 def queue_group() -> None:
-    """Steer one queue: pause or resume its consumers."""
+    """Steer one queue: pause or resume its consumers, limit its deliveries."""
 
 
 @queue_group.command(
