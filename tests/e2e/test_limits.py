@@ -4,9 +4,11 @@ consume queue ``celery`` limited by the transport option ``queue_limits`` or by
 flight until its body has ended) records the wall-clock start and end of its body in
 ``e2e_limit_runs``, and every assertion is on those records.
 
-A body runs inside its message's flight (delivered before it starts, acked after it ends),
-so at most N bodies overlapping is implied by at most N messages in flight: the converse
-checks below are sound, whatever the machine's load.
+A body runs inside its message's flight (read before it starts, acked after it ends), so
+at most N messages in flight implies at most N bodies at once: the checks on overlapping
+bodies below hold whatever the machine's load. (With Celery's default early ack, a message
+is settled when its task starts: a concurrency limit then bounds messages read and not yet
+started, not running tasks; measured: 11 bodies at once under concurrency 3.)
 """
 
 from __future__ import annotations
@@ -253,6 +255,7 @@ def test_killed_workers_slots_come_back_after_its_leases(
     a = start_worker(concurrency=2, **env)
     long_ids = publish(app, 2, "long", 30.0, rerun_seconds=0.5)
     wait_for(lambda: len(limit_runs(db)) == 2, 30, "worker A runs both long tasks")
+    assert {parent_pid(r.pid) for r in limit_runs(db)} == {a.pid}
     b = start_worker(concurrency=2, **env)
     throttled_before = throttled_concurrency(db)
     short_ids = publish(app, 2, "short", 0.5)
@@ -271,7 +274,7 @@ def test_killed_workers_slots_come_back_after_its_leases(
     runs = limit_runs(db)
     before, after = runs[:2], runs[2:]
     assert {r.task_id for r in before} == set(long_ids)
-    assert all(r.end is None and parent_pid_was(r, a) for r in before)
+    assert all(r.end is None for r in before)
     assert {r.task_id for r in after} == set(long_ids) | set(short_ids)
     assert all(r.start > killed_at and r.end is not None for r in after)
     back = after[0].start - killed_at
@@ -293,15 +296,6 @@ def throttled_concurrency(db: psycopg.Connection) -> int:
         "SELECT throttled_concurrency FROM kombu_pgmq.limits_info(%s)", (QUEUE,)
     ).fetchone()
     return int(row[0]) if row else 0
-
-
-def parent_pid_was(run: Run, worker: Worker) -> bool:
-    """Whether ``run``'s process was a pool process of ``worker`` (killed: the process
-    group is the worker's)."""
-    try:
-        return parent_pid(run.pid) == worker.pid
-    except FileNotFoundError:  # gone with its worker
-        return True
 
 
 def test_limits_changed_while_workers_run_take_effect(
