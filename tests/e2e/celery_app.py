@@ -32,6 +32,8 @@ Environment
     ``e2e.beat_tick`` every second and every minute (crontab), each run recorded in table
     ``e2e_beat_runs`` (:data:`BEAT_RUNS_DDL`, created by the tests).
     ``KPT_BEAT_TAKEOVER_SECONDS`` (seconds, optional, default 6): ``beat_takeover_seconds``.
+    ``KPT_QUEUE_LIMITS`` (JSON object ``{queue: {limit: value}}``, optional): transport
+    option ``queue_limits`` (fleet-wide limits, set when a worker declares the queue).
 """
 
 from __future__ import annotations
@@ -62,6 +64,21 @@ CREATE TABLE IF NOT EXISTS e2e_runs (
     redelivered boolean,
     retries int NOT NULL,
     started_at timestamptz NOT NULL DEFAULT clock_timestamp()
+)
+"""
+
+
+#: DDL of the table where ``e2e.limited_run`` records each run (created by the tests):
+#: wall-clock start and end of the task body (``finished_at`` NULL while it runs, or if its
+#: process was killed), the label the test gave it (e.g. its limit key), the pool process.
+LIMIT_RUNS_DDL = """
+CREATE TABLE IF NOT EXISTS e2e_limit_runs (
+    id bigserial PRIMARY KEY,
+    task_id text NOT NULL,
+    label text NOT NULL,
+    pid int NOT NULL,
+    started_at timestamptz NOT NULL,
+    finished_at timestamptz
 )
 """
 
@@ -139,6 +156,8 @@ def create_app(env: Mapping[str, str] = os.environ) -> Celery:
             transport_options[option] = float(env[var])
     if env.get("KPT_MAX_DELIVERIES"):
         transport_options["max_deliveries"] = int(env["KPT_MAX_DELIVERIES"])
+    if env.get("KPT_QUEUE_LIMITS"):
+        transport_options["queue_limits"] = json.loads(env["KPT_QUEUE_LIMITS"])
     if env.get("KPT_TRANSPORT_OPTIONS"):
         transport_options.update(json.loads(env["KPT_TRANSPORT_OPTIONS"]))
 
@@ -220,6 +239,30 @@ def create_app(env: Mapping[str, str] = os.environ) -> Celery:
                 "INSERT INTO e2e_fifo (grp, seq, pid, started_at, finished_at)"
                 " VALUES (%s, %s, %s, %s, clock_timestamp())",
                 (group, seq, os.getpid(), started),
+            )
+
+    @app.task(shared=False, name="e2e.limited_run", bind=True, acks_late=True, ignore_result=True)
+    def limited_run(
+        self: Any, label: str, seconds: float = 0.0, rerun_seconds: float | None = None
+    ) -> None:
+        """Record the run in ``e2e_limit_runs`` (start: the wall clock when the body
+        starts), sleep *seconds* (a redelivered task id's later runs: *rerun_seconds* if
+        given), record its end. ``acks_late``: the message stays in flight (and counts
+        toward its queue's limits) until the body has ended."""
+        started = time.time()
+        with psycopg.connect(broker_url, autocommit=True, application_name="kpt_e2e_task") as c:
+            row = c.execute(
+                "INSERT INTO e2e_limit_runs (task_id, label, pid, started_at)"
+                " VALUES (%s, %s, %s, to_timestamp(%s))"
+                " RETURNING id, (SELECT count(*) FROM e2e_limit_runs WHERE task_id = %s)",
+                (self.request.id, label, os.getpid(), started, self.request.id),
+            ).fetchone()
+            assert row is not None
+            rerun = int(row[1]) > 0
+            time.sleep(seconds if not rerun or rerun_seconds is None else rerun_seconds)
+            c.execute(
+                "UPDATE e2e_limit_runs SET finished_at = to_timestamp(%s) WHERE id = %s",
+                (time.time(), row[0]),
             )
 
     @app.task(shared=False, name="e2e.xsum")

@@ -48,6 +48,7 @@ E2E_TASKS = [
     "e2e.crash",
     "e2e.fail",
     "e2e.fifo_step",
+    "e2e.limited_run",
     "e2e.on_chord_error",
     "e2e.ping",
     "e2e.record",
