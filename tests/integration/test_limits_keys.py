@@ -90,6 +90,49 @@ def test_a_saturated_key_first_in_the_queue_does_not_hold_back_other_keys(db_dsn
                 message.ack()
 
 
+def test_a_rate_limited_key_first_in_the_queue_does_not_hold_back_other_keys(db_dsn):
+    """500 messages of key A, then 3 of key B, key_rate 1/s (burst 1): each read hands
+    out what the buckets allow: A's one token and B's, not A's alone (and then nothing
+    of A while its bucket is empty, B still not starved by A's backlog)."""
+    with connect(db_dsn) as conn:
+        declare(conn, "slowkey")
+    insert(db_dsn, "slowkey", "jsonb_build_object('x-limit-key', 'A')", 500)
+    insert(db_dsn, "slowkey", "jsonb_build_object('x-limit-key', 'B')", 3)
+    set_limits(db_dsn, "slowkey", {"key_rate": "1/s"})
+    assert sorted(sql_read(db_dsn, ["slowkey"], 10).keyed()) == ["A", "B"]
+    assert sql_read(db_dsn, ["slowkey"], 10).messages == []  # both buckets empty
+
+
+def test_key_limits_hold_across_priority_bands_in_one_read(db_dsn):
+    """A key's messages in two priority bands: one read delivers no more of the key than
+    its rate bucket and its concurrency allow, whichever bands they are in."""
+    prio = Queue("kprio", routing_key="kprio", max_priority=9)
+    with connect(db_dsn) as conn:
+        producer = Producer(conn)
+        for priority in (9, 9, 0, 0):
+            producer.publish(
+                {"p": priority},
+                routing_key="kprio",
+                declare=[prio],
+                priority=priority,
+                headers={"x-limit-key": "K"},
+            )
+    bands = [
+        b
+        for (b,) in sql(
+            db_dsn, "SELECT unnest(band_queues) FROM kombu_pgmq.queues WHERE queue = 'kprio'"
+        )
+    ]
+    order = bands[::-1]  # band_queues: lowest band first; a read: highest first
+    set_limits(db_dsn, "kprio", {"key_rate": "1/s"})
+    assert len(sql_read(db_dsn, order, 10).messages) == 1
+    set_limits(db_dsn, "kprio", {"key_rate": None, "key_concurrency": 1})
+    sql(db_dsn, "UPDATE pgmq.q_kprio SET vt = clock_timestamp()")
+    for band in bands:
+        sql(db_dsn, f"UPDATE pgmq.q_{band} SET vt = clock_timestamp()")
+    assert len(sql_read(db_dsn, order, 10).messages) == 1
+
+
 def test_limit_key_task_keys_by_celery_task_name(db_dsn):
     with connect(db_dsn) as conn:
         names = ["tasks.a", "tasks.b", "tasks.a", "tasks.c", "tasks.b", "tasks.a"]
