@@ -117,6 +117,8 @@ def test_rate_is_a_token_bucket_over_sql_reads(db_dsn):
     for at, _ in delivered:  # no 1 s window over rate + burst
         window = sum(n for t, n in delivered if at <= t < at + 1)
         assert window <= 20 + 5
+    time.sleep(0.5)  # idle: 10 tokens' worth, the bucket holds 5
+    assert len(sql_read(db_dsn, ["rated"], 50).messages) == 5
     info = limits_info(db_dsn, "rated")
     assert info is not None and info.throttled_rate > 0
     assert info.rate_per_second == 20 and info.burst == 5 and info.tokens is not None
