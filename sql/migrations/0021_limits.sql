@@ -410,66 +410,89 @@ BEGIN
             END LOOP;
             CONTINUE;
         END IF;
-        -- keys at their concurrency limit are skipped by the scan itself
-        saturated := ARRAY(
-            SELECT e.key FROM jsonb_each_text(key_counts) e
-            WHERE lim.key_concurrency IS NOT NULL
-              AND e.value::bigint + coalesce((got ->> e.key)::bigint, 0) >= lim.key_concurrency);
-        FOR r IN EXECUTE format(
-            $sql$
-            WITH cand AS (
-                SELECT t.msg_id, t.headers ->> $3 AS k
-                FROM pgmq.%1$I t
-                WHERE t.vt <= clock_timestamp()
-                  AND (t.headers ->> $3 IS NULL OR NOT (t.headers ->> $3 = ANY($4)))
-                ORDER BY t.msg_id
-                LIMIT $10
-            ), ranked AS (
-                SELECT c.msg_id, c.k, row_number() OVER (PARTITION BY c.k ORDER BY c.msg_id) AS rn
-                FROM cand c
-            ), ok AS (
-                SELECT x.msg_id FROM ranked x
-                LEFT JOIN kombu_pgmq.limit_key_tokens kt ON kt.queue = $9 AND kt.key = x.k
-                WHERE x.k IS NULL
-                   OR (($6::integer IS NULL
-                        OR x.rn <= $6 - coalesce(($5 ->> x.k)::integer, 0)
-                                      - coalesce(($11 ->> x.k)::integer, 0))
-                       AND ($8::float8 IS NULL
-                            OR x.rn <= floor(least($7, coalesce(kt.tokens, $7) + $8 * greatest(0,
-                                   extract(epoch FROM clock_timestamp() - kt.refilled_at))))))
-                ORDER BY x.msg_id
-                LIMIT $1
-            ), picked AS (
-                SELECT t.msg_id FROM pgmq.%1$I t
-                WHERE t.msg_id IN (SELECT ok.msg_id FROM ok) AND t.vt <= clock_timestamp()
-                ORDER BY t.msg_id
-                FOR UPDATE SKIP LOCKED
-            )
-            UPDATE pgmq.%1$I m
-            SET vt = clock_timestamp() + make_interval(secs => $2),
-                read_ct = m.read_ct + 1 %2$s
-            FROM picked p
-            WHERE m.msg_id = p.msg_id
-            RETURNING m.msg_id, m.read_ct, m.enqueued_at, m.message, m.headers,
-                      m.headers ->> $3 AS k
-            $sql$, 'q_' || b, stamp)
-            USING budget - delivered, vt, lim.limit_key, saturated, key_counts,
-                  lim.key_concurrency, key_burst, lim.key_rate_per_second, kombu_queue,
-                  (budget - delivered) * 16 + 100, got
+        -- Keys at their limit (concurrency reached, or an empty bucket, counting what this
+        -- read delivered) are skipped by the scan itself; the scan is repeated while it
+        -- delivers and the budget is not spent, so a key that fills the scan's window and
+        -- reaches its limit in it never holds back the keys behind it.
         LOOP
-            queue := b;
-            msg_id := r.msg_id;
-            read_ct := r.read_ct;
-            enqueued_at := r.enqueued_at;
-            message := r.message::text;
-            headers := r.headers::text;
-            age_seconds := extract(epoch FROM clock_timestamp() - r.enqueued_at)::float8;
-            RETURN NEXT;
-            delivered := delivered + 1;
-            IF r.k IS NOT NULL THEN
-                got := jsonb_set(got, ARRAY[r.k],
-                                 to_jsonb(coalesce((got ->> r.k)::integer, 0) + 1));
-            END IF;
+            saturated := ARRAY(
+                SELECT e.key
+                FROM (SELECT x.key, sum(x.value::bigint) AS n
+                      FROM (SELECT * FROM jsonb_each_text(key_counts)
+                            UNION ALL SELECT * FROM jsonb_each_text(got)) x
+                      GROUP BY x.key) e
+                WHERE lim.key_concurrency IS NOT NULL AND e.n >= lim.key_concurrency
+                UNION
+                SELECT kt.key FROM kombu_pgmq.limit_key_tokens kt
+                WHERE lim.key_rate_per_second IS NOT NULL AND kt.queue = kombu_queue
+                  AND least(key_burst, kt.tokens + lim.key_rate_per_second * greatest(0,
+                            extract(epoch FROM clock_timestamp() - kt.refilled_at)))
+                      - coalesce((got ->> kt.key)::integer, 0) < 1
+                UNION
+                SELECT g.key FROM jsonb_each_text(got) g
+                WHERE lim.key_rate_per_second IS NOT NULL AND key_burst - g.value::integer < 1);
+            n := 0;
+            FOR r IN EXECUTE format(
+                $sql$
+                WITH cand AS (
+                    SELECT t.msg_id, t.headers ->> $3 AS k
+                    FROM pgmq.%1$I t
+                    WHERE t.vt <= clock_timestamp()
+                      AND (t.headers ->> $3 IS NULL OR NOT (t.headers ->> $3 = ANY($4)))
+                    ORDER BY t.msg_id
+                    LIMIT $10
+                ), ranked AS (
+                    SELECT c.msg_id, c.k,
+                           row_number() OVER (PARTITION BY c.k ORDER BY c.msg_id) AS rn
+                    FROM cand c
+                ), ok AS (
+                    SELECT x.msg_id FROM ranked x
+                    LEFT JOIN kombu_pgmq.limit_key_tokens kt ON kt.queue = $9 AND kt.key = x.k
+                    WHERE x.k IS NULL
+                       OR (($6::integer IS NULL
+                            OR x.rn <= $6 - coalesce(($5 ->> x.k)::integer, 0)
+                                          - coalesce(($11 ->> x.k)::integer, 0))
+                           AND ($8::float8 IS NULL
+                                OR x.rn <= floor(least($7, coalesce(kt.tokens, $7)
+                                       + $8 * greatest(0, extract(epoch FROM
+                                             clock_timestamp() - kt.refilled_at))))
+                                       - coalesce(($11 ->> x.k)::integer, 0)))
+                    ORDER BY x.msg_id
+                    LIMIT $1
+                ), picked AS (
+                    SELECT t.msg_id FROM pgmq.%1$I t
+                    WHERE t.msg_id IN (SELECT ok.msg_id FROM ok) AND t.vt <= clock_timestamp()
+                    ORDER BY t.msg_id
+                    FOR UPDATE SKIP LOCKED
+                )
+                UPDATE pgmq.%1$I m
+                SET vt = clock_timestamp() + make_interval(secs => $2),
+                    read_ct = m.read_ct + 1 %2$s
+                FROM picked p
+                WHERE m.msg_id = p.msg_id
+                RETURNING m.msg_id, m.read_ct, m.enqueued_at, m.message, m.headers,
+                          m.headers ->> $3 AS k
+                $sql$, 'q_' || b, stamp)
+                USING budget - delivered, vt, lim.limit_key, saturated, key_counts,
+                      lim.key_concurrency, key_burst, lim.key_rate_per_second, kombu_queue,
+                      (budget - delivered) * 16 + 100, got
+            LOOP
+                queue := b;
+                msg_id := r.msg_id;
+                read_ct := r.read_ct;
+                enqueued_at := r.enqueued_at;
+                message := r.message::text;
+                headers := r.headers::text;
+                age_seconds := extract(epoch FROM clock_timestamp() - r.enqueued_at)::float8;
+                RETURN NEXT;
+                delivered := delivered + 1;
+                n := n + 1;
+                IF r.k IS NOT NULL THEN
+                    got := jsonb_set(got, ARRAY[r.k],
+                                     to_jsonb(coalesce((got ->> r.k)::integer, 0) + 1));
+                END IF;
+            END LOOP;
+            EXIT WHEN n = 0 OR budget - delivered <= 0;
         END LOOP;
     END LOOP;
     -- key buckets: take the tokens of the keys delivered
