@@ -552,8 +552,9 @@ BEGIN
 END
 $$;
 
--- Ack and read in one round trip (migration 0012's function): limited queues (FIFO ones
--- included) are read by kombu_pgmq.read_limited, their limits rows locked first in name
+-- Ack and read in one round trip (migration 0017's function: windows capped, the
+-- dead-letter queue refused): limited queues (FIFO ones included) are read by
+-- kombu_pgmq.read_limited, their limits rows locked first in name
 -- order; fifo_queues is no longer needed (kept for older clients, ignored).
 CREATE OR REPLACE FUNCTION kombu_pgmq.read(
     queues text[], vt integer, qty integer,
@@ -577,6 +578,8 @@ DECLARE
     bands text[];
     r record;
 BEGIN
+    PERFORM kombu_pgmq.check_window('visibility timeout (seconds)', vt, 43200);
+    PERFORM kombu_pgmq.guard_dead_letters(queues, 'SELECT');
     IF coalesce(cardinality(ack_ids), 0) = 0 OR NOT durable_acks THEN
         PERFORM set_config('synchronous_commit', 'off', true);
     END IF;
