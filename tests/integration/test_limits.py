@@ -93,6 +93,54 @@ def test_slots_come_back_when_an_abandoned_consumers_leases_expire(db_dsn):
             next_one.drain(0.2)
 
 
+def test_slots_come_back_at_once_when_a_consumer_closes_without_acking(db_dsn):
+    """A connection closed with messages unacked gives them back (visibility timeout 30 s
+    not waited for): a consumer waiting on the queue gets them."""
+    with connect(db_dsn, polling_interval=5) as other:
+        publish(other, "capped", list(range(6)))
+        set_limits(db_dsn, "capped", {"concurrency": 3})
+        with Holder(other, [CAPPED]) as waiting:
+            closing = connect(db_dsn, visibility_timeout=30)
+            with Holder(closing, [CAPPED]) as leaving:
+                leaving.drain_until(3, timeout=3)
+                assert len(leaving.got) == 3
+                waiting.drain(0.3)
+                assert waiting.got == []
+            closed = time.monotonic()
+            closing.release()
+            waiting.drain_until(3, timeout=4)
+            assert len(waiting.got) == 3 and waiting.got[-1][0] - closed < 2.0
+            for message in waiting.held:
+                message.ack()
+            waiting.drain(0.2)
+
+
+@pytest.mark.parametrize("settle", ["requeue", "reject"])
+def test_a_requeue_or_a_dead_letter_frees_the_slot_for_a_waiting_consumer(db_dsn, settle):
+    """Not only acks free a slot: a message requeued (visible again) or dead-lettered
+    (rejected) does too, and the consumer waiting on the queue (polling interval 5 s)
+    gets the next message at once."""
+    with (
+        connect(db_dsn, polling_interval=5, max_deliveries=5) as one,
+        connect(db_dsn, polling_interval=5) as two,
+    ):
+        publish(one, "capped", ["first", "second"])
+        set_limits(db_dsn, "capped", {"concurrency": 1})
+        with Holder(one, [CAPPED]) as holder, Holder(two, [CAPPED]) as waiting:
+            holder.drain_until(1, timeout=3)
+            assert [m.payload for m in holder.messages()] == ["first"]
+            waiter = threading.Thread(target=waiting.drain_until, args=(1, 4))
+            waiter.start()
+            time.sleep(0.5)  # it read nothing and waits on the queue
+            settled = time.monotonic()
+            getattr(holder.held[0], settle)()
+            waiter.join()
+            assert len(waiting.got) == 1 and waiting.got[0][0] - settled < 1.0
+            for message in waiting.held:
+                message.ack()
+            waiting.drain(0.1)
+
+
 def test_rate_is_a_token_bucket_over_sql_reads(db_dsn):
     """rate 20/s, burst 5: the burst at once, then a marker row saying when the next token
     comes (1/20 s), then about 20 a second, never more than the bucket allows."""
