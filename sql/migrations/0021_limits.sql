@@ -696,6 +696,96 @@ BEGIN
 END
 $$;
 
+-- Requeue (migration 0017's function), waking the consumers waiting on a limited queue
+-- it settled a delivery of: that delivery's slot is free (at vt: a message visible only
+-- then still counts as in flight until then).
+CREATE OR REPLACE FUNCTION kombu_pgmq.requeue(
+    queues text[], msg_ids bigint[], read_cts integer[], enqueued timestamptz[],
+    vt integer DEFAULT 0, uncount boolean DEFAULT false
+) RETURNS TABLE (queue text, msg_id bigint)
+LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    q text;
+    ids bigint[];
+    cts integer[];
+    ats timestamptz[];
+    n integer;
+BEGIN
+    PERFORM kombu_pgmq.check_window('visibility timeout (seconds)', vt, 43200);
+    FOR q, ids, cts, ats IN
+        SELECT h.q, array_agg(h.id), array_agg(h.ct), array_agg(h.at)
+        FROM unnest(queues, msg_ids, read_cts, enqueued) AS h(q, id, ct, at)
+        GROUP BY h.q ORDER BY h.q
+    LOOP
+        CONTINUE WHEN to_regclass(format('pgmq.%I', 'q_' || q)) IS NULL;
+        RETURN QUERY EXECUTE format(
+            'UPDATE pgmq.%I AS t
+             SET vt = clock_timestamp() + make_interval(secs => $4),
+                 headers = CASE WHEN $5 THEN kombu_pgmq.count_restore(t.headers)
+                                ELSE t.headers END
+             FROM unnest($1::bigint[], $2::integer[], $3::timestamptz[]) AS h(id, ct, at)
+             WHERE t.msg_id = h.id AND t.read_ct = h.ct AND t.enqueued_at = h.at
+             RETURNING %L::text, t.msg_id',
+            'q_' || q, q
+        ) USING ids, cts, ats, vt, uncount;
+        GET DIAGNOSTICS n = ROW_COUNT;
+        IF n > 0 AND EXISTS (SELECT 1 FROM kombu_pgmq.limited l WHERE l.pgmq_queue = q) THEN
+            PERFORM kombu_pgmq.notify_waiting(q, CASE WHEN vt > 0 THEN
+                clock_timestamp() + make_interval(secs => vt) END);
+        END IF;
+    END LOOP;
+END
+$$;
+
+-- Dead-letter (migration 0017's function), waking the consumers waiting on a limited
+-- queue it moved a message of: its slot is free.
+CREATE OR REPLACE FUNCTION kombu_pgmq.dead_letter(
+    pgmq_name text, msg_ids bigint[], read_cts integer[], enqueued timestamptz[],
+    error_texts text[], dead_letter_queue text, reason text, kombu_queue text
+) RETURNS SETOF bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+    n integer;
+BEGIN
+    UPDATE kombu_pgmq.queues q SET dead_letter = true
+    WHERE q.pgmq_queue = dead_letter_queue AND NOT q.dead_letter;
+    RETURN QUERY EXECUTE format(
+        $sql$
+        WITH moved AS (
+            DELETE FROM pgmq.%I AS t
+            USING unnest($1::bigint[], $2::integer[], $3::timestamptz[], $4::text[])
+                AS h(id, ct, at, err)
+            WHERE t.msg_id = h.id AND t.read_ct = h.ct AND t.enqueued_at = h.at
+            RETURNING t.msg_id, t.read_ct, t.enqueued_at, t.message, t.headers, h.err
+        )
+        SELECT pgmq.send(
+            $5,
+            moved.message,
+            coalesce(moved.headers, '{}'::jsonb) || jsonb_build_object(
+                'x-dead-letter', jsonb_build_object(
+                    'queue', $7::text,
+                    'pgmq_queue', $8::text,
+                    'msg_id', moved.msg_id,
+                    'read_ct', moved.read_ct,
+                    'reason', $6::text,
+                    'enqueued_at', moved.enqueued_at,
+                    'dead_lettered_at', clock_timestamp()
+                ) || CASE WHEN moved.err IS NULL THEN '{}'::jsonb
+                          ELSE jsonb_build_object('error', moved.err) END
+            )
+        )
+        FROM moved
+        $sql$, 'q_' || pgmq_name
+    ) USING msg_ids, read_cts, enqueued, error_texts, dead_letter_queue, reason,
+            kombu_queue, pgmq_name;
+    GET DIAGNOSTICS n = ROW_COUNT;
+    IF n > 0 AND EXISTS (SELECT 1 FROM kombu_pgmq.limited l WHERE l.pgmq_queue = pgmq_name) THEN
+        PERFORM kombu_pgmq.notify_waiting(pgmq_name);
+    END IF;
+END
+$$;
+
 -- -- what is limited, and how much is used -------------------------------------------------
 
 -- Every limited queue with its limits and current use: in_flight (all bands), tokens now
