@@ -456,66 +456,89 @@ BEGIN
             END LOOP;
             CONTINUE;
         END IF;
-        -- keys at their concurrency limit are skipped by the scan itself
-        saturated := ARRAY(
-            SELECT e.key FROM jsonb_each_text(key_counts) e
-            WHERE lim.key_concurrency IS NOT NULL
-              AND e.value::bigint + coalesce((got ->> e.key)::bigint, 0) >= lim.key_concurrency);
-        FOR r IN EXECUTE format(
-            $sql$
-            WITH cand AS (
-                SELECT t.msg_id, t.headers ->> $3 AS k
-                FROM pgmq.%1$I t
-                WHERE t.vt <= clock_timestamp()
-                  AND (t.headers ->> $3 IS NULL OR NOT (t.headers ->> $3 = ANY($4)))
-                ORDER BY t.msg_id
-                LIMIT $10
-            ), ranked AS (
-                SELECT c.msg_id, c.k, row_number() OVER (PARTITION BY c.k ORDER BY c.msg_id) AS rn
-                FROM cand c
-            ), ok AS (
-                SELECT x.msg_id FROM ranked x
-                LEFT JOIN kombu_pgmq.limit_key_tokens kt ON kt.queue = $9 AND kt.key = x.k
-                WHERE x.k IS NULL
-                   OR (($6::integer IS NULL
-                        OR x.rn <= $6 - coalesce(($5 ->> x.k)::integer, 0)
-                                      - coalesce(($11 ->> x.k)::integer, 0))
-                       AND ($8::float8 IS NULL
-                            OR x.rn <= floor(least($7, coalesce(kt.tokens, $7) + $8 * greatest(0,
-                                   extract(epoch FROM clock_timestamp() - kt.refilled_at))))))
-                ORDER BY x.msg_id
-                LIMIT $1
-            ), picked AS (
-                SELECT t.msg_id FROM pgmq.%1$I t
-                WHERE t.msg_id IN (SELECT ok.msg_id FROM ok) AND t.vt <= clock_timestamp()
-                ORDER BY t.msg_id
-                FOR UPDATE SKIP LOCKED
-            )
-            UPDATE pgmq.%1$I m
-            SET vt = clock_timestamp() + make_interval(secs => $2),
-                read_ct = m.read_ct + 1 %2$s
-            FROM picked p
-            WHERE m.msg_id = p.msg_id
-            RETURNING m.msg_id, m.read_ct, m.enqueued_at, m.message, m.headers,
-                      m.headers ->> $3 AS k
-            $sql$, 'q_' || b, stamp)
-            USING budget - delivered, vt, lim.limit_key, saturated, key_counts,
-                  lim.key_concurrency, key_burst, lim.key_rate_per_second, kombu_queue,
-                  (budget - delivered) * 16 + 100, got
+        -- Keys at their limit (concurrency reached, or an empty bucket, counting what this
+        -- read delivered) are skipped by the scan itself; the scan is repeated while it
+        -- delivers and the budget is not spent, so a key that fills the scan's window and
+        -- reaches its limit in it never holds back the keys behind it.
         LOOP
-            queue := b;
-            msg_id := r.msg_id;
-            read_ct := r.read_ct;
-            enqueued_at := r.enqueued_at;
-            message := r.message::text;
-            headers := r.headers::text;
-            age_seconds := extract(epoch FROM clock_timestamp() - r.enqueued_at)::float8;
-            RETURN NEXT;
-            delivered := delivered + 1;
-            IF r.k IS NOT NULL THEN
-                got := jsonb_set(got, ARRAY[r.k],
-                                 to_jsonb(coalesce((got ->> r.k)::integer, 0) + 1));
-            END IF;
+            saturated := ARRAY(
+                SELECT e.key
+                FROM (SELECT x.key, sum(x.value::bigint) AS n
+                      FROM (SELECT * FROM jsonb_each_text(key_counts)
+                            UNION ALL SELECT * FROM jsonb_each_text(got)) x
+                      GROUP BY x.key) e
+                WHERE lim.key_concurrency IS NOT NULL AND e.n >= lim.key_concurrency
+                UNION
+                SELECT kt.key FROM kombu_pgmq.limit_key_tokens kt
+                WHERE lim.key_rate_per_second IS NOT NULL AND kt.queue = kombu_queue
+                  AND least(key_burst, kt.tokens + lim.key_rate_per_second * greatest(0,
+                            extract(epoch FROM clock_timestamp() - kt.refilled_at)))
+                      - coalesce((got ->> kt.key)::integer, 0) < 1
+                UNION
+                SELECT g.key FROM jsonb_each_text(got) g
+                WHERE lim.key_rate_per_second IS NOT NULL AND key_burst - g.value::integer < 1);
+            n := 0;
+            FOR r IN EXECUTE format(
+                $sql$
+                WITH cand AS (
+                    SELECT t.msg_id, t.headers ->> $3 AS k
+                    FROM pgmq.%1$I t
+                    WHERE t.vt <= clock_timestamp()
+                      AND (t.headers ->> $3 IS NULL OR NOT (t.headers ->> $3 = ANY($4)))
+                    ORDER BY t.msg_id
+                    LIMIT $10
+                ), ranked AS (
+                    SELECT c.msg_id, c.k,
+                           row_number() OVER (PARTITION BY c.k ORDER BY c.msg_id) AS rn
+                    FROM cand c
+                ), ok AS (
+                    SELECT x.msg_id FROM ranked x
+                    LEFT JOIN kombu_pgmq.limit_key_tokens kt ON kt.queue = $9 AND kt.key = x.k
+                    WHERE x.k IS NULL
+                       OR (($6::integer IS NULL
+                            OR x.rn <= $6 - coalesce(($5 ->> x.k)::integer, 0)
+                                          - coalesce(($11 ->> x.k)::integer, 0))
+                           AND ($8::float8 IS NULL
+                                OR x.rn <= floor(least($7, coalesce(kt.tokens, $7)
+                                       + $8 * greatest(0, extract(epoch FROM
+                                             clock_timestamp() - kt.refilled_at))))
+                                       - coalesce(($11 ->> x.k)::integer, 0)))
+                    ORDER BY x.msg_id
+                    LIMIT $1
+                ), picked AS (
+                    SELECT t.msg_id FROM pgmq.%1$I t
+                    WHERE t.msg_id IN (SELECT ok.msg_id FROM ok) AND t.vt <= clock_timestamp()
+                    ORDER BY t.msg_id
+                    FOR UPDATE SKIP LOCKED
+                )
+                UPDATE pgmq.%1$I m
+                SET vt = clock_timestamp() + make_interval(secs => $2),
+                    read_ct = m.read_ct + 1 %2$s
+                FROM picked p
+                WHERE m.msg_id = p.msg_id
+                RETURNING m.msg_id, m.read_ct, m.enqueued_at, m.message, m.headers,
+                          m.headers ->> $3 AS k
+                $sql$, 'q_' || b, stamp)
+                USING budget - delivered, vt, lim.limit_key, saturated, key_counts,
+                      lim.key_concurrency, key_burst, lim.key_rate_per_second, kombu_queue,
+                      (budget - delivered) * 16 + 100, got
+            LOOP
+                queue := b;
+                msg_id := r.msg_id;
+                read_ct := r.read_ct;
+                enqueued_at := r.enqueued_at;
+                message := r.message::text;
+                headers := r.headers::text;
+                age_seconds := extract(epoch FROM clock_timestamp() - r.enqueued_at)::float8;
+                RETURN NEXT;
+                delivered := delivered + 1;
+                n := n + 1;
+                IF r.k IS NOT NULL THEN
+                    got := jsonb_set(got, ARRAY[r.k],
+                                     to_jsonb(coalesce((got ->> r.k)::integer, 0) + 1));
+                END IF;
+            END LOOP;
+            EXIT WHEN n = 0 OR budget - delivered <= 0;
         END LOOP;
     END LOOP;
     -- key buckets: take the tokens of the keys delivered
@@ -837,6 +860,96 @@ BEGIN
             PERFORM kombu_pgmq.notify_waiting(q);
         END IF;
     END LOOP;
+END
+$$;
+
+-- Requeue (migration 0017's function), waking the consumers waiting on a limited queue
+-- it settled a delivery of: that delivery's slot is free (at vt: a message visible only
+-- then still counts as in flight until then).
+CREATE OR REPLACE FUNCTION kombu_pgmq.requeue(
+    queues text[], msg_ids bigint[], read_cts integer[], enqueued timestamptz[],
+    vt integer DEFAULT 0, uncount boolean DEFAULT false
+) RETURNS TABLE (queue text, msg_id bigint)
+LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    q text;
+    ids bigint[];
+    cts integer[];
+    ats timestamptz[];
+    n integer;
+BEGIN
+    PERFORM kombu_pgmq.check_window('visibility timeout (seconds)', vt, 43200);
+    FOR q, ids, cts, ats IN
+        SELECT h.q, array_agg(h.id), array_agg(h.ct), array_agg(h.at)
+        FROM unnest(queues, msg_ids, read_cts, enqueued) AS h(q, id, ct, at)
+        GROUP BY h.q ORDER BY h.q
+    LOOP
+        CONTINUE WHEN to_regclass(format('pgmq.%I', 'q_' || q)) IS NULL;
+        RETURN QUERY EXECUTE format(
+            'UPDATE pgmq.%I AS t
+             SET vt = clock_timestamp() + make_interval(secs => $4),
+                 headers = CASE WHEN $5 THEN kombu_pgmq.count_restore(t.headers)
+                                ELSE t.headers END
+             FROM unnest($1::bigint[], $2::integer[], $3::timestamptz[]) AS h(id, ct, at)
+             WHERE t.msg_id = h.id AND t.read_ct = h.ct AND t.enqueued_at = h.at
+             RETURNING %L::text, t.msg_id',
+            'q_' || q, q
+        ) USING ids, cts, ats, vt, uncount;
+        GET DIAGNOSTICS n = ROW_COUNT;
+        IF n > 0 AND EXISTS (SELECT 1 FROM kombu_pgmq.limited l WHERE l.pgmq_queue = q) THEN
+            PERFORM kombu_pgmq.notify_waiting(q, CASE WHEN vt > 0 THEN
+                clock_timestamp() + make_interval(secs => vt) END);
+        END IF;
+    END LOOP;
+END
+$$;
+
+-- Dead-letter (migration 0017's function), waking the consumers waiting on a limited
+-- queue it moved a message of: its slot is free.
+CREATE OR REPLACE FUNCTION kombu_pgmq.dead_letter(
+    pgmq_name text, msg_ids bigint[], read_cts integer[], enqueued timestamptz[],
+    error_texts text[], dead_letter_queue text, reason text, kombu_queue text
+) RETURNS SETOF bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+    n integer;
+BEGIN
+    UPDATE kombu_pgmq.queues q SET dead_letter = true
+    WHERE q.pgmq_queue = dead_letter_queue AND NOT q.dead_letter;
+    RETURN QUERY EXECUTE format(
+        $sql$
+        WITH moved AS (
+            DELETE FROM pgmq.%I AS t
+            USING unnest($1::bigint[], $2::integer[], $3::timestamptz[], $4::text[])
+                AS h(id, ct, at, err)
+            WHERE t.msg_id = h.id AND t.read_ct = h.ct AND t.enqueued_at = h.at
+            RETURNING t.msg_id, t.read_ct, t.enqueued_at, t.message, t.headers, h.err
+        )
+        SELECT pgmq.send(
+            $5,
+            moved.message,
+            coalesce(moved.headers, '{}'::jsonb) || jsonb_build_object(
+                'x-dead-letter', jsonb_build_object(
+                    'queue', $7::text,
+                    'pgmq_queue', $8::text,
+                    'msg_id', moved.msg_id,
+                    'read_ct', moved.read_ct,
+                    'reason', $6::text,
+                    'enqueued_at', moved.enqueued_at,
+                    'dead_lettered_at', clock_timestamp()
+                ) || CASE WHEN moved.err IS NULL THEN '{}'::jsonb
+                          ELSE jsonb_build_object('error', moved.err) END
+            )
+        )
+        FROM moved
+        $sql$, 'q_' || pgmq_name
+    ) USING msg_ids, read_cts, enqueued, error_texts, dead_letter_queue, reason,
+            kombu_queue, pgmq_name;
+    GET DIAGNOSTICS n = ROW_COUNT;
+    IF n > 0 AND EXISTS (SELECT 1 FROM kombu_pgmq.limited l WHERE l.pgmq_queue = pgmq_name) THEN
+        PERFORM kombu_pgmq.notify_waiting(pgmq_name);
+    END IF;
 END
 $$;
 
