@@ -278,6 +278,10 @@ def pool_latency(runs: list[dict]) -> dict:
     }
 
 
+#: --limit-keys: backlog tasks carry header x-limit-key, one of this many keys (issue 29).
+LIMIT_KEYS = 0
+
+
 def run_backlog(app, name, url, options, workdir: Path, n: int) -> dict:
     log = fresh_log(workdir, f"{name}-backlog")
     worker = Worker(name, url, options, log, workdir / f"{name}-worker.out")
@@ -286,7 +290,10 @@ def run_backlog(app, name, url, options, workdir: Path, n: int) -> dict:
     t0 = time.monotonic()
     app.tasks["bench.ping"].apply_async()
     for i in range(n):
-        noop.apply_async((i,))
+        if LIMIT_KEYS:
+            noop.apply_async((i,), headers={"x-limit-key": f"k{i % LIMIT_KEYS}"})
+        else:
+            noop.apply_async((i,))
     publish_s = time.monotonic() - t0
     worker.start()
     try:
@@ -420,10 +427,18 @@ def main() -> None:
     parser.add_argument(
         "--backlog-rounds", type=int, default=1, help="backlog rounds per broker (median)"
     )
+    parser.add_argument(
+        "--limit-keys",
+        type=int,
+        default=0,
+        help="backlog tasks carry header x-limit-key, one of this many keys (limits, issue 29)",
+    )
     parser.add_argument("--json", type=Path, help="write results as JSON here")
     parser.add_argument("--keep", action="store_true", help="keep the task logs / worker output")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args()
+    global LIMIT_KEYS
+    LIMIT_KEYS = args.limit_keys
 
     brokers = parse_pairs(args.broker, "--broker") or dict(DEFAULT_BROKERS)
     options = {n: dict(DEFAULT_OPTIONS.get(n, {})) for n in brokers}
@@ -445,6 +460,7 @@ def main() -> None:
         "latency_tasks": args.latency_tasks,
         "interval_ms": args.interval_ms,
         "backlog": args.backlog,
+        "limit_keys": args.limit_keys,
         "rounds": args.rounds,
         "backlog_rounds": args.backlog_rounds,
         "worker": "prefork -c 2, --without-gossip/mingle/heartbeat, no result backend",

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from psycopg import sql
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -61,14 +62,15 @@ CASES: dict[str, dict[str, Any] | None] = {
 
 def _fill(dsn: str, queue: str, messages: int, keys: int) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(f"TRUNCATE pgmq.q_{queue}")
+        table = sql.Identifier("pgmq", f"q_{queue}")
+        conn.execute(sql.SQL("TRUNCATE {}").format(table))
         conn.execute(
             'SELECT pgmq.send_batch(%s, array_agg(\'{"task": "noop"}\'::jsonb),'
             " array_agg(jsonb_build_object('x-limit-key', 'k' || (i %% %s))))"
             " FROM generate_series(1, %s) i",
             (queue, keys, messages),
         )
-        conn.execute(f"VACUUM ANALYZE pgmq.q_{queue}")
+        conn.execute(sql.SQL("VACUUM ANALYZE {}").format(table))
 
 
 def _drain(dsn: str, queue: str, messages: int, qty: int) -> float:
@@ -137,7 +139,7 @@ def _start_server() -> pgserver.LocalServer:
         "max_wal_size": "'2GB'",
         "max_connections": "100",
         "shared_preload_libraries": "'pg_stat_statements'",
-        "pg_stat_statements.track": "all",
+        "pg_stat_statements.track": "top",
     }
     root = Path(tempfile.mkdtemp(prefix="kpt_pg_"))
     server = _Pg15(root, SYSTEM_BIN, pgserver._server_user())

@@ -120,18 +120,22 @@ ORDER BY acked, msg_id
 
 -- name: read_limited_queue
 -- read_queue for a limited queue without key limits (migration 0021): the same acks and
--- read straight on PGMQ's tables, delivering no more than kombu_pgmq.limit_take allows
--- (it locks the queue's limits row to the end of this statement's transaction, counts
--- what is in flight in a snapshot taken after the lock, and takes the tokens; a row a
--- reader before us delivered meanwhile is skipped: FOR UPDATE rechecks its vt). picked
--- keeps read_queue's constant LIMIT (qty rows locked, the allowed ones delivered): with
--- the budget as its LIMIT the planner expected a tenth of the table and joined the
--- UPDATE by a sequential scan (3.7 ms a read on 20,000 rows). Then, for a read a limit
--- cut or that delivered less than allowed, kombu_pgmq.limit_settle gives back unused
--- tokens and room, counts a throttled read, and makes the read's marker row
--- (msg_id NULL; read_ct: 0 limited, 1 throttled until a message settles, 2 throttled by
--- rate with age_seconds = seconds until it allows more, 3 the queue has key limits: read
--- it through kombu_pgmq.read). No marker: the queue is not limited (read as read_queue).
+-- read straight on PGMQ's tables, delivering no more than the limits allow.
+-- kombu_pgmq.limit_take locks the queue's limits row to the end of this statement's
+-- transaction (readers of the queue take turns) and returns the budget: in one UPDATE
+-- when the whole read fits (in_flight_bound leaves room under concurrency, the bucket
+-- holds the tokens), else counting what is in flight in a snapshot taken after the lock
+-- (a row a reader before us delivered meanwhile is skipped: FOR UPDATE rechecks its vt).
+-- picked keeps read_queue's constant LIMIT (qty rows locked, the allowed ones delivered):
+-- with the budget as its LIMIT the planner expected a tenth of the table and joined the
+-- UPDATE by a sequential scan (3.7 ms a read on 20,000 rows). kombu_pgmq.limit_done then
+-- wakes waiting consumers if acks freed slots, gives back unused tokens and room, counts
+-- a throttled read, and makes the read's marker row (msg_id NULL; read_ct: 0 limited, 1
+-- throttled until a message settles, 2 throttled by rate with age_seconds = seconds until
+-- it allows more, 3 the queue has key limits: read it through kombu_pgmq.read). No
+-- marker: the queue is not limited (read as read_queue). The limit logic lives in the
+-- two functions, whose statements' plans PL/pgSQL caches: this statement is planned at
+-- every call (custom plans, as read_queue), and each CTE here costs planning time.
 -- Placeholders as read_queue's.
 WITH acked AS (
     DELETE FROM {queue_table} AS t
@@ -165,28 +169,13 @@ WITH acked AS (
     FROM chosen
     WHERE m.msg_id = chosen.msg_id
     RETURNING m.msg_id, m.read_ct, m.enqueued_at, m.message, m.headers
-), counts AS MATERIALIZED (
-    SELECT b.allowed, b.cut, b.taken, (SELECT count(*) FROM delivered)::integer AS delivered,
-           b.allowed IS NOT NULL AND b.cut <> 3
-           AND (b.cut > 0 OR (SELECT count(*) FROM delivered) < b.allowed) AS settle
-    FROM budget b
 ), marker AS MATERIALIZED (
-    SELECT s.state, s.retry_seconds
-    FROM counts c,
-         kombu_pgmq.limit_settle(
-             %(queue)s, c.allowed, c.cut, c.taken, c.delivered,
-             EXISTS (SELECT 1 FROM {queue_table} t
-                     WHERE t.vt <= clock_timestamp() AND t.msg_id <> ALL(%(ack_ids)s::bigint[])
-                       AND t.msg_id NOT IN (SELECT ch.msg_id FROM chosen ch))) AS s
-    WHERE c.settle
-    UNION ALL
-    SELECT CASE WHEN c.cut = 3 THEN 3 ELSE 0 END::smallint, NULL::float8
-    FROM counts c
-    WHERE c.allowed IS NOT NULL AND NOT c.settle
-), woken AS MATERIALIZED (
-    -- settled messages free their slots: wake the consumers waiting on the queue
-    SELECT kombu_pgmq.notify_waiting(%(queue)s) FROM budget b
-    WHERE b.allowed IS NOT NULL AND EXISTS (SELECT 1 FROM acked)
+    SELECT d.state, d.retry_seconds
+    FROM budget b,
+         kombu_pgmq.limit_done(%(queue)s, b.allowed, b.cut, b.taken,
+                               (SELECT count(*) FROM delivered)::integer,
+                               (SELECT count(*) FROM acked)::integer,
+                               ARRAY(SELECT c.msg_id FROM chosen c) || %(ack_ids)s::bigint[]) AS d
 )
 SELECT msg_id, read_ct, enqueued_at, message::text AS message, headers::text AS headers,
        extract(epoch FROM clock_timestamp() - enqueued_at)::float8 AS age_seconds,
@@ -202,7 +191,7 @@ WHERE CASE WHEN a.msg_id IN (SELECT msg_id FROM archived) THEN true
       END
 UNION ALL
 SELECT NULL, m.state::integer, NULL, NULL, NULL, m.retry_seconds, false
-FROM marker m, (SELECT count(*) FROM woken) w
+FROM marker m
 ORDER BY acked, msg_id
 
 -- name: ack_queue

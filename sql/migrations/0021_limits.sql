@@ -330,17 +330,8 @@ BEGIN
             GET DIAGNOSTICS n = ROW_COUNT;
             delivered := delivered + n;
         END LOOP;
-        IF cut > 0 OR delivered < budget THEN
-            IF cut > 0 AND delivered >= budget THEN
-                FOREACH b IN ARRAY read_bands LOOP
-                    EXECUTE format('SELECT EXISTS (SELECT 1 FROM pgmq.%I t WHERE t.vt <= $1)',
-                                   'q_' || b) INTO more USING clock_timestamp();
-                    EXIT WHEN more;
-                END LOOP;
-            END IF;
-            SELECT s.state, s.retry_seconds INTO throttle, retry
-            FROM kombu_pgmq.limit_settle(read_bands[1], budget, cut, avail, delivered, more) s;
-        END IF;
+        SELECT d.state, d.retry_seconds INTO throttle, retry
+        FROM kombu_pgmq.limit_done(read_bands[1], budget, cut, avail, delivered, 0, '{}') d;
         FOREACH b IN ARRAY read_bands LOOP
             queue := b;
             msg_id := NULL;
@@ -605,9 +596,9 @@ $$;
 -- deliveries of the reader before us are counted), counts what is in flight, leaving out
 -- acked_ids (acked by the same statement), and takes up to qty tokens. Returns allowed
 -- (messages the read may deliver), cut (1 concurrency, 2 rate, 0 none) and the tokens
--- taken; limit_settle gives back what was not delivered. allowed NULL: the queue is not
+-- taken; limit_done gives back what was not delivered. allowed NULL: the queue is not
 -- limited (read it as any); cut 3: it has key limits (read it through kombu_pgmq.read).
--- ROWS 1 (as limit_settle): the planner's default of 1000 rows per function made the
+-- ROWS 1 (as limit_done): the planner's default of 1000 rows per function made the
 -- statement's estimated cost pass jit_above_cost, and JIT compiling cost 20 ms a read.
 -- enable_seqscan off: counting what is in flight reads pgmq's vt index (vt > now: in
 -- flight and delayed rows), never the whole table; with a backlog analyzed while it was
@@ -625,6 +616,33 @@ DECLARE
     avail double precision;
     t0 timestamptz;
 BEGIN
+    -- the common case in one UPDATE (its plan cached here): no key limits, room for the
+    -- whole read under concurrency by in_flight_bound, tokens for it in the bucket
+    UPDATE kombu_pgmq.queue_limits AS l
+    SET tokens = CASE WHEN l.rate_per_second IS NOT NULL
+                      THEN least(kombu_pgmq.burst_of(l.burst, l.rate_per_second),
+                                 coalesce(l.tokens, kombu_pgmq.burst_of(l.burst, l.rate_per_second))
+                                 + l.rate_per_second * greatest(0, extract(epoch FROM
+                                       c.now - coalesce(l.refilled_at, c.now))))
+                           - qty END,
+        refilled_at = CASE WHEN l.rate_per_second IS NOT NULL THEN c.now END,
+        in_flight_bound = CASE WHEN l.concurrency IS NOT NULL THEN l.in_flight_bound + qty END
+    FROM (SELECT clock_timestamp() AS now) c
+    WHERE l.queue = (SELECT x.queue FROM kombu_pgmq.limited x WHERE x.pgmq_queue = pgmq_name)
+      AND l.key_concurrency IS NULL AND l.key_rate_per_second IS NULL
+      AND (l.concurrency IS NULL OR l.in_flight_bound + qty <= l.concurrency)
+      AND (l.rate_per_second IS NULL
+           OR floor(least(kombu_pgmq.burst_of(l.burst, l.rate_per_second),
+                          coalesce(l.tokens, kombu_pgmq.burst_of(l.burst, l.rate_per_second))
+                          + l.rate_per_second * greatest(0, extract(epoch FROM
+                                c.now - coalesce(l.refilled_at, c.now))))) >= qty)
+    RETURNING CASE WHEN l.rate_per_second IS NOT NULL THEN qty ELSE 0 END INTO taken;
+    IF FOUND THEN
+        allowed := greatest(qty, 0);
+        cut := 0;
+        RETURN NEXT;
+        RETURN;
+    END IF;
     SELECT l.* INTO lim FROM kombu_pgmq.queue_limits l
     WHERE l.queue = (SELECT x.queue FROM kombu_pgmq.limited x WHERE x.pgmq_queue = pgmq_name)
     FOR UPDATE OF l;
@@ -685,23 +703,50 @@ BEGIN
 END
 $$;
 
--- After a read that limit_take cut or that delivered less than allowed: give back the
--- tokens taken and the room in in_flight_bound not used, count a throttled read (a
--- limit cut it, and visible messages were left: more), and return the marker of the
--- read (state as read_limited's markers; retry:
--- seconds until the rate allows one more, for state 2).
-CREATE FUNCTION kombu_pgmq.limit_settle(
+-- The end of a read_limited_queue: wake the consumers waiting on the queue if it settled
+-- messages (acked > 0: their slots are free); if a limit cut the read or it delivered less
+-- than allowed, give back the tokens taken and the room in in_flight_bound not used, and
+-- count a throttled read (a limit cut it and visible messages were left, other than
+-- seen_ids: those delivered or acked by the read); return the read's marker (state as
+-- read_limited's markers, 3 for a queue with key limits; retry_seconds: until the rate
+-- allows one more, for state 2), none for a queue without limits (allowed NULL).
+CREATE FUNCTION kombu_pgmq.limit_done(
     pgmq_name text, allowed integer, cut smallint, taken double precision, delivered integer,
-    more boolean
+    acked integer, seen_ids bigint[]
 ) RETURNS TABLE (state smallint, retry_seconds double precision)
 LANGUAGE plpgsql ROWS 1 AS $$
 #variable_conflict use_column
 DECLARE
     lim kombu_pgmq.queue_limits;
-    throttled boolean := cut IN (1, 2) AND more AND delivered >= allowed;
+    b text;
+    more boolean := false;
+    throttled boolean;
 BEGIN
-    state := CASE WHEN throttled THEN cut ELSE 0 END;
+    IF allowed IS NULL THEN
+        RETURN;  -- not limited: no marker
+    END IF;
+    IF acked > 0 AND EXISTS (SELECT 1 FROM kombu_pgmq.waiting w
+                             WHERE w.pgmq_queue = pgmq_name) THEN
+        PERFORM pg_notify('kombu_pgmq.' || pgmq_name, '');  -- as kombu_pgmq.notify_waiting
+    END IF;
+    state := CASE WHEN cut = 3 THEN 3 ELSE 0 END;
     retry_seconds := NULL;
+    IF cut = 3 OR (cut = 0 AND delivered >= allowed) THEN
+        RETURN NEXT;
+        RETURN;
+    END IF;
+    IF cut > 0 AND delivered >= allowed THEN
+        FOR b IN SELECT x.pgmq_queue FROM kombu_pgmq.limited x
+                 WHERE x.queue = (SELECT y.queue FROM kombu_pgmq.limited y
+                                  WHERE y.pgmq_queue = pgmq_name) LOOP
+            EXECUTE format('SELECT EXISTS (SELECT 1 FROM pgmq.%I t
+                                           WHERE t.vt <= clock_timestamp()
+                                             AND t.msg_id <> ALL($1))', 'q_' || b)
+                INTO more USING CASE WHEN b = pgmq_name THEN seen_ids ELSE '{}' END;
+            EXIT WHEN more;
+        END LOOP;
+    END IF;
+    throttled := more;
     UPDATE kombu_pgmq.queue_limits l
     SET tokens = CASE WHEN l.rate_per_second IS NOT NULL
                       THEN least(kombu_pgmq.burst_of(l.burst, l.rate_per_second),
@@ -712,8 +757,11 @@ BEGIN
         throttled_rate = l.throttled_rate + CASE WHEN throttled AND cut = 2 THEN 1 ELSE 0 END
     WHERE l.queue = (SELECT x.queue FROM kombu_pgmq.limited x WHERE x.pgmq_queue = pgmq_name)
     RETURNING l.* INTO lim;
-    IF throttled AND cut = 2 THEN
-        retry_seconds := (1 - lim.tokens) / lim.rate_per_second;
+    IF throttled THEN
+        state := cut;
+        IF cut = 2 THEN
+            retry_seconds := (1 - lim.tokens) / lim.rate_per_second;
+        END IF;
     END IF;
     RETURN NEXT;
 END
@@ -1042,7 +1090,7 @@ INSERT INTO kombu_pgmq.grantable (function, kind, definer) VALUES
     ('kombu_pgmq.limit_fifo_groups()', 'owner', false),
     ('kombu_pgmq.read_limited(text, text[], integer, integer)', 'owner', true),
     ('kombu_pgmq.limit_take(text, integer, bigint[])', 'owner', true),
-    ('kombu_pgmq.limit_settle(text, integer, smallint, double precision, integer, boolean)',
+    ('kombu_pgmq.limit_done(text, integer, smallint, double precision, integer, integer, bigint[])',
      'owner', true),
     ('kombu_pgmq.limits_info(text)', 'worker', true);
 SELECT kombu_pgmq.secure_functions();
