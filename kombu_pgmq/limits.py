@@ -27,6 +27,7 @@ See ``docs/limits.md``.
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -72,7 +73,7 @@ def parse_rate(rate: str | float | int, *, what: str = "rate") -> float:
 
 
 def _positive_int(value: Any, what: str) -> int | None:
-    if value is None or value == 0:
+    if value is None or (value == 0 and not isinstance(value, bool)):
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ConfigurationError(
@@ -82,7 +83,7 @@ def _positive_int(value: Any, what: str) -> int | None:
 
 
 def _burst(value: Any, what: str) -> float | None:
-    if value is None or value == 0:
+    if value is None or (value == 0 and not isinstance(value, bool)):
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 1:
         raise ConfigurationError(f"{what}={value!r} is invalid: expected tokens >= 1")
@@ -109,8 +110,13 @@ def validate_limits(
         )
     unknown = sorted(str(k) for k in limits if k not in LIMIT_NAMES)
     if unknown:
+        close = [difflib.get_close_matches(name, LIMIT_NAMES, n=1) for name in unknown]
+        hints = [
+            f"{name!r} (did you mean {match[0]!r}?)" if match else repr(name)
+            for name, match in zip(unknown, close, strict=True)
+        ]
         raise ConfigurationError(
-            f"unknown limit(s) {', '.join(map(repr, unknown))} for queue {queue!r}: "
+            f"unknown limit(s) {', '.join(hints)} for queue {queue!r}: "
             f"use {', '.join(LIMIT_NAMES)}"
         )
     out: dict[str, Any] = {}
@@ -120,7 +126,7 @@ def validate_limits(
     for name in ("rate", "key_rate"):
         if name in limits:
             value = limits[name]
-            if value is None or value == 0 or value == "0":
+            if value is None or (value == 0 and not isinstance(value, bool)) or value == "0":
                 out[name] = None
             else:
                 parse_rate(value, what=f"queue {queue!r}: {name}")
