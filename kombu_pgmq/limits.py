@@ -116,8 +116,7 @@ def validate_limits(
             for name, match in zip(unknown, close, strict=True)
         ]
         raise ConfigurationError(
-            f"unknown limit(s) {', '.join(hints)} for queue {queue!r}: "
-            f"use {', '.join(LIMIT_NAMES)}"
+            f"unknown limit(s) {', '.join(hints)} for queue {queue!r}: use {', '.join(LIMIT_NAMES)}"
         )
     out: dict[str, Any] = {}
     for name in ("concurrency", "key_concurrency"):

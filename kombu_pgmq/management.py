@@ -127,14 +127,8 @@ class QueueStats:
                 }
                 for b in self.bands
             ],
-            "limits": None if self.limits is None else _limit_dict(self.limits),
+            "limits": None if self.limits is None else self.limits.as_dict(queue=False),
         }
-
-
-def _limit_dict(info: LimitInfo) -> dict[str, Any]:
-    out = info.as_dict()
-    del out["queue"]
-    return out
 
 
 def queue_stats(rows: Iterable[BandStats]) -> list[QueueStats]:

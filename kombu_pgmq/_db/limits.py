@@ -42,10 +42,12 @@ class LimitInfo(NamedTuple):
     updated_at: datetime
     updated_by: str
 
-    def as_dict(self) -> dict[str, Any]:
-        """JSON-ready (``updated_at`` ISO 8601)."""
+    def as_dict(self, *, queue: bool = True) -> dict[str, Any]:
+        """JSON-ready (``updated_at`` ISO 8601; ``queue=False``: without the queue name)."""
         out = self._asdict()
         out["updated_at"] = self.updated_at.isoformat()
+        if not queue:
+            del out["queue"]
         return out
 
 

@@ -16,6 +16,9 @@ are handed and how.
   ``x-message-ttl`` (or an ``expiration`` without ``expires``), the task is delivered
   with ``expires`` set to when that TTL passed, so the worker revokes it.
 * ``no_ack`` consumers: what they were handed is deleted once delivered (AMQP auto-ack).
+* **Limits** (:mod:`kombu_pgmq.limits`): a limited queue's read delivers no more than its
+  fleet-wide limits allow (the statement enforces them); a queue a rate limit held back
+  is read again when its tokens are due (``Consumed.retry``: no notification says so).
 
 No SQL here: statements go through the channel's :class:`~kombu_pgmq._db.broker.Broker`.
 """
