@@ -53,6 +53,10 @@ app.conf.update(
             "options": {"expires": 60},
         },
     },
+    # Fleet-wide limits, enforced in the read of every worker (kombu_pgmq.limits): the
+    # example tasks keyed x-limit-key (apply_async(headers=...)) start at most 20 a second
+    # per key, however many workers run; tasks without the header are not limited.
+    broker_transport_options={"queue_limits": {QUEUE: {"key_rate": "20/s", "key_burst": 1}}},
     task_serializer="json",
     result_serializer="json",
     accept_content=["json"],

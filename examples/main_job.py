@@ -256,7 +256,7 @@ def run(job: Job) -> None:
     from kombu_pgmq._conninfo import redact
 
     from . import tasks
-    from .celeryapp import app, broker_url
+    from .celeryapp import QUEUE, app, broker_url
     from .pipeline import flights_pipeline, format_latency, format_report
 
     print(f"broker: {redact(broker_url)}{'' if configured else ' (embedded)'}", flush=True)
@@ -396,6 +396,36 @@ def run(job: Job) -> None:
         return f"= {value}, sent once by the leader {who}", value == 42
 
     job.step("periodic add(40, 2), every 2 s (beat):", periodic)
+
+    def rate_limited() -> tuple[str, bool]:
+        """20 tasks keyed x-limit-key=partner-api: delivered at most 20 a second across
+        every worker (examples.celeryapp's queue_limits: key_rate 20/s, burst 1), as the
+        archive's delivery times show."""
+        import psycopg
+        from psycopg import sql
+
+        from kombu_pgmq._naming import pgmq_queue_name
+
+        key = {"x-limit-key": "partner-api"}
+        results = [tasks.add.apply_async((i, 1), headers=key) for i in range(20)]
+        values = [job.get(r) for r in results]
+        job.tasks += len(results)
+        archive = sql.Identifier("pgmq", f"a_{pgmq_queue_name(QUEUE)}")
+        query = sql.SQL(
+            "SELECT count(*), extract(epoch FROM max(last_read_at) - min(last_read_at))"
+            " FROM {} WHERE headers ->> 'id' = ANY(%s)"
+        ).format(archive)
+        deadline = time.monotonic() + 10
+        with psycopg.connect(broker_url, autocommit=True) as conn:
+            while True:  # acks follow the results by a moment
+                found, spread = conn.execute(query, ([r.id for r in results],)).fetchone()
+                if found == len(results) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+        ok = values == [i + 1 for i in range(20)] and found == 20 and float(spread) >= 0.9
+        return f"delivered over {float(spread or 0):.2f} s (19 intervals of 0.05 s)", ok
+
+    job.step("20 tasks of one key, at most 20/s across workers:", rate_limited)
 
     shown: dict[str, Any] = {}
 

@@ -39,6 +39,8 @@ def test_main_job_runs_every_task_and_the_spark_pipeline(db_dsn, spark_server):
     assert "in one transaction, rolled back: never queued, never ran" in out
     assert re.search(r"enqueued in SQL \(kombu_pgmq.send_task\): ran, order \d+ found", out)
     assert re.search(r"every 2 s \(beat\): = 42, sent once by the leader \S+:\d+", out), out
+    spread = re.search(r"at most 20/s across workers: delivered over (\d+\.\d\d) s", out)
+    assert spread and float(spread.group(1)) >= 0.9, out  # 20 at 20/s, burst 1: >= 0.95 s
     assert "same as pandas" in out
     assert "Frontier Airlines Inc." in out
     assert "flights pipeline (15 Spark tasks) = 16 carriers" in out
