@@ -15,12 +15,16 @@
 --
 -- A limited read locks its queue's limits row (readers of one limited queue take turns;
 -- kombu_pgmq.read locks every limited queue it reads in name order, so two readers never
--- wait on each other in a circle), counts what is in flight, takes tokens, and reads no
--- more than that: a refused message is not read, so its read_ct (dead-lettering) does
--- not move. It returns, after its messages, one marker row per band read (msg_id NULL):
--- read_ct 0 = limited, not throttled; 1 = throttled until a message settles (an ack
--- wakes waiting consumers, see kombu_pgmq.ack below); 2 = throttled until tokens refill,
--- age_seconds = in how many seconds. Clients learn from it that a queue is limited.
+-- wait on each other in a circle), counts what is in flight (or trusts in_flight_bound
+-- when it leaves room), takes tokens, and reads no more than that: a refused message is
+-- not read, so its read_ct (dead-lettering) does not move. It returns, after its
+-- messages, one marker row per band read (msg_id NULL): read_ct 0 = limited, not
+-- throttled; 1 = throttled until a message settles (acks, requeues and dead letters wake
+-- waiting consumers, see kombu_pgmq.ack below); 2 = throttled until tokens refill,
+-- age_seconds = in how many seconds; 3 (statement read_limited_queue only) = the queue
+-- has key limits, read it through kombu_pgmq.read. Clients learn from it that a queue is
+-- limited. Queue limits alone: statement read_limited_queue (sql/queries.sql) with
+-- kombu_pgmq.limit_take and limit_done; key limits: kombu_pgmq.read -> read_limited.
 
 -- -- limits --------------------------------------------------------------------------------
 
