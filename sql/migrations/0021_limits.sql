@@ -106,6 +106,17 @@ LANGUAGE sql IMMUTABLE AS $$
                 ELSE coalesce(burst, greatest(1, per_second * 0.1)) END
 $$;
 
+-- The tokens of a bucket at at_time: those it held at refilled_at (NULL: a full bucket)
+-- plus what per_second refilled since, at most burst. Inlined where it is used.
+CREATE FUNCTION kombu_pgmq.tokens_at(
+    tokens double precision, refilled_at timestamptz, per_second double precision,
+    burst double precision, at_time timestamptz
+) RETURNS double precision
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT least(burst, coalesce(tokens, burst) + per_second
+                 * greatest(0, extract(epoch FROM at_time - coalesce(refilled_at, at_time))))
+$$;
+
 -- Set the limits of Kombu queue kombu_queue. limits: a JSON object with any of
 -- concurrency (integer), rate ('100/s'), burst (tokens), key_concurrency, key_rate,
 -- key_burst, limit_key (a header name; 'task': Celery's task name); a JSON null or 0
@@ -382,8 +393,7 @@ BEGIN
     END IF;
     IF lim.rate_per_second IS NOT NULL THEN
         burst := kombu_pgmq.burst_of(lim.burst, lim.rate_per_second);
-        avail := least(burst, coalesce(lim.tokens, burst) + lim.rate_per_second
-                       * greatest(0, extract(epoch FROM t0 - coalesce(lim.refilled_at, t0))));
+        avail := kombu_pgmq.tokens_at(lim.tokens, lim.refilled_at, lim.rate_per_second, burst, t0);
         IF floor(avail) < budget THEN
             budget := floor(avail)::integer;
             cut := 2;
@@ -466,8 +476,8 @@ BEGIN
                 UNION
                 SELECT kt.key FROM kombu_pgmq.limit_key_tokens kt
                 WHERE lim.key_rate_per_second IS NOT NULL AND kt.queue = kombu_queue
-                  AND least(key_burst, kt.tokens + lim.key_rate_per_second * greatest(0,
-                            extract(epoch FROM clock_timestamp() - kt.refilled_at)))
+                  AND kombu_pgmq.tokens_at(kt.tokens, kt.refilled_at, lim.key_rate_per_second,
+                                           key_burst, clock_timestamp())
                       - coalesce((got ->> kt.key)::integer, 0) < 1
                 UNION
                 SELECT g.key FROM jsonb_each_text(got) g
@@ -494,10 +504,9 @@ BEGIN
                             OR x.rn <= $6 - coalesce(($5 ->> x.k)::integer, 0)
                                           - coalesce(($11 ->> x.k)::integer, 0))
                            AND ($8::float8 IS NULL
-                                OR x.rn <= floor(least($7, coalesce(kt.tokens, $7)
-                                       + $8 * greatest(0, extract(epoch FROM
-                                             clock_timestamp() - kt.refilled_at))))
-                                       - coalesce(($11 ->> x.k)::integer, 0)))
+                                OR x.rn <= floor(kombu_pgmq.tokens_at(kt.tokens, kt.refilled_at,
+                                                     $8, $7, clock_timestamp()))
+                                           - coalesce(($11 ->> x.k)::integer, 0)))
                     ORDER BY x.msg_id
                     LIMIT $1
                 ), picked AS (
@@ -542,8 +551,8 @@ BEGIN
         SELECT kombu_queue, g.key, key_burst - g.value::integer, clock_timestamp()
         FROM jsonb_each_text(got) g
         ON CONFLICT (queue, key) DO UPDATE
-        SET tokens = least(key_burst, kt.tokens + lim.key_rate_per_second * greatest(0,
-                         extract(epoch FROM excluded.refilled_at - kt.refilled_at)))
+        SET tokens = kombu_pgmq.tokens_at(kt.tokens, kt.refilled_at, lim.key_rate_per_second,
+                                          key_burst, excluded.refilled_at)
                      - (key_burst - excluded.tokens),
             refilled_at = excluded.refilled_at;
         IF random() < 0.01 THEN  -- forget full buckets now and then
@@ -624,11 +633,9 @@ BEGIN
     -- whole read under concurrency by in_flight_bound, tokens for it in the bucket
     UPDATE kombu_pgmq.queue_limits AS l
     SET tokens = CASE WHEN l.rate_per_second IS NOT NULL
-                      THEN least(kombu_pgmq.burst_of(l.burst, l.rate_per_second),
-                                 coalesce(l.tokens, kombu_pgmq.burst_of(l.burst, l.rate_per_second))
-                                 + l.rate_per_second * greatest(0, extract(epoch FROM
-                                       c.now - coalesce(l.refilled_at, c.now))))
-                           - qty END,
+                      THEN kombu_pgmq.tokens_at(l.tokens, l.refilled_at, l.rate_per_second,
+                                                kombu_pgmq.burst_of(l.burst, l.rate_per_second),
+                                                c.now) - qty END,
         refilled_at = CASE WHEN l.rate_per_second IS NOT NULL THEN c.now END,
         in_flight_bound = CASE WHEN l.concurrency IS NOT NULL THEN l.in_flight_bound + qty END
     FROM (SELECT clock_timestamp() AS now) c
@@ -636,10 +643,9 @@ BEGIN
       AND l.key_concurrency IS NULL AND l.key_rate_per_second IS NULL
       AND (l.concurrency IS NULL OR l.in_flight_bound + qty <= l.concurrency)
       AND (l.rate_per_second IS NULL
-           OR floor(least(kombu_pgmq.burst_of(l.burst, l.rate_per_second),
-                          coalesce(l.tokens, kombu_pgmq.burst_of(l.burst, l.rate_per_second))
-                          + l.rate_per_second * greatest(0, extract(epoch FROM
-                                c.now - coalesce(l.refilled_at, c.now))))) >= qty)
+           OR floor(kombu_pgmq.tokens_at(l.tokens, l.refilled_at, l.rate_per_second,
+                                         kombu_pgmq.burst_of(l.burst, l.rate_per_second),
+                                         c.now)) >= qty)
     RETURNING CASE WHEN l.rate_per_second IS NOT NULL THEN qty ELSE 0 END INTO taken;
     IF FOUND THEN
         allowed := greatest(qty, 0);
@@ -690,8 +696,7 @@ BEGIN
     END IF;
     IF lim.rate_per_second IS NOT NULL THEN
         burst := kombu_pgmq.burst_of(lim.burst, lim.rate_per_second);
-        avail := least(burst, coalesce(lim.tokens, burst) + lim.rate_per_second
-                       * greatest(0, extract(epoch FROM t0 - coalesce(lim.refilled_at, t0))));
+        avail := kombu_pgmq.tokens_at(lim.tokens, lim.refilled_at, lim.rate_per_second, burst, t0);
         IF floor(avail) < allowed THEN
             allowed := floor(avail)::integer;
             cut := 2;
@@ -1067,8 +1072,8 @@ BEGIN
         key_burst := kombu_pgmq.burst_of(l.key_burst, l.key_rate_per_second);
         ordered_keys := l.ordered_keys;
         tokens := CASE WHEN l.rate_per_second IS NOT NULL THEN
-                      least(burst, coalesce(l.tokens, burst) + l.rate_per_second * greatest(0,
-                            extract(epoch FROM t0 - coalesce(l.refilled_at, t0)))) END;
+                      kombu_pgmq.tokens_at(l.tokens, l.refilled_at, l.rate_per_second, burst, t0)
+                  END;
         keys_in_flight := (SELECT count(*) FROM jsonb_object_keys(counts));
         keys_at_limit := CASE WHEN l.key_concurrency IS NULL THEN 0 ELSE
                              (SELECT count(*) FROM jsonb_each_text(counts) e
@@ -1090,6 +1095,8 @@ DROP FUNCTION kombu_pgmq.read_grouped(text, integer, integer);
 INSERT INTO kombu_pgmq.grantable (function, kind, definer) VALUES
     ('kombu_pgmq.rate_per_second(text)', 'owner', false),
     ('kombu_pgmq.burst_of(double precision, double precision)', 'owner', false),
+    ('kombu_pgmq.tokens_at(double precision, timestamptz, double precision, double precision, timestamptz)',
+     'owner', false),
     ('kombu_pgmq.set_queue_limits(text, jsonb, boolean)', 'worker', true),
     ('kombu_pgmq.limit_fifo_groups()', 'owner', false),
     ('kombu_pgmq.read_limited(text, text[], integer, integer)', 'owner', true),
