@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from datetime import datetime, timezone
 from typing import Any, NoReturn, TypeVar
 
 import click
@@ -27,6 +28,13 @@ F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 _EXAMPLE_URL = "postgresql://user:password@db.example.com:5432/app"
+
+
+def _when(value: datetime | None) -> str:
+    """A time as the commands show it: UTC, to the second (``-`` for None)."""
+    if value is None:
+        return "-"
+    return value.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def parse_duration(text: str) -> float:

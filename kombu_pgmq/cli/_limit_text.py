@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-from datetime import timezone
 from typing import Any
 
 from ..management import LimitInfo
+from ._base import _when
 
 __all__ = ["describe", "limits_json", "summary"]
 
@@ -58,8 +58,7 @@ def describe(queue: str, info: LimitInfo | None) -> list[str]:
             f"queue {queue} has no limits (set one: kombu-pgmq queue limit {queue} "
             "--concurrency 20 --rate 100/s)"
         ]
-    when = info.updated_at.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
-    lines = [f"limits of queue {queue} (set {when} UTC by {info.updated_by}):"]
+    lines = [f"limits of queue {queue} (set {_when(info.updated_at)} UTC by {info.updated_by}):"]
     if info.concurrency is not None:
         lines.append(
             f"  concurrency      {info.concurrency} across every worker "

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import click
@@ -24,7 +24,7 @@ from rich.table import Table
 
 from .. import errors
 from ..management import Management
-from ._base import _console, _examples, _fail, _Group, _run, main, url_option
+from ._base import _console, _examples, _fail, _Group, _run, _when, main, url_option
 
 if TYPE_CHECKING:
     from ..beat import PeriodicTasks
@@ -56,12 +56,6 @@ def schedule_text(kind: str, spec: Mapping[str, Any]) -> str:
         lat, lon = float(spec.get("lat", 0)), float(spec.get("lon", 0))
         return f"solar {spec.get('event')} {lat:g},{lon:g}"
     return f"{kind} {json.dumps(dict(spec))}"
-
-
-def _when(value: datetime | None) -> str:
-    if value is None:
-        return "-"
-    return value.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def as_dict(row: NamedTuple) -> dict[str, Any]:

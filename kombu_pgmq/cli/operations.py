@@ -15,7 +15,6 @@ import os
 import signal
 import threading
 from collections.abc import Callable
-from datetime import datetime, timezone
 from typing import Any, TypeVar
 
 import click
@@ -23,7 +22,7 @@ from rich.table import Table
 
 from ..dlq import DEFAULT_DEAD_LETTER_QUEUE
 from ..management import Management, QueueStats
-from ._base import _console, _examples, _fail, _Group, _run, main, url_option
+from ._base import _console, _examples, _fail, _Group, _run, _when, main, url_option
 from ._limit_text import summary as limit_summary
 
 T = TypeVar("T")
@@ -58,12 +57,6 @@ def _age(seconds: float | None) -> str:
     if seconds < 86400:
         return f"{seconds / 3600:.1f}h"
     return f"{seconds / 86400:.1f}d"
-
-
-def _when(value: datetime | None) -> str:
-    if value is None:
-        return "-"
-    return value.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def _table(title: str, columns: list[tuple[str, str]]) -> Table:

@@ -5,14 +5,13 @@ backend (``result_backend = "postgresql://..."``; :meth:`kombu_pgmq.management.M
 from __future__ import annotations
 
 import json
-from datetime import datetime, timezone
 from typing import Any
 
 import click
 from rich.table import Table
 
 from ..management import Management, ResultStats
-from ._base import _console, _examples, _Group, _run, main, url_option
+from ._base import _console, _examples, _Group, _run, _when, main, url_option
 
 json_option = click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 
@@ -27,12 +26,6 @@ def _size(n: int) -> str:
         if value < 1024 or unit == "GB":
             break
     return f"{value:.1f} {unit}"
-
-
-def _when(value: datetime | None) -> str:
-    if value is None:
-        return "-"
-    return value.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def as_dict(row: ResultStats) -> dict[str, Any]:
