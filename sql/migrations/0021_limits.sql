@@ -275,6 +275,54 @@ FROM kombu_pgmq.queues q WHERE q.fifo_groups;
 
 -- -- the limited read ------------------------------------------------------------------------
 
+-- What is in flight in limited Kombu queue kombu_queue at at_time (delivered, not settled,
+-- lease live; all its bands): total, and by_key {key: count} by the header key_header.
+-- Reads pgmq's vt index (vt > at_time: in flight and delayed rows) by an index scan, which
+-- marks the entries of acked rows dead and skips them after (a bitmap scan visits them all;
+-- a sequential scan reads every row). tolerant: a band whose table is gone or locked
+-- counts 0 (for the statistics) instead of raising.
+CREATE FUNCTION kombu_pgmq.in_flight_by_key(
+    kombu_queue text, key_header text, at_time timestamptz, tolerant boolean,
+    OUT total bigint, OUT by_key jsonb
+)
+LANGUAGE plpgsql SET enable_seqscan = off SET enable_bitmapscan = off AS $$
+DECLARE
+    b text;
+    n bigint;
+    band_keys jsonb;
+BEGIN
+    total := 0;
+    by_key := '{}';
+    FOR b IN SELECT x.pgmq_queue FROM kombu_pgmq.limited x WHERE x.queue = kombu_queue LOOP
+        BEGIN
+            EXECUTE format(
+                'SELECT coalesce(sum(s.n), 0)::bigint,
+                        coalesce(jsonb_object_agg(s.k, s.n) FILTER (WHERE s.k IS NOT NULL),
+                                 ''{}'')
+                 FROM (SELECT t.headers ->> $2 AS k, count(*) AS n FROM pgmq.%I t
+                       WHERE t.vt > $1 AND t.read_ct > 0 GROUP BY 1) s', 'q_' || b)
+                INTO n, band_keys USING at_time, key_header;
+        EXCEPTION WHEN undefined_table OR lock_not_available THEN
+            IF NOT tolerant THEN
+                RAISE;
+            END IF;
+            n := 0;
+            band_keys := '{}';
+        END;
+        total := total + n;
+        IF by_key = '{}' THEN
+            by_key := band_keys;
+        ELSIF band_keys <> '{}' THEN
+            by_key := (SELECT jsonb_object_agg(e.k, e.n) FROM (
+                SELECT x.key AS k, sum(x.value::bigint) AS n
+                FROM (SELECT * FROM jsonb_each_text(by_key)
+                      UNION ALL SELECT * FROM jsonb_each_text(band_keys)) x
+                GROUP BY x.key) e);
+        END IF;
+    END LOOP;
+END
+$$;
+
 -- Read up to qty messages of limited Kombu queue kombu_queue from its PGMQ queues
 -- read_bands (in that order: priority bands highest first), within its limits; then one
 -- marker row per band (see the top of this file). A queue without limits (cleared
@@ -296,11 +344,9 @@ LANGUAGE plpgsql AS $$
 DECLARE
     lim kombu_pgmq.queue_limits;
     t0 timestamptz := clock_timestamp();
-    all_bands text[];
     b text;
     r record;
     n bigint;
-    band_keys jsonb;
     in_flight bigint := 0;
     key_counts jsonb := '{}';
     got jsonb := '{}';
@@ -316,7 +362,6 @@ DECLARE
     retry double precision;
     stamp text := '';
     more boolean := false;
-    seqscan text := current_setting('enable_seqscan');
 BEGIN
     SELECT * INTO lim FROM kombu_pgmq.queue_limits l WHERE l.queue = kombu_queue FOR UPDATE;
     IF NOT FOUND THEN
@@ -360,32 +405,11 @@ BEGIN
         RETURN;
     END IF;
     -- key limits: counted exactly at every read
-    all_bands := ARRAY(SELECT l.pgmq_queue FROM kombu_pgmq.limited l
-                       WHERE l.queue = kombu_queue ORDER BY l.pgmq_queue);
     -- in flight: delivered and not settled, lease live (a delayed message has read_ct 0)
     IF lim.concurrency IS NOT NULL OR (lim.key_concurrency IS NOT NULL AND NOT lim.ordered_keys)
     THEN
-        PERFORM set_config('enable_seqscan', 'off', true);  -- as limit_take: vt index
-        FOREACH b IN ARRAY all_bands LOOP
-            EXECUTE format(
-                'SELECT coalesce(sum(s.n), 0)::bigint,
-                        coalesce(jsonb_object_agg(s.k, s.n) FILTER (WHERE s.k IS NOT NULL),
-                                 ''{}'')
-                 FROM (SELECT t.headers ->> $2 AS k, count(*) AS n FROM pgmq.%I t
-                       WHERE t.vt > $1 AND t.read_ct > 0 GROUP BY 1) s', 'q_' || b)
-                INTO n, band_keys USING t0, lim.limit_key;
-            in_flight := in_flight + n;
-            IF key_counts = '{}' THEN
-                key_counts := band_keys;
-            ELSIF band_keys <> '{}' THEN
-                key_counts := (SELECT jsonb_object_agg(e.k, e.n) FROM (
-                    SELECT x.key AS k, sum(x.value::bigint) AS n
-                    FROM (SELECT * FROM jsonb_each_text(key_counts)
-                          UNION ALL SELECT * FROM jsonb_each_text(band_keys)) x
-                    GROUP BY x.key) e);
-            END IF;
-        END LOOP;
-        PERFORM set_config('enable_seqscan', seqscan, true);
+        SELECT c.total, c.by_key INTO in_flight, key_counts
+        FROM kombu_pgmq.in_flight_by_key(kombu_queue, lim.limit_key, t0, false) c;
     END IF;
     IF lim.concurrency IS NOT NULL AND lim.concurrency - in_flight < budget THEN
         budget := greatest(0, lim.concurrency - in_flight)::integer;
@@ -1029,37 +1053,14 @@ LANGUAGE plpgsql AS $$
 #variable_conflict use_column
 DECLARE
     l kombu_pgmq.queue_limits;
-    b text;
-    n bigint;
-    band_keys jsonb;
     counts jsonb;
     t0 timestamptz := clock_timestamp();
 BEGIN
     PERFORM set_config('lock_timeout', '200ms', true);
     FOR l IN SELECT * FROM kombu_pgmq.queue_limits x
              WHERE only_queue IS NULL OR x.queue = only_queue ORDER BY x.queue LOOP
-        in_flight := 0;
-        counts := '{}';
-        FOR b IN SELECT x.pgmq_queue FROM kombu_pgmq.limited x WHERE x.queue = l.queue LOOP
-            BEGIN
-                EXECUTE format(
-                    'SELECT coalesce(sum(s.n), 0)::bigint,
-                            coalesce(jsonb_object_agg(s.k, s.n) FILTER (WHERE s.k IS NOT NULL),
-                                     ''{}'')
-                     FROM (SELECT t.headers ->> $2 AS k, count(*) AS n FROM pgmq.%I t
-                           WHERE t.vt > $1 AND t.read_ct > 0 GROUP BY 1) s', 'q_' || b)
-                    INTO n, band_keys USING t0, l.limit_key;
-            EXCEPTION WHEN undefined_table OR lock_not_available THEN
-                n := 0;
-                band_keys := '{}';
-            END;
-            in_flight := in_flight + n;
-            counts := (SELECT coalesce(jsonb_object_agg(e.k, e.n), '{}') FROM (
-                SELECT x.key AS k, sum(x.value::bigint) AS n
-                FROM (SELECT * FROM jsonb_each_text(counts)
-                      UNION ALL SELECT * FROM jsonb_each_text(band_keys)) x
-                GROUP BY x.key) e);
-        END LOOP;
+        SELECT c.total, c.by_key INTO in_flight, counts
+        FROM kombu_pgmq.in_flight_by_key(l.queue, l.limit_key, t0, true) c;
         queue := l.queue;
         concurrency := l.concurrency;
         rate := l.rate;
@@ -1095,6 +1096,7 @@ DROP FUNCTION kombu_pgmq.read_grouped(text, integer, integer);
 INSERT INTO kombu_pgmq.grantable (function, kind, definer) VALUES
     ('kombu_pgmq.rate_per_second(text)', 'owner', false),
     ('kombu_pgmq.burst_of(double precision, double precision)', 'owner', false),
+    ('kombu_pgmq.in_flight_by_key(text, text, timestamptz, boolean)', 'owner', false),
     ('kombu_pgmq.tokens_at(double precision, timestamptz, double precision, double precision, timestamptz)',
      'owner', false),
     ('kombu_pgmq.set_queue_limits(text, jsonb, boolean)', 'worker', true),
