@@ -313,3 +313,56 @@ def test_beat_refuses_a_transaction_pooler_without_direct_url(pooled_db):
         database_url(app)
     app.conf.broker_transport_options = _options(pooled_db)
     assert database_url(app) == to_dsn(pooled_db.direct_url)  # the leader's lock: direct
+
+
+# -- the result backend ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct_url", "polling"])
+def test_result_backend_through_the_pooler(pooled_db, caplog, monkeypatch, direct):
+    """``result_backend = "postgresql://"`` takes the broker's pooler and direct_url: a
+    ``get()`` waiting on the pooled backend is woken by NOTIFY on ``direct_url``, or finds
+    the result by polling (one warning) without it."""
+    from celery import Celery, states
+
+    monkeypatch.setattr(pooling, "_warned", set())
+
+    def make() -> Celery:
+        app = Celery("kpt_pooled_results", set_as_current=False)
+        app.conf.update(
+            broker_url=pooled_db.pooled_url,
+            result_backend="postgresql://",
+            broker_transport_options=_options(pooled_db, direct=direct),
+            result_backend_transport_options={"polling_interval": 0.2},
+        )
+        return app
+
+    waiter, worker = make(), make()
+    task_id = "pooled-result-1"
+    done: list[float] = []
+    try:
+        with caplog.at_level(logging.WARNING, "kombu_pgmq"):
+            result = waiter.AsyncResult(task_id)
+            storing = worker.backend  # Celery's backends are per thread: this one, closed below
+
+            def store_later() -> None:
+                time.sleep(0.3)
+                storing.store_result(task_id, 42, states.SUCCESS)
+                done.append(time.monotonic())
+
+            thread = threading.Thread(target=store_later)
+            thread.start()
+            assert result.get(timeout=10) == 42
+            latency = time.monotonic() - done[0]
+            thread.join()
+            for n in range(10):  # statements enough for psycopg to prepare, if it would
+                worker.backend.store_result(f"pooled-result-more-{n}", n, states.SUCCESS)
+                assert waiter.AsyncResult(f"pooled-result-more-{n}").get(timeout=10) == n
+    finally:
+        for app in (waiter, worker):
+            app.backend.result_consumer.stop()
+            if app.backend._db is not None:
+                app.backend._db.close()
+    assert latency < 1.0
+    warnings = [r.getMessage() for r in caplog.records if "direct_url" in r.getMessage()]
+    assert len(warnings) == (0 if direct else 1)
