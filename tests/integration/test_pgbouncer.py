@@ -19,6 +19,7 @@ import psycopg
 import psycopg.sql
 import pytest
 from kombu import Connection, Consumer, Producer, Queue
+from psycopg.conninfo import conninfo_to_dict
 
 import kombu_pgmq
 from kombu_pgmq._conninfo import to_dsn
@@ -46,6 +47,11 @@ def _server_settings(url: str, names: tuple[str, ...], rounds: int = 6) -> set[t
         for _ in range(rounds):
             seen.add(tuple(conn.execute(f"SHOW {name}").fetchone()[0] for name in names))
     return seen
+
+
+def _defaults(direct_url: str, names: tuple[str, ...]) -> set[tuple[str, ...]]:
+    """The server's values of ``names`` for a new session (the server's configuration)."""
+    return _server_settings(direct_url, names, rounds=1)
 
 
 def _work(url: str, options: dict[str, Any], queue: str, rounds: int = 30) -> list[Any]:
@@ -83,7 +89,7 @@ def test_clients_share_two_server_connections(pooled_db):
     try:
         pids = {c.execute("SELECT pg_backend_pid()").fetchone()[0] for c in conns for _ in "ab"}
         assert 1 <= len(pids) <= 2  # 4 clients, at most 2 server connections
-        dbname = pooled_db.direct_url.rsplit("/", 1)[1].split("?")[0]
+        dbname = conninfo_to_dict(pooled_db.direct_url)["dbname"]
         pools = [p for p in pooled_db.bouncer.show("POOLS") if p["database"] == dbname]
         assert pools and pools[0]["pool_mode"] == "transaction"
         assert pools[0]["cl_active"] >= 4
@@ -151,7 +157,8 @@ def test_leases_are_renewed_and_lapse_through_the_pooler(pooled_db):
         kept.ack()
     # lock_timeout of the lease connection was set per transaction: it never stayed on a
     # server connection other clients use
-    assert _server_settings(url, ("lock_timeout", "synchronous_commit")) == {("0", "on")}
+    names = ("lock_timeout", "synchronous_commit")
+    assert _server_settings(url, names) == _defaults(pooled_db.direct_url, names)
 
 
 def test_delays_priorities_and_dead_letters(pooled_db):
@@ -276,8 +283,9 @@ def test_many_statements_over_shared_server_connections(pooled_db):
     and no setting stays behind on a server connection."""
     got = _work(pooled_db.pooled_url, _options(pooled_db), "shared")
     assert got == list(range(30))
-    seen = _server_settings(pooled_db.pooled_url, ("lock_timeout", "synchronous_commit"))
-    assert seen == {("0", "on")}
+    names = ("lock_timeout", "synchronous_commit")
+    seen = _server_settings(pooled_db.pooled_url, names)
+    assert seen == _defaults(pooled_db.direct_url, names)
 
 
 def test_without_pooled_mode_the_same_work_fails(db_dsn, pg_server, monkeypatch):
