@@ -23,9 +23,7 @@ child at once. Through a transaction pooler (PgBouncer): :mod:`kombu_pgmq._db.po
 
 from __future__ import annotations
 
-import functools
 import logging
-import operator
 import os
 import select
 import threading
@@ -42,13 +40,13 @@ from ..errors import (
     BrokerConnectionError,
     ConfigurationError,
     KombuPgmqError,
-    StatementError,
     TransactionError,
     translate,
 )
 from . import pooling
 from .pooling import is_pooled, local_settings
 from .queries import queries
+from .row_factory import named_row as _named_row
 
 __all__ = ["Connector", "ExternalConnector", "Query"]
 
@@ -69,37 +67,6 @@ class _Pending(NamedTuple):
 
     on_result: Callable[[list[tuple[str | None, ...]]], None]
     on_error: Callable[[KombuPgmqError], None]
-
-
-@functools.lru_cache(maxsize=64)
-def _named_row(cls: Any) -> Any:
-    """A row factory building NamedTuple ``cls`` by column name: the statement's columns
-    are matched to the fields by name once per result, then each row is built with one
-    ``itemgetter`` (fields the statement does not return take their defaults).
-
-    Raises (when the statement runs):
-        StatementError: the statement lacks a field that has no default.
-    """
-    fields = cls._fields
-    defaults = cls._field_defaults
-
-    def factory(cursor: Any) -> Any:
-        names = [c.name for c in cursor.description or ()]
-        missing = [f for f in fields if f not in names and f not in defaults]
-        if missing:
-            raise StatementError(
-                f"the statement returns no column {', '.join(missing)} for {cls.__name__} "
-                f"(it returns {', '.join(names)}): name the columns in sql/queries.sql"
-            )
-        if all(f in names for f in fields):
-            getter = operator.itemgetter(*[names.index(f) for f in fields])
-            if len(fields) == 1:
-                return lambda values: cls._make((getter(values),))
-            return lambda values: cls._make(getter(values))
-        picks = [(names.index(f), None) if f in names else (None, defaults[f]) for f in fields]
-        return lambda values: cls._make([values[i] if i is not None else d for i, d in picks])
-
-    return factory
 
 
 def _wait_for(fd: int, event: int) -> None:
