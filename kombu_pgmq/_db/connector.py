@@ -260,7 +260,8 @@ class Connector:
         self._synchronous = synchronous
 
     def _local_settings(self, synchronous: bool | None) -> dict[str, str]:
-        """Pooled mode: the settings of the next statement's own transaction."""
+        """Pooled mode: the settings of the next statement's own transaction (inside
+        :meth:`transaction` they are set already)."""
         if synchronous is False and pooling.ASYNC_COMMIT_PER_TRANSACTION:
             return {**self._settings, "synchronous_commit": "off"}
         return self._settings
@@ -293,7 +294,7 @@ class Connector:
             self._commit_mode(conn, synchronous)
             cur = conn.cursor(row_factory=factory) if factory else conn.cursor()
             local = self._local_settings(synchronous) if self.pooled else None
-            if local:
+            if local and conn.info.transaction_status == pq.TransactionStatus.IDLE:
                 with conn.transaction(), cur:  # the settings hold for this transaction only
                     conn.execute(*local_settings(local))
                     cur.execute(self._query(query), params)

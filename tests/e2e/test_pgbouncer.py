@@ -75,3 +75,31 @@ def test_a_worker_through_pgbouncer_runs_every_task_once(
     dbname = db.info.dbname
     pools = [p for p in pgbouncer.show("POOLS") if p["database"] == dbname]
     assert pools and pools[0]["cl_active"] + pools[0]["cl_waiting"] >= 2
+
+
+def test_beat_through_pgbouncer_leads_on_direct_url(
+    app: Celery, db: psycopg.Connection, start_worker: Callable[..., Worker], pgbouncer
+) -> None:
+    """Two ``celery worker -B`` whose broker is PgBouncer: beat runs on ``direct_url`` (its
+    leader's session advisory lock and backend pid are a direct connection's, never a
+    server connection of PgBouncer's), one leads, and each tick's task runs once."""
+    db.execute(celery_app.BEAT_RUNS_DDL)
+    beat = {"KPT_BEAT": "1", "KPT_BEAT_TAKEOVER_SECONDS": "6"}
+    workers = [start_worker(wait=False, extra_args=["-B"], **beat) for _ in range(2)]
+    for worker in workers:
+        worker.wait_ready(app)
+
+    def runs_of_every_second() -> list[tuple[str, int]]:
+        return db.execute(
+            "SELECT task_id, count(*)::int FROM e2e_beat_runs WHERE entry = %s GROUP BY task_id",
+            (celery_app.BEAT_EVERY_SECOND,),
+        ).fetchall()
+
+    wait_for(lambda: len(runs_of_every_second()) >= 4, RESULT_TIMEOUT_S, "4 ticks to run")
+    assert all(n == 1 for _, n in runs_of_every_second())
+    leaders = db.execute("SELECT backend_pid, epoch FROM kombu_pgmq.beat_leader").fetchall()
+    assert len(leaders) == 1
+    pooled_pids = {s["remote_pid"] for s in pgbouncer.show("SERVERS")}
+    assert leaders[0][0] not in pooled_pids  # the leader's session is a direct one
+    ticks = db.execute("SELECT DISTINCT epoch FROM kombu_pgmq.beat_ticks").fetchall()
+    assert ticks == [(leaders[0][1],)]  # one leader sent every tick
