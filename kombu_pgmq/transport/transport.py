@@ -169,9 +169,20 @@ class Transport(virtual.Transport):
         return conninfo.make_dsn(params)
 
     def _direct_dsn(self, url: str) -> str:
+        """libpq string of ``direct_url`` (with ``connection_options``).
+
+        Raises:
+            ConfigurationError: it is the broker URL itself (the pooler's).
+        """
         params = conninfo.url_to_params(url)
         params.update(self.options.connection_options)
-        return conninfo.make_dsn(params)
+        dsn = conninfo.make_dsn(params)
+        if dsn == self.dsn:
+            raise errors.ConfigurationError(
+                f"transport option direct_url={conninfo.redact(url)!r} is the broker URL "
+                "itself: give the PostgreSQL server's URL, not the pooler's"
+            )
+        return dsn
 
     # -- the statement connection -------------------------------------------------------
 

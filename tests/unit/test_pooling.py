@@ -36,3 +36,11 @@ def test_the_polling_warning_is_logged_once_per_key(caplog: pytest.LogCaptureFix
         assert pooling.warn_polling_once("unit-test-key", "polls")
         assert not pooling.warn_polling_once("unit-test-key", "polls")
     assert [r.message for r in caplog.records] == ["polls"]
+
+
+def test_direct_url_must_not_be_the_pooler_itself():
+    from kombu import Connection
+
+    url = "postgresql://app:pw@pooler.invalid:6432/app"
+    with pytest.raises(ConfigurationError, match=r"direct_url='postgresql://app:\*\*@"):
+        Connection(url, transport_options={"pooler": "transaction", "direct_url": url}).transport  # noqa: B018
