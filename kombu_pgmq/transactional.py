@@ -47,7 +47,9 @@ connection. Declarations (Celery declares a task queue before its first publish)
 routing table go through a connection of kombu_pgmq's own, one per process and database,
 so that no row of kombu_pgmq's tables stays locked by the application's transaction: an
 open application transaction never blocks a consumer's reads, lease renewals or start.
-A failure on the application's connection raises
+An application connection made with ``prepare_threshold=None`` (through PgBouncer in
+transaction mode) makes that connection of kombu_pgmq's run in pooled mode too
+(:mod:`kombu_pgmq._db.pooling`). A failure on the application's connection raises
 :class:`~kombu_pgmq.errors.TransactionError` and is never retried (the transaction is
 aborted; roll it back and repeat it).
 """
@@ -72,6 +74,7 @@ from ._conninfo import is_ours, redact
 from ._db.batch import BatchedPublisher
 from ._db.broker import Broker
 from ._db.connector import Connector, ExternalConnector
+from ._db.pooling import mark_pooled
 from .schema import ensure_schema
 from .transport._binding import BINDING_OPTION, CURRENT_BINDING, current_binding
 from .transport.transport import Transport
@@ -120,6 +123,10 @@ class Binding:
             params["password"] = info.password
         params.setdefault("application_name", "kombu_pgmq")
         self.dsn = psycopg.conninfo.make_conninfo("", **params)
+        if connection.prepare_threshold is None:
+            # No prepared statements: the application reaches its database through a
+            # transaction pooler, so does kombu_pgmq's own connection to it.
+            mark_pooled(self.dsn)
         self.publisher = Broker(ExternalConnector(connection))
         self._database: Any = None
         self._same: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()

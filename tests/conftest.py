@@ -332,3 +332,38 @@ def spark_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+@dataclass(frozen=True)
+class PooledDb:
+    """A fresh database (as ``db_dsn``) reached two ways: ``pooled_url`` through the
+    session's PgBouncer (transaction mode, 2 server connections per database: clients
+    share them), ``direct_url`` straight to the server."""
+
+    pooled_url: str
+    direct_url: str
+    bouncer: Any  # tests.support.pgbouncer.PgBouncer
+
+
+@pytest.fixture(scope="session")
+def pgbouncer(pg_server: str) -> Iterator[Any]:
+    """A PgBouncer in transaction mode in front of the test server, once per session
+    (:mod:`tests.support.pgbouncer`): ``default_pool_size`` 2 and ``server_round_robin``
+    on, so consecutive transactions of one client land on different server connections
+    and any reliance on session state fails. Skipped, saying why, without pgbouncer."""
+    from tests.support import pgbouncer as support
+
+    reason = support.available()
+    if reason is not None:
+        pytest.skip(reason)
+    bouncer = support.PgBouncer(
+        pg_server, default_pool_size=2, settings={"server_round_robin": "1"}
+    )
+    with bouncer:
+        yield bouncer
+
+
+@pytest.fixture
+def pooled_db(db_dsn: str, pgbouncer: Any) -> PooledDb:
+    """``db_dsn`` through the session's PgBouncer, and directly (see :class:`PooledDb`)."""
+    return PooledDb(pgbouncer.pooled_url(db_dsn), db_dsn, pgbouncer)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+from ..errors import ConfigurationError
 from .connector import Connector
 
 __all__ = ["Admin", "BandStats", "DeadLetter", "PeekedRow", "TaskRow"]
@@ -196,8 +197,18 @@ class Admin:
         """Create database *name* unless it exists; True if created.
 
         Concurrent callers are serialized by the session advisory lock *lock_key*
-        (``CREATE DATABASE`` cannot run inside a transaction block).
+        (``CREATE DATABASE`` cannot run inside a transaction block): a direct connection
+        only.
+
+        Raises:
+            ConfigurationError: ``db`` goes through a transaction pooler (a session lock
+                there would be held by a server connection other clients share).
         """
+        if self.db.pooled:
+            raise ConfigurationError(
+                "creating a database takes a session advisory lock: connect directly, "
+                "not through a transaction pooler"
+            )
         self.db.execute("session_lock", {"key": lock_key})
         try:
             if self.db.scalar("database_exists", {"name": name}):

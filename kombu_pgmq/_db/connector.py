@@ -18,14 +18,12 @@ records the pid that opened its connection. In a forked child the inherited conn
 *abandoned*, never used, closed or finished (closing would send a Terminate message on the
 parent's socket and end the parent's session); the child opens its own connection on its
 first statement. ``os.register_at_fork`` abandons every live connector's connection in the
-child at once.
+child at once. Through a transaction pooler (PgBouncer): :mod:`kombu_pgmq._db.pooling`.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import operator
 import os
 import select
 import threading
@@ -40,12 +38,15 @@ from psycopg.rows import RowFactory, class_row
 
 from ..errors import (
     BrokerConnectionError,
+    ConfigurationError,
     KombuPgmqError,
-    StatementError,
     TransactionError,
     translate,
 )
+from . import pooling
+from .pooling import is_pooled, local_settings
 from .queries import queries
+from .row_factory import named_row as _named_row
 
 __all__ = ["Connector", "ExternalConnector", "Query"]
 
@@ -66,37 +67,6 @@ class _Pending(NamedTuple):
 
     on_result: Callable[[list[tuple[str | None, ...]]], None]
     on_error: Callable[[KombuPgmqError], None]
-
-
-@functools.lru_cache(maxsize=64)
-def _named_row(cls: Any) -> Any:
-    """A row factory building NamedTuple ``cls`` by column name: the statement's columns
-    are matched to the fields by name once per result, then each row is built with one
-    ``itemgetter`` (fields the statement does not return take their defaults).
-
-    Raises (when the statement runs):
-        StatementError: the statement lacks a field that has no default.
-    """
-    fields = cls._fields
-    defaults = cls._field_defaults
-
-    def factory(cursor: Any) -> Any:
-        names = [c.name for c in cursor.description or ()]
-        missing = [f for f in fields if f not in names and f not in defaults]
-        if missing:
-            raise StatementError(
-                f"the statement returns no column {', '.join(missing)} for {cls.__name__} "
-                f"(it returns {', '.join(names)}): name the columns in sql/queries.sql"
-            )
-        if all(f in names for f in fields):
-            getter = operator.itemgetter(*[names.index(f) for f in fields])
-            if len(fields) == 1:
-                return lambda values: cls._make((getter(values),))
-            return lambda values: cls._make(getter(values))
-        picks = [(names.index(f), None) if f in names else (None, defaults[f]) for f in fields]
-        return lambda values: cls._make([values[i] if i is not None else d for i, d in picks])
-
-    return factory
 
 
 def _wait_for(fd: int, event: int) -> None:
@@ -133,6 +103,13 @@ class Connector:
             (re)connect, e.g. so a background service never waits long for a lock.
         on_notify: called with the channel name and payload of every NOTIFY psycopg
             reads.
+        pooled: through a transaction pooler (None: as :func:`~kombu_pgmq._db.pooling.
+            mark_pooled` says for ``dsn``): no prepared statements, ``settings`` per
+            transaction, no ``synchronous_commit`` toggling.
+
+    Raises:
+        ConfigurationError: ``on_notify`` in pooled mode (LISTEN needs a direct
+            connection).
     """
 
     def __init__(
@@ -141,8 +118,16 @@ class Connector:
         *,
         settings: Mapping[str, str] | None = None,
         on_notify: Callable[[str, str], None] | None = None,
+        pooled: bool | None = None,
     ) -> None:
         self._dsn = dsn
+        #: Through a transaction pooler (see :mod:`kombu_pgmq._db.pooling`).
+        self.pooled = is_pooled(dsn) if pooled is None else pooled
+        if self.pooled and on_notify is not None:
+            raise ConfigurationError(
+                "LISTEN through a transaction pooler hears nothing: listen on a direct "
+                "connection (the direct_url option)"
+            )
         self._settings = dict(settings or {})
         self._on_notify = on_notify
         self._conn: psycopg.Connection[Any] | None = None
@@ -185,11 +170,14 @@ class Connector:
 
     def _connect(self) -> psycopg.Connection[Any]:
         try:
-            conn = psycopg.connect(self._dsn, autocommit=True)
+            if self.pooled:  # no prepared statements: the next transaction may be elsewhere
+                conn = psycopg.connect(self._dsn, autocommit=True, prepare_threshold=None)
+            else:
+                conn = psycopg.connect(self._dsn, autocommit=True)
             self._synchronous = True
             self._prepared = set()
             self._stale = set()
-            for name, value in self._settings.items():
+            for name, value in self._settings.items() if not self.pooled else ():
                 conn.execute("SELECT set_config(%s, %s, false)", (name, value))
         except psycopg.Error as exc:
             raise translate(exc) from exc
@@ -260,12 +248,23 @@ class Connector:
         """Put the session's ``synchronous_commit`` in the state the next statement needs:
         off for reads and acks a crash may forget (they are redelivered), the session's
         default (``RESET``) for everything else; None: either (the statement sets it
-        itself). One extra round trip when it changes, none in a run of reads."""
-        if synchronous is None or synchronous == self._synchronous:
+        itself). One extra round trip when it changes, none in a run of reads.
+
+        Pooled mode: never (a session ``SET`` would stay on a server connection other
+        clients use next): every commit waits for the WAL flush, see
+        :mod:`kombu_pgmq._db.pooling`."""
+        if synchronous is None or synchronous == self._synchronous or self.pooled:
             return
         name = "synchronous_commit_reset" if synchronous else "synchronous_commit_off"
         conn.execute(self._q[name])
         self._synchronous = synchronous
+
+    def _local_settings(self, synchronous: bool | None) -> dict[str, str]:
+        """Pooled mode: the settings of the next statement's own transaction (inside
+        :meth:`transaction` they are set already)."""
+        if synchronous is False and pooling.ASYNC_COMMIT_PER_TRANSACTION:
+            return {**self._settings, "synchronous_commit": "off"}
+        return self._settings
 
     def fetch(
         self,
@@ -294,6 +293,12 @@ class Connector:
                 self._collect(conn)
             self._commit_mode(conn, synchronous)
             cur = conn.cursor(row_factory=factory) if factory else conn.cursor()
+            local = self._local_settings(synchronous) if self.pooled else None
+            if local and conn.info.transaction_status == pq.TransactionStatus.IDLE:
+                with conn.transaction(), cur:  # the settings hold for this transaction only
+                    conn.execute(*local_settings(local))
+                    cur.execute(self._query(query), params)
+                    return cur.fetchall() if cur.description is not None else []
             with cur:
                 cur.execute(self._query(query), params)
                 return cur.fetchall() if cur.description is not None else []
@@ -345,6 +350,8 @@ class Connector:
             if self._pending is not None:
                 self._collect(conn)
             with conn.transaction():
+                if self.pooled and self._settings:
+                    conn.execute(*local_settings(self._settings))
                 yield
         except psycopg.Error as exc:
             raise self._fail(exc) from exc
@@ -366,6 +373,8 @@ class Connector:
                 self.connection.cursor(name=name, row_factory=class_row(row)) as cur,
             ):
                 cur.itersize = itersize
+                if self.pooled and self._settings:
+                    self.connection.execute(*local_settings(self._settings))
                 cur.execute(self._query(query), params)
                 yield from cur
         except psycopg.Error as exc:
@@ -385,7 +394,9 @@ class Connector:
         """Send a statement and return without waiting for its result (it commits on the
         server as soon as it runs: its own transaction). ``statement`` uses PostgreSQL's
         ``$1``... placeholders, ``params`` are text values; it is prepared once per
-        connection under ``name`` (plan-cached, as psycopg's own prepared statements).
+        connection under ``name`` (plan-cached, as psycopg's own prepared statements);
+        in pooled mode it is sent unnamed instead (no prepared statement: the next
+        transaction may run on another server connection).
 
         The result is read before this connector's next statement (or by
         :meth:`collect`): ``on_result(rows)`` gets the rows as text values,
@@ -405,20 +416,28 @@ class Connector:
                 self._collect(conn)
             with conn.lock:
                 pgconn = conn.pgconn
-                if name in self._stale:
-                    pgconn.exec_(b"DEALLOCATE " + name.encode())  # gone already: fine too
-                    self._stale.discard(name)
-                if name not in self._prepared:
-                    result = pgconn.prepare(name.encode(), statement)
-                    if result.status != pq.ExecStatus.COMMAND_OK:
-                        raise psycopg.errors.error_from_result(result)
-                    self._prepared.add(name)
-                pgconn.send_query_prepared(name.encode(), params)
+                if self.pooled:
+                    pgconn.send_query_params(statement, params)
+                else:
+                    self._prepare(pgconn, name, statement)
+                    pgconn.send_query_prepared(name.encode(), params)
                 while pgconn.flush():  # nonblocking connection: the rest when writable
                     _wait_for(pgconn.socket, select.POLLOUT)
         except psycopg.Error as exc:
             raise self._fail(exc) from exc
         self._pending = _Pending(on_result, on_error)
+
+    def _prepare(self, pgconn: Any, name: str, statement: bytes) -> None:
+        """Prepare ``statement`` as ``name`` on this session unless it is (again after
+        :meth:`forget_prepared`)."""
+        if name in self._stale:
+            pgconn.exec_(b"DEALLOCATE " + name.encode())  # gone already: fine too
+            self._stale.discard(name)
+        if name not in self._prepared:
+            result = pgconn.prepare(name.encode(), statement)
+            if result.status != pq.ExecStatus.COMMAND_OK:
+                raise psycopg.errors.error_from_result(result)
+            self._prepared.add(name)
 
     def free(self) -> bool:
         """True when a statement can be sent without waiting: no statement of ours is

@@ -12,10 +12,12 @@ __all__ = ["database_url", "lookahead_seconds", "takeover_seconds"]
 
 
 def database_url(app: Any) -> str:
-    """The libpq string of the schedule's database (see the module docstring).
+    """The libpq string of the schedule's database (see the module docstring); the
+    broker's ``direct_url`` when the broker is behind a transaction pooler.
 
     Raises:
-        ConfigurationError: ``beat_database_url`` is not a PostgreSQL URL.
+        ConfigurationError: ``beat_database_url`` is not a PostgreSQL URL, or the broker is
+            behind a transaction pooler without ``direct_url``.
     """
     conf = app.conf
     url = conf.get("beat_database_url")
@@ -25,7 +27,7 @@ def database_url(app: Any) -> str:
             broker = ";".join(broker)
         backend = conf.result_backend
         if broker and conninfo.is_ours(broker, conf.broker_transport):
-            url = broker
+            url = _direct_url(broker, conf.broker_transport_options or {})
         elif isinstance(backend, str) and backend.split("://")[0] in ("postgresql", "postgres"):
             url = backend
         else:
@@ -41,6 +43,27 @@ def database_url(app: Any) -> str:
     if len(urls) > 1:
         return conninfo.make_dsn(conninfo.failover_params(urls))
     return conninfo.to_dsn(urls[0])
+
+
+def _direct_url(broker: str, options: Any) -> str:
+    """The broker's URL, or its ``direct_url`` behind a transaction pooler: the leader
+    holds a session advisory lock, which a transaction pooler would share with other
+    clients (two leaders, or none).
+
+    Raises:
+        ConfigurationError: ``pooler="transaction"`` without ``direct_url``.
+    """
+    if options.get("pooler") != "transaction":
+        return broker
+    direct = options.get("direct_url")
+    if not direct:
+        raise errors.ConfigurationError(
+            "beat: the broker is behind a transaction pooler (broker_transport_options "
+            "pooler='transaction') and the leader election needs a session advisory lock, "
+            "which a transaction pooler cannot keep: set broker_transport_options "
+            "direct_url (or beat_database_url) to a direct PostgreSQL URL"
+        )
+    return str(direct)
 
 
 def takeover_seconds(conf: Any) -> float:

@@ -57,6 +57,13 @@ Transport Options
   results; 0 turns the sweep off.
 * ``expire_batch`` (int, default 5000): rows deleted per statement of the sweep.
 * ``global_keyprefix`` (str): Celery's, prefixed to every key.
+* ``pooler`` (None, ``"session"`` or ``"transaction"``) and ``direct_url`` (str): the
+  result backend's URL is a PgBouncer's in transaction mode: statements go through it
+  without session state, waiting for results LISTENs on ``direct_url``; without one,
+  ``get()`` re-reads what it waits for every ``polling_interval`` seconds (float, default
+  0.5; one WARNING per process says so). Default for ``result_backend = "postgresql://"``
+  (the broker's database): the broker's ``broker_transport_options`` ``pooler`` and
+  ``direct_url``. See ``docs/pgbouncer.md``.
 """
 
 from __future__ import annotations
@@ -78,6 +85,7 @@ from psycopg.conninfo import conninfo_to_dict
 from .. import _conninfo as conninfo
 from .. import errors
 from .._db.connector import Connector
+from .._db.pooling import mark_pooled, warn_polling_once
 from .._db.results import ResultStore
 from ..schema import ensure_schema, verify
 from . import chords
@@ -164,6 +172,8 @@ class ResultBackend(AsyncBackendMixin, BaseKeyValueStoreBackend):
         self.failure_expires = (
             self.expires if failure_expires is None else self.prepare_expires(failure_expires)
         )
+        self.pooler, self.direct_url = self._pooler_options(options)
+        self.polling_interval = float(options.get("polling_interval", 0.5))
         self._dsn_cache: str | None = None
         self._db: Connector | None = None
         self._db_lock = threading.Lock()
@@ -184,8 +194,45 @@ class ResultBackend(AsyncBackendMixin, BaseKeyValueStoreBackend):
                 params = conninfo_to_dict(dsn)
                 params.update(extra)
                 dsn = conninfo.make_dsn(params)
+            if self.pooler == "transaction":
+                mark_pooled(dsn)  # every connector to it: no session state
             self._dsn_cache = dsn
         return self._dsn_cache
+
+    def _pooler_options(self, options: Mapping[str, Any]) -> tuple[str | None, str | None]:
+        """``pooler`` and ``direct_url`` of ``result_backend_transport_options``; for the
+        broker's database (``postgresql://``) the broker's unless given here."""
+        from ..transport.options import validate_pooler
+
+        if "pooler" not in options and (self.url or "").strip().partition("://")[2] in ("", "/"):
+            broker = self.app.conf.broker_write_url or self.app.conf.broker_url
+            if isinstance(broker, (list, tuple)):
+                broker = ";".join(broker)
+            if broker and conninfo.is_ours(broker, self.app.conf.broker_transport):
+                options = self.app.conf.broker_transport_options or {}
+        return validate_pooler(
+            options.get("pooler"), options.get("direct_url"), "result_backend_transport_options"
+        )
+
+    @property
+    def listen_dsn(self) -> str | None:
+        """libpq string waiting for results LISTENs on (None: behind a transaction pooler
+        without ``direct_url``: waiting polls, and says so once)."""
+        if self.pooler != "transaction":
+            return self.dsn
+        if self.direct_url is None:
+            warn_polling_once(
+                "result_backend_transport_options",
+                "the result backend is behind a transaction pooler without "
+                "direct_url: waiting for results polls every polling_interval "
+                f"({self.polling_interval:g} s); set result_backend_transport_options "
+                "direct_url (or broker_transport_options direct_url for "
+                "result_backend='postgresql://') for prompt wake-ups",
+            )
+            return None
+        params = conninfo.url_to_params(self.direct_url)
+        params.update(self._options.get("connection_options") or {})
+        return conninfo.make_dsn(params)
 
     @property
     def store(self) -> ResultStore:
@@ -212,10 +259,12 @@ class ResultBackend(AsyncBackendMixin, BaseKeyValueStoreBackend):
                     self._db = db
         return ResultStore(db)
 
-    def listen_connector(self, on_notify: Callable[[str, str], None]) -> Connector:
-        """A connection of its own for LISTEN (the schema checked first)."""
+    def listen_connector(self, on_notify: Callable[[str, str], None]) -> Connector | None:
+        """A connection of its own for LISTEN (the schema checked first); None when
+        :attr:`listen_dsn` is None (waiting polls)."""
         self.store  # noqa: B018 - the schema is there before anything listens
-        return Connector(self.dsn, on_notify=on_notify)
+        dsn = self.listen_dsn
+        return None if dsn is None else Connector(dsn, on_notify=on_notify)
 
     def exception_safe_to_retry(self, exc: BaseException) -> bool:
         """A lost connection (a server restart, a failover): with Celery's

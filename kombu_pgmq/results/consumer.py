@@ -19,6 +19,9 @@ is unreachable it retries every second and ``get(timeout=...)`` still times out 
 Every ``resync_seconds`` (30) it re-reads what it waits for anyway: a notification lost
 by means nobody saw (a half-open TCP connection) costs at most that long.
 
+Behind a transaction pooler without ``direct_url`` (the backend's ``listen_dsn`` is
+None) there is no LISTEN: waiting re-reads what it waits for every ``polling_interval``.
+
 One connection per process and thread that waits (the backend is per thread in Celery);
 processes that never wait (workers) open none.
 """
@@ -137,6 +140,14 @@ class ResultConsumer(BaseResultConsumer):
         """Wait up to ``timeout`` seconds (None: one second) for notifications and hand
         every stored result of a subscribed task to Celery (``on_state_change``)."""
         wait = 1.0 if timeout is None else max(0.0, timeout)
+        if self.backend.listen_dsn is None:  # no LISTEN: poll
+            left = self._next_resync - time.monotonic()
+            if left > 0:
+                time.sleep(min(wait, left))
+            if time.monotonic() >= self._next_resync:
+                with self._lock:
+                    self._resync(self.backend.polling_interval)
+            return
         with self._lock:
             db = self._ensure_listening()
             if db is not None and time.monotonic() >= self._next_resync:
@@ -166,7 +177,10 @@ class ResultConsumer(BaseResultConsumer):
 
     def _ensure_listening(self) -> Connector | None:
         """The LISTEN connection (connecting, LISTENing and re-reading every subscribed
-        task after a reconnect); None while the server is unreachable."""
+        task after a reconnect); None while the server is unreachable, or without LISTEN
+        (behind a transaction pooler without ``direct_url``: waiting polls)."""
+        if self.backend.listen_dsn is None:
+            return None
         db = self._db
         if (
             db is not None
@@ -180,6 +194,8 @@ class ResultConsumer(BaseResultConsumer):
         first = self._listener_pid == 0 and not self._warned
         if db is None:
             db = self._db = self.backend.listen_connector(self._on_notify)
+            if db is None:
+                return None
         try:
             ResultStore(db).listen()
             self._listener_pid = db.backend_pid
@@ -207,9 +223,10 @@ class ResultConsumer(BaseResultConsumer):
             )
             self._warned = True
 
-    def _resync(self) -> None:
-        """Re-read every subscribed task (results stored while nothing listened)."""
-        self._next_resync = time.monotonic() + self.resync_seconds
+    def _resync(self, every: float | None = None) -> None:
+        """Re-read every subscribed task (results stored while nothing listened); the
+        next re-read in ``every`` seconds (None: ``resync_seconds``)."""
+        self._next_resync = time.monotonic() + (self.resync_seconds if every is None else every)
         ids = list(self._subscribed)
         if not ids:
             return

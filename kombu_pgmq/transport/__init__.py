@@ -324,6 +324,39 @@ line (:mod:`kombu_pgmq._worker_checks`).
   are removed; ``kombu-pgmq queue limit`` changes them at run time until then). Checked
   when the connection is made: an unknown limit or a bad rate raises
   ``ConfigurationError``. See :mod:`kombu_pgmq.limits`.
+* ``pooler`` (None, ``"session"`` or ``"transaction"``, default None): the broker URL is
+  a connection pooler's. ``"transaction"`` (PgBouncer's ``pool_mode = transaction``):
+  every transaction may run on another server connection, so nothing relies on session
+  state (see PgBouncer below). ``"session"``: nothing changes. Anything else raises
+  ``ConfigurationError``.
+* ``direct_url`` (libpq URL, default None): with ``pooler="transaction"``, a URL straight
+  to the server (not through the pooler) for LISTEN (consumers' wake-ups) and the beat's
+  leader election. Never shown in logs or ``repr``.
+
+PgBouncer
+=========
+
+With ``broker_url`` pointing at PgBouncer in transaction mode, set
+``broker_transport_options = {"pooler": "transaction", "direct_url": "postgresql://..."}``:
+
+* Statements (publish, read, ack, lease renewal, heartbeats, VACUUM, the schema check)
+  go through the pooler without session state: no prepared statements (psycopg's
+  ``prepare_threshold=None``; the ack sent without waiting uses the unnamed statement:
+  PgBouncer 1.18 has no prepared statements, 1.21+ could, this release never prepares
+  through a pooler), the background services' ``lock_timeout`` set per transaction
+  (``set_config(..., true)``), and no ``synchronous_commit`` toggling: reads and acks
+  through the pooler commit durably (measured faster than a transaction of their own
+  with ``synchronous_commit`` off: ``benchmarks/README.md``, "PgBouncer").
+* LISTEN (one connection per consuming Kombu connection) goes to ``direct_url``.
+  Without ``direct_url`` consumers poll every ``polling_interval`` (a new message waits
+  up to that long; publishers are not asked to NOTIFY), and one WARNING per process says
+  so.
+* Celery beat (:mod:`kombu_pgmq.beat`) runs on ``direct_url`` (its leader holds a
+  session advisory lock); without it, it refuses to start (``ConfigurationError``).
+* The result backend has the same two options in ``result_backend_transport_options``
+  (``result_backend = "postgresql://"``, the broker's database, takes the broker's).
+
+``docs/pgbouncer.md`` has the ``pgbouncer.ini`` settings and sizing.
 """
 
 from __future__ import annotations

@@ -110,6 +110,9 @@ class TransportView(Protocol):
     def dsn(self) -> str: ...
 
     @property
+    def listen_dsn(self) -> str | None: ...
+
+    @property
     def client(self) -> Any: ...
 
     @property

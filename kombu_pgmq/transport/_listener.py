@@ -12,6 +12,10 @@ migration 0003); notifications are hints, never the message: an empty payload me
 message is visible now, a number when a delayed one becomes due (epoch seconds, server
 clock; migration 0016). The poller keeps a fallback poll (``polling_interval``) for
 messages that become visible without an insert (visibility timeout expiry).
+
+Without a LISTEN connection (``dsn`` None: behind a transaction pooler without
+``direct_url``) the listener only has the wake pipe: consumers find messages by the poll
+every ``polling_interval`` seconds (:attr:`Listener.polling`).
 """
 
 from __future__ import annotations
@@ -36,10 +40,11 @@ class Listener:
     """The LISTEN connection and wake pipe of one consuming Kombu connection.
 
     Arguments:
-        dsn: libpq connection string of the broker database.
+        dsn: libpq connection string of the broker database for LISTEN; None: no LISTEN
+            (:attr:`polling`).
     """
 
-    def __init__(self, dsn: str) -> None:
+    def __init__(self, dsn: str | None) -> None:
         self._dsn = dsn
         self._connector: Connector | None = None
         self._notified: list[tuple[str, str]] = []
@@ -57,9 +62,16 @@ class Listener:
 
     # -- listening -----------------------------------------------------------------------
 
+    @property
+    def polling(self) -> bool:
+        """True without a LISTEN connection: nothing notifies, consumers poll."""
+        return self._dsn is None
+
     def _broker(self) -> Broker:
         connector = self._connector
         if connector is None:
+            if self._dsn is None:
+                raise RuntimeError("no LISTEN connection: the listener polls")
             connector = Connector(self._dsn, on_notify=self._on_notify)
             try:
                 Consumers(connector).listen(CHANNEL_PREFIX + q for q in sorted(self._queues))
@@ -79,7 +91,7 @@ class Listener:
         if not new:
             return
         self._queues |= new
-        if self._connector is not None:
+        if self._connector is not None and self._dsn is not None:
             Consumers(self._connector).listen(CHANNEL_PREFIX + q for q in sorted(new))
 
     def unlisten(self, queues: Iterable[str]) -> None:
@@ -92,11 +104,14 @@ class Listener:
                 self._drop()  # reconnects listening to the rest
 
     def fileno(self) -> int:
-        """Socket of the LISTEN connection (connects, and LISTENs, if needed).
+        """Socket of the LISTEN connection (connects, and LISTENs, if needed); -1 when
+        :attr:`polling`.
 
         Raises:
             BrokerConnectionError: the server cannot be reached.
         """
+        if self._dsn is None:
+            return -1
         return self._broker().db.fileno()
 
     @property
@@ -130,6 +145,8 @@ class Listener:
         with contextlib.suppress(BlockingIOError, OSError):
             while os.read(self._pipe_r, 4096):
                 pass
+        if self._dsn is None:
+            return set(), {}
         connector = self._connector
         if connector is None:
             self._broker()

@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .. import _conninfo as conninfo
+from .._db.pooling import POOLERS
 from .._priorities import validate_steps
 from ..errors import ConfigurationError
 from ..limits import validate_limits
@@ -123,6 +125,18 @@ class TransportOptions:
         default_factory=dict,
         metadata=_doc("dict", "fleet-wide limits per queue, set when a worker declares it"),
     )
+    pooler: str | None = field(
+        default=None,
+        metadata=_doc(
+            "None, 'session' or 'transaction'",
+            "the broker URL is a pooler's (PgBouncer): 'transaction' relies on no session state",
+        ),
+    )
+    direct_url: str | None = field(
+        default=None,
+        repr=False,  # may hold a password
+        metadata=_doc("libpq URL", "with pooler='transaction': LISTEN here (None: consumers poll)"),
+    )
 
     @property
     def vt_seconds(self) -> int:
@@ -214,7 +228,12 @@ class TransportOptions:
         queue_limits = {
             str(queue): validate_limits(str(queue), each) for queue, each in limits.items()
         }
+        pooler, direct_url = validate_pooler(
+            values["pooler"], values["direct_url"], "transport option"
+        )
         return cls(
+            pooler=pooler,
+            direct_url=direct_url,
             queue_limits=queue_limits,
             visibility_timeout=vt,
             lease_renewal_interval=renewal,
@@ -231,6 +250,40 @@ class TransportOptions:
             max_message_bytes=max_bytes,
             **timing,
         )
+
+
+def validate_pooler(pooler: Any, direct_url: Any, source: str) -> tuple[str | None, str | None]:
+    """Check the ``pooler`` and ``direct_url`` options (``source`` names where they were
+    given in messages, e.g. ``"transport option"``); returns them (``"session"`` as
+    None: nothing special).
+
+    Raises:
+        ConfigurationError: ``pooler`` is not one of None, "session", "transaction";
+            ``direct_url`` is not a PostgreSQL URL (password masked), or is given without
+            ``pooler="transaction"``.
+    """
+    if pooler not in POOLERS:
+        raise ConfigurationError(
+            f"{source} pooler={pooler!r} is invalid: expected None (no pooler), 'session' "
+            "(a pooler in session mode: nothing changes) or 'transaction' (PgBouncer's "
+            "pool_mode = transaction)"
+        )
+    if direct_url is None:
+        return (pooler if pooler == "transaction" else None), None
+    if pooler != "transaction":
+        raise ConfigurationError(
+            f"{source} direct_url is given but pooler={pooler!r}: direct_url is the direct "
+            "connection for LISTEN behind a transaction pooler; set pooler='transaction' "
+            "too, or remove direct_url"
+        )
+    if not isinstance(direct_url, str) or not conninfo.is_ours(direct_url):
+        shown = conninfo.redact(direct_url) if isinstance(direct_url, str) else direct_url
+        raise ConfigurationError(
+            f"{source} direct_url={shown!r} is invalid: expected a PostgreSQL URL straight "
+            "to the server (not through the pooler), postgresql://user@host:5432/dbname"
+        )
+    conninfo.url_to_params(direct_url)  # raises, password masked, if unparseable
+    return pooler, direct_url
 
 
 def _default(f: Any) -> Any:

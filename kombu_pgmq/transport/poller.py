@@ -30,6 +30,7 @@ from typing import Any
 from .. import errors
 from .._db.broker import Receipt
 from .._db.consumers import Consumers
+from .._db.pooling import warn_polling_once
 from ._interfaces import TransportView
 from ._listener import Listener
 from .acks import AckBatch, archive, archive_nowait
@@ -90,7 +91,16 @@ class Poller:
     def listener(self) -> Listener:
         listener = self._listener
         if listener is None:
-            listener = self._listener = Listener(self.transport.dsn)
+            dsn = self.transport.listen_dsn
+            if dsn is None:
+                warn_polling_once(
+                    "broker_transport_options",
+                    "the broker is behind a transaction pooler (pooler="
+                    "'transaction') without direct_url: no LISTEN, consumers poll every "
+                    f"polling_interval ({self.polling_interval:g} s); set the transport "
+                    "option direct_url to a direct PostgreSQL URL for prompt wake-ups",
+                )
+            listener = self._listener = Listener(dsn)
         return listener
 
     @property
@@ -372,7 +382,8 @@ class Poller:
                 self._send_acks(acks, since)  # drain_events: before it returns
         self._ready -= drained
         self._ready |= full
-        to_wait = drained - self._waiting
+        # Without LISTEN (polling) nobody hears a NOTIFY: publishers are not asked for one.
+        to_wait = set() if self.listener().polling else drained - self._waiting
         to_busy = []
         for name in drained:
             self._full_reads.pop(name, None)
@@ -499,7 +510,7 @@ class Poller:
 
     def _watch_listener(self, listener: Listener) -> None:
         fd = listener.fileno()  # connects (and LISTENs) after a lost connection
-        if (fd, listener.generation) != self._hub_listener:
+        if fd >= 0 and (fd, listener.generation) != self._hub_listener:
             for old in self._hub_fds[1:]:
                 with contextlib.suppress(Exception):  # closed with the lost connection
                     self._hub.remove_reader(old)

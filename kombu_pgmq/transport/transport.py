@@ -4,7 +4,8 @@ concern) and what its channels share. User documentation: :mod:`kombu_pgmq.trans
 Connections of a transport, each used by one concern only:
 
 * statements: the channels' (declare, publish, read, ack), :meth:`Transport.broker`;
-* LISTEN: the poller's (:class:`~kombu_pgmq.transport._listener.Listener`), once it consumes;
+* LISTEN: the poller's (:class:`~kombu_pgmq.transport._listener.Listener`), once it consumes
+  (to ``direct_url`` behind a transaction pooler; none without it: consumers poll);
 * lease renewal: :class:`~kombu_pgmq.transport._leases.LeaseKeeper`'s, once it holds messages;
 * heartbeats/reaper: :class:`~kombu_pgmq.transport._maintenance.Maintainer`'s, once it
   consumes (plus a short-lived one per VACUUM).
@@ -35,6 +36,7 @@ from .. import errors
 from .._db.broker import Broker
 from .._db.connector import Connector
 from .._db.consumers import Consumers
+from .._db.pooling import mark_pooled
 from ..schema import ensure_schema, verify
 from ._binding import BINDING_OPTION, current_binding
 from ._leases import LeaseKeeper, held_by
@@ -99,6 +101,13 @@ class Transport(virtual.Transport):
         self.binding: Any = client.transport_options.get(BINDING_OPTION)
         #: libpq connection string of the broker database (holds the password).
         self.dsn = self.binding.dsn if self.binding is not None else self._make_dsn(client)
+        #: libpq string LISTEN connects to: ``dsn``; behind a transaction pooler
+        #: (``pooler="transaction"``) ``direct_url``'s, or None (consumers poll).
+        self.listen_dsn: str | None = self.dsn
+        if self.options.pooler == "transaction" and self.binding is None:
+            mark_pooled(self.dsn)  # every connector to it: no session state
+            direct = self.options.direct_url
+            self.listen_dsn = None if direct is None else self._direct_dsn(direct)
         self._pid = os.getpid()
         self._statements: Connector | None = None
         self._broker: Broker | None = None  # operations on _statements
@@ -158,6 +167,22 @@ class Transport(virtual.Transport):
                 params.pop("dbname")
         params.update(self.options.connection_options)
         return conninfo.make_dsn(params)
+
+    def _direct_dsn(self, url: str) -> str:
+        """libpq string of ``direct_url`` (with ``connection_options``).
+
+        Raises:
+            ConfigurationError: it is the broker URL itself (the pooler's).
+        """
+        params = conninfo.url_to_params(url)
+        params.update(self.options.connection_options)
+        dsn = conninfo.make_dsn(params)
+        if dsn == self.dsn:
+            raise errors.ConfigurationError(
+                f"transport option direct_url={conninfo.redact(url)!r} is the broker URL "
+                "itself: give the PostgreSQL server's URL, not the pooler's"
+            )
+        return dsn
 
     # -- the statement connection -------------------------------------------------------
 

@@ -203,3 +203,23 @@ def test_a_worker_with_concurrency_limits_and_early_acks_is_warned(caplog):
         check_transport_options(conf=conf)
         check_transport_options(conf=_celery_conf(url, {"queue_limits": {"m": {"rate": "1/s"}}}))
     assert caplog.records == []
+
+
+def test_pooler_takes_none_session_or_transaction():
+    assert TransportOptions.parse({}).pooler is None
+    assert TransportOptions.parse({"pooler": "session"}).pooler is None  # nothing special
+    assert TransportOptions.parse({"pooler": "transaction"}).pooler == "transaction"
+    with pytest.raises(ConfigurationError, match=r"pooler='statement' is invalid.*'transaction'"):
+        TransportOptions.parse({"pooler": "statement"})
+
+
+def test_direct_url_is_validated_and_never_shown():
+    url = "postgresql://app:s3cret@db:5432/app"
+    options = TransportOptions.parse({"pooler": "transaction", "direct_url": url})
+    assert options.direct_url == url
+    assert "s3cret" not in repr(options)
+    with pytest.raises(ConfigurationError, match="set pooler='transaction' too") as info:
+        TransportOptions.parse({"direct_url": url})
+    assert "s3cret" not in str(info.value)
+    with pytest.raises(ConfigurationError, match="direct_url='mysql://app:\\*\\*@db/app'"):
+        TransportOptions.parse({"pooler": "transaction", "direct_url": "mysql://app:pw@db/app"})

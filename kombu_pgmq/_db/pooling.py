@@ -1,0 +1,81 @@
+"""Connections through a transaction pooler (PgBouncer ``pool_mode = transaction``).
+
+Through such a pooler each *transaction* of a client runs on whichever server connection
+is free, so nothing may outlive a transaction on the server side of it:
+
+* no protocol-level prepared statements (PgBouncer < 1.21 has none; psycopg's are turned
+  off with ``prepare_threshold=None``, :meth:`Connector.send_nowait
+  <kombu_pgmq._db.connector.Connector.send_nowait>` sends the unnamed statement);
+* no session settings: a :class:`~kombu_pgmq._db.connector.Connector`'s ``settings``
+  are set with ``set_config(name, value, true)`` inside each transaction instead of once
+  per session (:func:`local_settings`), and ``synchronous_commit`` is never toggled per
+  session (reads and acks through the pooler commit durably: see
+  :mod:`kombu_pgmq.transport`, "PgBouncer");
+* no LISTEN and no session advisory locks: those take a direct connection
+  (``direct_url``) or are not used (polling; the beat refuses to start).
+
+A libpq string is marked pooled once (:func:`mark_pooled`, by the transport and the
+result backend from their ``pooler`` option); every connector made from it in this
+process then runs in pooled mode (its services, VACUUM, schema checks alike). Marking is
+safe either way: pooled mode works on a direct connection too, only without prepared
+statements.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["POOLERS", "is_pooled", "local_settings", "mark_pooled", "warn_polling_once"]
+
+logger = logging.getLogger("kombu_pgmq")
+
+#: Values of the ``pooler`` option: None/"session" (nothing special: every statement of a
+#: session runs on one server connection), "transaction" (see the module docstring).
+POOLERS = (None, "session", "transaction")
+
+#: Pooled mode, reads and acks that need no WAL flush (``synchronous=False``): False,
+#: they commit durably (one statement); True, each runs in a transaction of its own
+#: with ``set_config('synchronous_commit', 'off', true)`` (BEGIN, set_config, the
+#: statement, COMMIT: three more round trips). Measured in ``benchmarks/README.md``
+#: ("PgBouncer"); a switch for that benchmark, not an option.
+ASYNC_COMMIT_PER_TRANSACTION = False
+
+_pooled: set[str] = set()
+_warned: set[str] = set()
+_lock = threading.Lock()
+
+
+def mark_pooled(dsn: str) -> None:
+    """Connectors made from libpq string ``dsn`` (in this process) run in pooled mode."""
+    with _lock:
+        _pooled.add(dsn)
+
+
+def is_pooled(dsn: str) -> bool:
+    """True when ``dsn`` reaches a transaction pooler (see :func:`mark_pooled`)."""
+    return dsn in _pooled
+
+
+def local_settings(settings: Mapping[str, str]) -> tuple[bytes, list[Any]]:
+    """One statement setting ``settings`` for the current transaction only:
+    ``(b"SELECT set_config($1, $2, true), ...", [name, value, ...])`` shapes, in psycopg's
+    ``%s`` placeholders."""
+    calls = ", ".join("set_config(%s, %s, true)" for _ in settings)
+    params: list[Any] = []
+    for name, value in settings.items():
+        params += [name, value]
+    return f"SELECT {calls}".encode(), params
+
+
+def warn_polling_once(key: str, message: str) -> bool:
+    """Log ``message`` as a WARNING once per process for ``key`` (e.g.
+    ``"broker_transport_options"``); True when it was logged now."""
+    with _lock:
+        if key in _warned:
+            return False
+        _warned.add(key)
+    logger.warning("%s", message)
+    return True
