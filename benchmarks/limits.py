@@ -131,15 +131,17 @@ class _Pg15(pgserver.LocalServer):
         self._pg_ctl("-l", str(self.log_file), "start")
 
 
-def _start_server() -> pgserver.LocalServer:
+def _start_server(**overrides: str) -> pgserver.LocalServer:
     """A throwaway PostgreSQL 15 with pg_stat_statements, fsync and synchronous commit on
-    (as a production server), else the tests' settings."""
+    (as a production server), else the tests' settings; ``overrides``: more settings
+    (``max_connections="400"``)."""
     settings = {
         "shared_buffers": "'256MB'",
         "max_wal_size": "'2GB'",
         "max_connections": "100",
         "shared_preload_libraries": "'pg_stat_statements'",
         "pg_stat_statements.track": "top",
+        **overrides,
     }
     root = Path(tempfile.mkdtemp(prefix="kpt_pg_"))
     server = _Pg15(root, SYSTEM_BIN, pgserver._server_user())
