@@ -73,7 +73,9 @@ FROM kombu_pgmq.read(%(queues)s::text[], %(vt_seconds)s::integer, %(qty)s::integ
 -- true are the acks applied. {queue_table}/{archive_table}: pgmq.q_<name>/pgmq.a_<name>;
 -- {archive_columns}: the queue table's columns the archive has; {touch}:
 -- read_touch_last_read_at, or nothing for PGMQ < 1.11 (no last_read_at); {last_read_at}:
--- a.last_read_at, or NULL for PGMQ < 1.11.
+-- a.last_read_at, or NULL for PGMQ < 1.11. {commit_mode}: read_commit_mode, the commit
+-- mode of this statement's own transaction (no session SET: through a transaction pooler
+-- the session is not ours; issue 30).
 WITH acked AS (
     DELETE FROM {queue_table} AS t
     USING unnest(%(ack_ids)s::bigint[], %(ack_cts)s::integer[],
@@ -103,10 +105,10 @@ WITH acked AS (
 )
 SELECT msg_id, read_ct, enqueued_at, message::text AS message, headers::text AS headers,
        extract(epoch FROM clock_timestamp() - enqueued_at)::float8 AS age_seconds,
-       false AS acked
+       false AS acked, {commit_mode}
 FROM delivered
 UNION ALL
-SELECT a.msg_id, a.read_ct, a.enqueued_at, NULL, NULL, NULL, true
+SELECT a.msg_id, a.read_ct, a.enqueued_at, NULL, NULL, NULL, true, {commit_mode}
 FROM acked a
 WHERE CASE WHEN a.msg_id IN (SELECT msg_id FROM archived) THEN true
            ELSE kombu_pgmq.archive_under_new_id(%(queue)s, a.msg_id, a.read_ct, a.enqueued_at,
@@ -114,7 +116,7 @@ WHERE CASE WHEN a.msg_id IN (SELECT msg_id FROM archived) THEN true
                                                 {last_read_at}) IS NOT NULL
       END
 UNION ALL
-SELECT NULL, 0, NULL, NULL, NULL, NULL, false
+SELECT NULL, 0, NULL, NULL, NULL, NULL, false, NULL
 FROM kombu_pgmq.limited l WHERE l.pgmq_queue = %(queue)s
 ORDER BY acked, msg_id
 
@@ -179,10 +181,10 @@ WITH acked AS (
 )
 SELECT msg_id, read_ct, enqueued_at, message::text AS message, headers::text AS headers,
        extract(epoch FROM clock_timestamp() - enqueued_at)::float8 AS age_seconds,
-       false AS acked
+       false AS acked, {commit_mode}
 FROM delivered
 UNION ALL
-SELECT a.msg_id, a.read_ct, a.enqueued_at, NULL, NULL, NULL, true
+SELECT a.msg_id, a.read_ct, a.enqueued_at, NULL, NULL, NULL, true, {commit_mode}
 FROM acked a
 WHERE CASE WHEN a.msg_id IN (SELECT msg_id FROM archived) THEN true
            ELSE kombu_pgmq.archive_under_new_id(%(queue)s, a.msg_id, a.read_ct, a.enqueued_at,
@@ -190,7 +192,7 @@ WHERE CASE WHEN a.msg_id IN (SELECT msg_id FROM archived) THEN true
                                                 {last_read_at}) IS NOT NULL
       END
 UNION ALL
-SELECT NULL, m.state::integer, NULL, NULL, NULL, m.retry_seconds, false
+SELECT NULL, m.state::integer, NULL, NULL, NULL, m.retry_seconds, false, {commit_mode}
 FROM marker m
 ORDER BY acked, msg_id
 
@@ -219,6 +221,16 @@ WHERE CASE WHEN a.msg_id IN (SELECT msg_id FROM archived) THEN true
                                                 a.vt, a.message, a.headers,
                                                 {last_read_at}) IS NOT NULL
       END
+
+-- name: read_commit_mode
+-- read_queue's {commit_mode}: set_config(..., true) lasts to the end of the statement's own
+-- transaction, whose commit then waits for the WAL flush or not. %(commit)s: 'off' for
+-- reads and acks a crash may forget (redelivered), NULL: the session's setting (durable
+-- acks). Evaluated on every row that says something was written (deliveries, acks, a
+-- limited read's marker: limit_take wrote its row); no row, nothing was written.
+set_config('synchronous_commit', coalesce(%(commit)s::text,
+                                          current_setting('synchronous_commit')), true)
+    AS synchronous_commit
 
 -- name: ack_wake
 -- ack_queue's {wake} for a limited queue (migration 0021): a settled message frees its

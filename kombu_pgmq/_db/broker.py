@@ -239,6 +239,7 @@ class Broker(Declarations):
         """Statement ``read_queue`` (``limited``: ``read_limited_queue``): (rows delivered,
         msg_ids of the acks applied). ``Reads.limits`` has the marker of a limited queue
         (``read_queue`` delivers nothing from one)."""
+        durable = bool(acks) and durable_acks  # else a crash may forget it: redelivered
         params = {
             "queue": queue,
             "vt_seconds": vt_seconds,
@@ -246,6 +247,8 @@ class Broker(Declarations):
             "ack_ids": [a.msg_id for a in acks],
             "ack_cts": [a.read_ct for a in acks],
             "ack_enqueued": [a.enqueued_at for a in acks],
+            # the commit mode of the statement's own transaction (no session SET)
+            "commit": None if durable else "off",
         }
         name = "read_limited_queue" if limited else "read_queue"
         rows = self._fetch_direct(
@@ -254,7 +257,7 @@ class Broker(Declarations):
             lambda: self._compose_read_queue(queue, name),
             params,
             ReadRow,
-            synchronous=bool(acks) and durable_acks,
+            synchronous=True if durable else None,
         )
         delivered = Reads(
             Row(
@@ -359,6 +362,7 @@ class Broker(Declarations):
             touch=sql.SQL(touch),
             last_read_at=sql.SQL("a.last_read_at" if "last_read_at" in columns else "NULL"),
             wake=sql.SQL(self.db.statement("ack_wake") if wake else ""),
+            commit_mode=sql.SQL(self.db.statement("read_commit_mode")),
         )
 
     def _fetch_direct(
@@ -369,7 +373,7 @@ class Broker(Declarations):
         params: dict[str, Any],
         row: Any = None,
         *,
-        synchronous: bool = True,
+        synchronous: bool | None = True,
     ) -> list[Any]:
         """Run direct statement ``name`` on ``queue``'s tables: composed (and turned into
         bytes) once per queue, forgotten when the queue turns out to be gone (composed

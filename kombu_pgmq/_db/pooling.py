@@ -9,8 +9,8 @@ is free, so nothing may outlive a transaction on the server side of it:
 * no session settings: a :class:`~kombu_pgmq._db.connector.Connector`'s ``settings``
   are set with ``set_config(name, value, true)`` inside each transaction instead of once
   per session (:func:`local_settings`), and ``synchronous_commit`` is never toggled per
-  session (reads and acks through the pooler commit durably: see
-  :mod:`kombu_pgmq.transport`, "PgBouncer");
+  session (reads and acks set it for their own transaction in the statement, directly
+  and pooled alike; other statements asking for no WAL flush commit durably here);
 * no LISTEN and no session advisory locks: those take a direct connection
   (``direct_url``) or are not used (polling; the beat refuses to start).
 
@@ -36,8 +36,9 @@ logger = logging.getLogger("kombu_pgmq")
 #: session runs on one server connection), "transaction" (see the module docstring).
 POOLERS = (None, "session", "transaction")
 
-#: Pooled mode, reads and acks that need no WAL flush (``synchronous=False``): False,
-#: they commit durably (one statement); True, each runs in a transaction of its own
+#: Pooled mode, statements that ask for no WAL flush (``synchronous=False``; reads and
+#: acks no longer do, they set it themselves): False, they commit durably (one
+#: statement); True, each runs in a transaction of its own
 #: with ``set_config('synchronous_commit', 'off', true)`` (BEGIN, set_config, the
 #: statement, COMMIT: three more round trips). Measured in ``benchmarks/README.md``
 #: ("PgBouncer"); a switch for that benchmark, not an option.

@@ -344,9 +344,9 @@ With ``broker_url`` pointing at PgBouncer in transaction mode, set
   ``prepare_threshold=None``; the ack sent without waiting uses the unnamed statement:
   PgBouncer 1.18 has no prepared statements, 1.21+ could, this release never prepares
   through a pooler), the background services' ``lock_timeout`` set per transaction
-  (``set_config(..., true)``), and no ``synchronous_commit`` toggling: reads and acks
-  through the pooler commit durably (measured faster than a transaction of their own
-  with ``synchronous_commit`` off: ``benchmarks/README.md``, "PgBouncer").
+  (``set_config(..., true)``), and no session ``SET``: reads and acks set
+  ``synchronous_commit`` off for their own transaction in the statement itself, directly
+  and through the pooler alike (see Durability).
 * LISTEN (one connection per consuming Kombu connection) goes to ``direct_url``.
   Without ``direct_url`` consumers poll every ``polling_interval`` (a new message waits
   up to that long; publishers are not asked to NOTIFY), and one WARNING per process says

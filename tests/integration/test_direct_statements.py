@@ -20,6 +20,7 @@ from kombu import Connection, Queue
 import kombu_pgmq  # noqa: F401
 from kombu_pgmq import schema
 from kombu_pgmq._db.broker import Broker
+from kombu_pgmq._db.rows import Receipt, Row
 from tests.integration.helpers import connect, drain, publish, sql
 
 QUEUE = "direct"
@@ -151,25 +152,46 @@ def test_stale_ack_is_not_applied(url: str, request: pytest.FixtureRequest) -> N
     assert sql(url, f"SELECT read_ct FROM pgmq.q_{PGMQ}") == [(2,)]
 
 
-def test_session_commit_mode_follows_the_statement(
+def test_reads_commit_asynchronously_without_touching_the_session(
     url: str, request: pytest.FixtureRequest
 ) -> None:
-    """Reads leave the session's synchronous_commit off; a publish puts it back to the
-    session default before it runs (publishes stay durable)."""
+    """A read (and non-durable acks) commits with synchronous_commit off in its own
+    transaction (set_config(..., true) in the statement), durable acks with the session's
+    setting; the session itself is never SET (through a transaction pooler it is not
+    ours). A deferred constraint trigger records the setting in force at each commit."""
     declare(url, request)
+    sql(
+        url,
+        "CREATE TABLE IF NOT EXISTS public.commit_modes (at serial, mode text);"
+        "CREATE OR REPLACE FUNCTION public.record_commit_mode() RETURNS trigger "
+        "LANGUAGE plpgsql AS $$ BEGIN INSERT INTO public.commit_modes (mode) "
+        "VALUES (current_setting('synchronous_commit')); RETURN NULL; END $$;"
+        f"CREATE CONSTRAINT TRIGGER commit_mode AFTER UPDATE OR DELETE ON pgmq.q_{PGMQ} "
+        "DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION public.record_commit_mode()",
+    )
+
+    def modes() -> list[str]:
+        rows = sql(url, "DELETE FROM public.commit_modes RETURNING at, mode")
+        return sorted({mode for _, mode in rows})
 
     def setting(conn: Connection) -> Any:
         return broker_of(conn).db.connection.execute("SHOW synchronous_commit").fetchone()[0]
 
+    def receipt(row: Row) -> Receipt:
+        return Receipt(row.queue, row.msg_id, row.read_ct, row.enqueued_at)
+
     # the session default "on" (the test servers run with it off)
     with connect(url, connection_options={"options": "-c synchronous_commit=on"}) as conn:
-        publish(conn, QUEUE, [1, 2])
+        publish(conn, QUEUE, [1, 2, 3])
+        broker = broker_of(conn)
+        (first,) = broker.read_many([PGMQ], 30, 1)
+        assert modes() == ["off"]  # the delivery: a crash may forget it (redelivered)
+        assert setting(conn) == "on"  # the session untouched
+        (second,) = broker.read_many([PGMQ], 30, 1, acks=[receipt(first)], durable_acks=True)
+        assert modes() == ["on"]  # a durable ack: the session's setting, "on"
+        broker.read_many([PGMQ], 30, 1, acks=[receipt(second)], durable_acks=False)
+        assert modes() == ["off"]
         assert setting(conn) == "on"
-        assert len(broker_of(conn).read_many([PGMQ], 30, 1)) == 1
-        assert setting(conn) == "off"
-        publish(conn, QUEUE, [3])
-        assert setting(conn) == "on"
-        assert len(broker_of(conn).read_many([PGMQ], 30, 5)) == 2
 
 
 def test_least_privilege_roles_fall_back_to_the_functions(least_privilege_db: Any) -> None:
