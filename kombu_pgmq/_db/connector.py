@@ -13,6 +13,10 @@ Errors: every :class:`psycopg.Error` is translated here, once, by
 :func:`kombu_pgmq.errors.translate` (``raise ... from exc``); after a lost connection the
 next call reconnects.
 
+Each connection is named by its role in ``pg_stat_activity``: ``application_name`` is the
+connection string's (``kombu_pgmq`` by default) plus ``:<role>`` (``kombu_pgmq:listener``;
+see ``docs/connections.md``). PgBouncer tracks ``application_name`` per client.
+
 Fork safety (as psycopg's own ``PGconn`` and kombu's Redis transport): the connector
 records the pid that opened its connection. In a forked child the inherited connection is
 *abandoned*, never used, closed or finished (closing would send a Terminate message on the
@@ -36,6 +40,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import psycopg
 from psycopg import pq, sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import RowFactory, class_row
 
 from ..errors import (
@@ -133,6 +138,8 @@ class Connector:
             (re)connect, e.g. so a background service never waits long for a lock.
         on_notify: called with the channel name and payload of every NOTIFY psycopg
             reads.
+        role: what the connection is for (``"listener"``): appended to the connection
+            string's ``application_name`` as ``:<role>`` (None: left as it is).
     """
 
     def __init__(
@@ -141,8 +148,10 @@ class Connector:
         *,
         settings: Mapping[str, str] | None = None,
         on_notify: Callable[[str, str], None] | None = None,
+        role: str | None = None,
     ) -> None:
         self._dsn = dsn
+        self.role = role
         self._settings = dict(settings or {})
         self._on_notify = on_notify
         self._conn: psycopg.Connection[Any] | None = None
@@ -185,7 +194,10 @@ class Connector:
 
     def _connect(self) -> psycopg.Connection[Any]:
         try:
-            conn = psycopg.connect(self._dsn, autocommit=True)
+            dsn = self._dsn
+            if self.role:  # a keyword overrides the connection string's value
+                dsn = make_conninfo(dsn, application_name=self._application_name())
+            conn = psycopg.connect(dsn, autocommit=True)
             self._synchronous = True
             self._prepared = set()
             self._stale = set()
@@ -199,6 +211,12 @@ class Connector:
         conn.add_notice_handler(_log_notice)
         self._conn = conn
         return conn
+
+    def _application_name(self) -> str:
+        """``application_name`` of the connection string (``kombu_pgmq`` if none) plus
+        ``:<role>``, at most 63 bytes (the server's limit)."""
+        base = conninfo_to_dict(self._dsn).get("application_name") or "kombu_pgmq"
+        return f"{base}:{self.role}".encode()[:63].decode(errors="ignore")
 
     @property
     def connected(self) -> bool:

@@ -60,7 +60,7 @@ class Listener:
     def _broker(self) -> Broker:
         connector = self._connector
         if connector is None:
-            connector = Connector(self._dsn, on_notify=self._on_notify)
+            connector = Connector(self._dsn, on_notify=self._on_notify, role="listener")
             try:
                 Consumers(connector).listen(CHANNEL_PREFIX + q for q in sorted(self._queues))
             except BaseException:
