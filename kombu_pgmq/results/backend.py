@@ -62,7 +62,6 @@ Transport Options
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -79,8 +78,8 @@ from .. import _conninfo as conninfo
 from .. import errors
 from .._db.connector import Connector
 from .._db.results import ResultStore
-from ..schema import ensure_schema, verify
 from . import chords
+from ._shared import SharedConnector, shared_connector
 from .consumer import ResultConsumer
 
 logger = logging.getLogger(__name__)
@@ -165,8 +164,7 @@ class ResultBackend(AsyncBackendMixin, BaseKeyValueStoreBackend):
             self.expires if failure_expires is None else self.prepare_expires(failure_expires)
         )
         self._dsn_cache: str | None = None
-        self._db: Connector | None = None
-        self._db_lock = threading.Lock()
+        self._db: SharedConnector | None = None
         self._same_database: bool | None = None
         self.result_consumer = self.ResultConsumer(
             self, self.app, self.accept, self._pending_results, self._pending_messages
@@ -189,33 +187,24 @@ class ResultBackend(AsyncBackendMixin, BaseKeyValueStoreBackend):
 
     @property
     def store(self) -> ResultStore:
-        """The statements' store (connecting, and checking the schema once per process).
+        """The statements' store: the app's one result connection to the database in this
+        process, shared by its backend instances, one per thread or greenlet
+        (:mod:`kombu_pgmq.results._shared`; connecting, and checking the schema once per
+        process).
 
         Raises:
             BrokerConnectionError: the server cannot be reached.
             BootstrapError: the schema is missing and ``install_schema`` is off.
         """
         db = self._db
-        if db is None:
-            with self._db_lock:
-                db = self._db
-                if db is None:
-                    db = Connector(self.dsn)
-                    try:
-                        if self.install_schema:
-                            ensure_schema(db, self.dsn)
-                        else:
-                            verify(db)
-                    except BaseException:
-                        db.close()
-                        raise
-                    self._db = db
+        if db is None or db.closed:
+            db = self._db = shared_connector(self.app, self.dsn, self.install_schema)
         return ResultStore(db)
 
     def listen_connector(self, on_notify: Callable[[str, str], None]) -> Connector:
         """A connection of its own for LISTEN (the schema checked first)."""
         self.store  # noqa: B018 - the schema is there before anything listens
-        return Connector(self.dsn, on_notify=on_notify)
+        return Connector(self.dsn, on_notify=on_notify, role="results-listener")
 
     def exception_safe_to_retry(self, exc: BaseException) -> bool:
         """A lost connection (a server restart, a failover): with Celery's
