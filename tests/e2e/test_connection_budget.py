@@ -126,12 +126,18 @@ def conn(db_dsn: str) -> Iterator[psycopg.Connection]:
 def worker(
     budget_env: dict[str, str], tmp_path: Path, reported_logs: list[Any]
 ) -> Iterator[Callable[..., Worker]]:
-    """``worker(pool, *extra_args, without=(), **env) -> Worker``: a started ``celery
-    worker -P <pool> -c 2`` (Celery's defaults: worker heartbeat events on); killed at
-    teardown."""
+    """``worker(pool, *extra_args, without=(), concurrency=2, **env) -> Worker``: a
+    started ``celery worker -P <pool> -c <concurrency>`` (Celery's defaults: worker
+    heartbeat events on); killed at teardown."""
     started: list[Worker] = []
 
-    def start(pool: str, *extra_args: str, without: tuple[str, ...] = (), **env: str) -> Worker:
+    def start(
+        pool: str,
+        *extra_args: str,
+        without: tuple[str, ...] = (),
+        concurrency: int = 2,
+        **env: str,
+    ) -> Worker:
         name = f"b{len(started) + 1}_{pool}"
         w = Worker(
             name,
@@ -141,6 +147,7 @@ def worker(
             pool=pool,
             without=without,
             own_queue=False,
+            concurrency=concurrency,
         )
         started.append(w)
         reported_logs.append(w)
@@ -206,6 +213,19 @@ def test_worker_budget_with_the_result_backend(pool, results, worker, client, co
         app.tasks["e2e.record"].apply_async((str(i),))
     wait_ran(conn, TASKS)
     settle(conn, {**BUDGET[pool], "results": results}, f"{pool} worker storing results")
+
+
+def test_prefork_children_that_publish(worker, client, conn):
+    """Tasks that publish (``retry`` here; ``apply_async``, a chord's callback) open the
+    producer pool's statement connection in their process: one per prefork child (one
+    child here, so which child ran the tasks does not matter)."""
+    worker("prefork", concurrency=1)
+    settle(conn, WORKER, "idle prefork worker")
+    app = client()
+    for i in range(TASKS):
+        app.tasks["e2e.retry_once"].apply_async((i,))
+    wait_ran(conn, 2 * TASKS)  # each task ran twice: once, then its retry
+    settle(conn, {**WORKER, "statements": 3}, "prefork worker whose task published")
 
 
 def test_beat_and_task_events(worker, conn):
