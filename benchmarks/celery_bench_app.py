@@ -12,6 +12,9 @@ Environment
     = ``time.time()`` when the task body runs). The file is opened with ``O_APPEND`` and
     each line is one ``write``, so lines of the pool processes never interleave; the same
     mechanism for every broker, and no result backend.
+    ``CELERY_BENCH_RESULT_BACKEND`` (optional, ``connection_budget.py``): a result backend
+    URL (tasks then store their results). ``CELERY_BENCH_BEAT`` (optional): beat runs
+    kombu_pgmq's scheduler with one entry, ``bench.noop(-1)`` every second.
 
 Tasks
     ``bench.ping()``: line ``ping,0,<start>`` (warm-up; marks the worker ready).
@@ -56,6 +59,14 @@ def create_app(broker_url: str, transport_options: dict[str, Any] | None = None)
         result_backend=None,
         worker_hijack_root_logger=False,
     )
+    if os.environ.get("CELERY_BENCH_RESULT_BACKEND"):
+        app.conf.result_backend = os.environ["CELERY_BENCH_RESULT_BACKEND"]
+        app.conf.task_ignore_result = False
+    if os.environ.get("CELERY_BENCH_BEAT"):
+        app.conf.beat_scheduler = "kombu_pgmq.beat:Scheduler"
+        app.conf.beat_schedule = {
+            "bench-noop": {"task": "bench.noop", "schedule": 1.0, "args": [-1]}
+        }
 
     @app.task(name="bench.ping", shared=False)
     def ping() -> None:

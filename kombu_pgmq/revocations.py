@@ -88,7 +88,7 @@ def load_into_worker(sender: Any = None, **_: Any) -> None:
     # Only ever called by a Celery worker (Celery is an extra: imported by name).
     state = importlib.import_module("celery.worker.state")
 
-    db = Connector(to_dsn(str(url).split(";", 1)[0]))
+    db = Connector(to_dsn(str(url).split(";", 1)[0]), role="revocations")
     try:
         rows = ResultStore(db).revoked(LOAD_MAX)
     except StatementError as exc:  # a database the workers have not installed yet

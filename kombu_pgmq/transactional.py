@@ -156,7 +156,7 @@ class Binding:
             with _SHARED_LOCK:
                 connector = _SHARED.get(key)
                 if connector is None:
-                    connector = Connector(self.dsn)
+                    connector = Connector(self.dsn, role="bound-statements")
                     ensure_schema(connector, self.dsn)
                     _SHARED[key] = connector
         return connector

@@ -13,6 +13,10 @@ Errors: every :class:`psycopg.Error` is translated here, once, by
 :func:`kombu_pgmq.errors.translate` (``raise ... from exc``); after a lost connection the
 next call reconnects.
 
+Each connection is named by its role in ``pg_stat_activity``: ``application_name`` is the
+connection string's (``kombu_pgmq`` by default) plus ``:<role>`` (``kombu_pgmq:listener``;
+see ``docs/connections.md``). PgBouncer tracks ``application_name`` per client.
+
 Fork safety (as psycopg's own ``PGconn`` and kombu's Redis transport): the connector
 records the pid that opened its connection. In a forked child the inherited connection is
 *abandoned*, never used, closed or finished (closing would send a Terminate message on the
@@ -34,6 +38,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import psycopg
 from psycopg import pq, sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import RowFactory, class_row
 
 from ..errors import (
@@ -106,6 +111,8 @@ class Connector:
         pooled: through a transaction pooler (None: as :func:`~kombu_pgmq._db.pooling.
             mark_pooled` says for ``dsn``): no prepared statements, ``settings`` per
             transaction, no ``synchronous_commit`` toggling.
+        role: what the connection is for (``"listener"``): appended to the connection
+            string's ``application_name`` as ``:<role>`` (None: left as it is).
 
     Raises:
         ConfigurationError: ``on_notify`` in pooled mode (LISTEN needs a direct
@@ -119,8 +126,10 @@ class Connector:
         settings: Mapping[str, str] | None = None,
         on_notify: Callable[[str, str], None] | None = None,
         pooled: bool | None = None,
+        role: str | None = None,
     ) -> None:
         self._dsn = dsn
+        self.role = role
         #: Through a transaction pooler (see :mod:`kombu_pgmq._db.pooling`).
         self.pooled = is_pooled(dsn) if pooled is None else pooled
         if self.pooled and on_notify is not None:
@@ -170,10 +179,12 @@ class Connector:
 
     def _connect(self) -> psycopg.Connection[Any]:
         try:
-            if self.pooled:  # no prepared statements: the next transaction may be elsewhere
-                conn = psycopg.connect(self._dsn, autocommit=True, prepare_threshold=None)
-            else:
-                conn = psycopg.connect(self._dsn, autocommit=True)
+            dsn = self._dsn
+            if self.role:  # a keyword overrides the connection string's value
+                dsn = make_conninfo(dsn, application_name=self._application_name())
+            # pooled: no prepared statements (the next transaction may run elsewhere)
+            extra = {"prepare_threshold": None} if self.pooled else {}
+            conn = psycopg.connect(dsn, autocommit=True, **extra)
             self._synchronous = True
             self._prepared = set()
             self._stale = set()
@@ -187,6 +198,12 @@ class Connector:
         conn.add_notice_handler(_log_notice)
         self._conn = conn
         return conn
+
+    def _application_name(self) -> str:
+        """``application_name`` of the connection string (``kombu_pgmq`` if none) plus
+        ``:<role>``, at most 63 bytes (the server's limit)."""
+        base = conninfo_to_dict(self._dsn).get("application_name") or "kombu_pgmq"
+        return f"{base}:{self.role}".encode()[:63].decode(errors="ignore")
 
     @property
     def connected(self) -> bool:

@@ -79,7 +79,7 @@ class PeriodicTasks:
             self.dsn = conninfo.to_dsn(url)
         self.app = app
         self.check_queues = check_queues
-        self._db = Connector(self.dsn)
+        self._db = Connector(self.dsn, role="beat-api")
         self._store = BeatStore(self._db)
         self._installed = False
 

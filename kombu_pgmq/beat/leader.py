@@ -73,6 +73,7 @@ class Leader:
             dsn,
             settings={"lock_timeout": "1s", "statement_timeout": f"{timeout_ms}ms"},
             on_notify=on_notify,
+            role="beat-leader",
         )
         self.store = BeatStore(self.connector)
         self.me = identity()

@@ -69,7 +69,6 @@ Transport Options
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -87,8 +86,8 @@ from .. import errors
 from .._db.connector import Connector
 from .._db.pooling import mark_pooled, warn_polling_once
 from .._db.results import ResultStore
-from ..schema import ensure_schema, verify
 from . import chords
+from ._shared import SharedConnector, shared_connector
 from .consumer import ResultConsumer
 
 logger = logging.getLogger(__name__)
@@ -175,8 +174,7 @@ class ResultBackend(AsyncBackendMixin, BaseKeyValueStoreBackend):
         self.pooler, self.direct_url = self._pooler_options(options)
         self.polling_interval = float(options.get("polling_interval", 0.5))
         self._dsn_cache: str | None = None
-        self._db: Connector | None = None
-        self._db_lock = threading.Lock()
+        self._db: SharedConnector | None = None
         self._same_database: bool | None = None
         self.result_consumer = self.ResultConsumer(
             self, self.app, self.accept, self._pending_results, self._pending_messages
@@ -236,27 +234,18 @@ class ResultBackend(AsyncBackendMixin, BaseKeyValueStoreBackend):
 
     @property
     def store(self) -> ResultStore:
-        """The statements' store (connecting, and checking the schema once per process).
+        """The statements' store: the app's one result connection to the database in this
+        process, shared by its backend instances, one per thread or greenlet
+        (:mod:`kombu_pgmq.results._shared`; connecting, and checking the schema once per
+        process).
 
         Raises:
             BrokerConnectionError: the server cannot be reached.
             BootstrapError: the schema is missing and ``install_schema`` is off.
         """
         db = self._db
-        if db is None:
-            with self._db_lock:
-                db = self._db
-                if db is None:
-                    db = Connector(self.dsn)
-                    try:
-                        if self.install_schema:
-                            ensure_schema(db, self.dsn)
-                        else:
-                            verify(db)
-                    except BaseException:
-                        db.close()
-                        raise
-                    self._db = db
+        if db is None or db.closed:
+            db = self._db = shared_connector(self.app, self.dsn, self.install_schema)
         return ResultStore(db)
 
     def listen_connector(self, on_notify: Callable[[str, str], None]) -> Connector | None:
@@ -264,7 +253,7 @@ class ResultBackend(AsyncBackendMixin, BaseKeyValueStoreBackend):
         :attr:`listen_dsn` is None (waiting polls)."""
         self.store  # noqa: B018 - the schema is there before anything listens
         dsn = self.listen_dsn
-        return None if dsn is None else Connector(dsn, on_notify=on_notify)
+        return None if dsn is None else Connector(dsn, on_notify=on_notify, role="results-listener")
 
     def exception_safe_to_retry(self, exc: BaseException) -> bool:
         """A lost connection (a server restart, a failover): with Celery's

@@ -6,7 +6,8 @@ process (started on ``worker_ready``, stopped on ``worker_shutdown``: see
 never run it). Every ``expire_interval_seconds`` (``result_backend_transport_options``,
 default 60; 0: off) it deletes the results past their ``result_expires`` (and expired
 chord counters and revocations) in statements of ``expire_batch`` rows each, on a
-connection of its own with ``lock_timeout`` set (:class:`~kombu_pgmq.transport._service.Service`).
+connection of its own with ``lock_timeout`` set (:class:`~kombu_pgmq.transport._service.Service`),
+opened for the round and closed after it (no connection is held between rounds).
 Several workers sweeping the same database skip each other's rows (``SKIP LOCKED``).
 
 ``celery.backend_cleanup`` (Celery beat's daily task) and ``kombu-pgmq results expire``
@@ -44,6 +45,8 @@ class ResultExpiry(Service):
     """
 
     name = "result-expiry"
+    role = "result-expiry"
+    hold_connection = False  # a round a minute: connect for it, hold nothing between
 
     def __init__(
         self, dsn: str, interval_seconds: float, batch: int, install_schema: bool = True

@@ -168,14 +168,19 @@ registers the LISTEN socket and a wake pipe with the loop.
 
 Connections: one per concern, so a statement that blocks on one never holds up another.
 Each Kombu connection uses one PostgreSQL connection for its channels' statements
-(declare, publish, read, ack), one to LISTEN once it consumes, one for lease renewal once
-it holds messages, and one for heartbeats and the reaper once it consumes (plus a
-short-lived one when it VACUUMs a queue table). The lease and heartbeat connections set
+(declare, publish, read, ack), one to LISTEN once it consumes, one for lease renewal while
+it holds messages (closed by a renewal round that finds none), and one for heartbeats and
+the reaper once it consumes (plus a short-lived one when it VACUUMs a queue table). Each is
+named by its role in ``pg_stat_activity`` (``application_name`` ``kombu_pgmq:statements``,
+``:listener``, ``:leases``, ``:heartbeat``, ``:vacuum``; a name given in the URL replaces
+``kombu_pgmq``). The lease and heartbeat connections set
 ``lock_timeout`` (1 s): a heartbeat blocked by a lock skips a round, and the reaper skips
 a queue whose tables an open transaction holds; an application's open transaction that
-enqueued never blocks a consumer's start, read or lease renewal. A Celery worker with
-the prefork pool therefore holds 4 for consuming, plus its producer pool's (events,
-replies) and the result backend's.
+enqueued never blocks a consumer's start, read or lease renewal. A Celery worker's main
+process (prefork, threads, solo) therefore holds 4 (5 while it holds messages): the
+consumer's statements, LISTEN and heartbeat connections and the statements of Celery's
+event dispatcher; ``docs/connections.md`` has the table per pool type, with the result
+backend and beat, and how to size ``max_connections`` and PgBouncer's pools.
 
 Fork safety: a process that forks (Celery's prefork pool, any application) never has its
 connections used, closed or cleaned up by the child: the child's transport forgets the

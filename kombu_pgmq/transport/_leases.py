@@ -19,7 +19,8 @@ joins a transaction of the channels. If its connection is lost it reconnects and
 at once (retrying every second). A lease is *lost* when a renewal finds that the message
 was read again by someone else (its ``read_ct`` moved on: the VT passed during an
 outage longer than the VT) or is gone; that is logged as a warning, since the message
-may then run twice.
+may then run twice. A round that finds nothing held closes the connection (the next
+message held opens one again): an idle consumer holds no lease connection.
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ class LeaseKeeper(Service):
     """
 
     name = "lease renewal"
+    role = "leases"
 
     def __init__(
         self,
@@ -151,6 +153,7 @@ class LeaseKeeper(Service):
             held = [h for h in self._holdings() if (h.queue, h.msg_id) not in self._lost]
             if not held:
                 self._forget_settled()
+                self.release()  # nothing to renew: no idle connection held for it
                 return Renewal(0, [], 0)
             by_vt: dict[int, list[Held]] = defaultdict(list)
             for h in held:

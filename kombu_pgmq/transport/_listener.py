@@ -72,7 +72,7 @@ class Listener:
         if connector is None:
             if self._dsn is None:
                 raise RuntimeError("no LISTEN connection: the listener polls")
-            connector = Connector(self._dsn, on_notify=self._on_notify)
+            connector = Connector(self._dsn, on_notify=self._on_notify, role="listener")
             try:
                 Consumers(connector).listen(CHANNEL_PREFIX + q for q in sorted(self._queues))
             except BaseException:

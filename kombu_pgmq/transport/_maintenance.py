@@ -52,6 +52,7 @@ class Maintainer(Service):
     """
 
     name = "consumer heartbeat"
+    role = "heartbeat"
 
     def __init__(
         self,
@@ -94,7 +95,7 @@ class Maintainer(Service):
         ]
         if not due:
             return
-        vacuumer = Connector(self._dsn)
+        vacuumer = Connector(self._dsn, role="vacuum")
         try:
             for name in due:
                 try:

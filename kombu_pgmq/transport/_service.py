@@ -6,7 +6,11 @@ Each service runs :meth:`Service.round` every ``interval_seconds`` in a daemon t
 on a PostgreSQL connection of its own (never the channels' one: a statement blocked
 there must not stop a lease renewal, nor the other way round), opened lazily with
 ``lock_timeout`` set so a service waits at most :data:`LOCK_TIMEOUT` for a lock and
-skips the round instead. Any exception from a round is logged and the loop goes on
+skips the round instead. A service with nothing to do gives its connection back
+(:meth:`Service.release`): the lease keeper when no message is held, a service with
+``hold_connection = False`` (the result expiry sweep, once a minute) after every round,
+so no idle connection is held for a feature not in use (``docs/connections.md``). Any
+exception from a round is logged and the loop goes on
 (a connection error is retried every :data:`RETRY_SECONDS`, and logged once per outage).
 
 Fork safety: a thread does not survive ``fork()``; in a child the service counts as not
@@ -46,6 +50,11 @@ class Service:
     """
 
     name = "service"
+    #: The connection's role in ``application_name`` (``kombu_pgmq:<role>``).
+    role = "service"
+    #: Keep the connection open between rounds (False: closed after each round; for
+    #: services whose rounds are rare).
+    hold_connection = True
 
     def __init__(self, dsn: str, interval_seconds: float) -> None:
         self._dsn = dsn
@@ -64,8 +73,17 @@ class Service:
     def connector(self) -> Connector:
         """This service's own connection (opened on first use, ``lock_timeout`` set)."""
         if self._connector is None:
-            self._connector = Connector(self._dsn, settings={"lock_timeout": LOCK_TIMEOUT})
+            self._connector = Connector(
+                self._dsn, settings={"lock_timeout": LOCK_TIMEOUT}, role=self.role
+            )
         return self._connector
+
+    def release(self) -> None:
+        """Close this service's connection until its next statement reopens one (run in
+        the service's thread, or once it is stopped)."""
+        connector, self._connector = self._connector, None
+        if connector is not None:
+            connector.close()
 
     def after_fork(self) -> None:
         """In a forked child: forget the parent's thread and abandon its connection
@@ -123,7 +141,11 @@ class Service:
         while not stop.wait(wait):
             wait = self.interval_seconds
             try:
-                self.round()
+                try:
+                    self.round()
+                finally:
+                    if not self.hold_connection:
+                        self.release()
             except BrokerConnectionError as exc:
                 self.failures += 1
                 if stop.is_set():

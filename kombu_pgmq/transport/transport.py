@@ -6,9 +6,13 @@ Connections of a transport, each used by one concern only:
 * statements: the channels' (declare, publish, read, ack), :meth:`Transport.broker`;
 * LISTEN: the poller's (:class:`~kombu_pgmq.transport._listener.Listener`), once it consumes
   (to ``direct_url`` behind a transaction pooler; none without it: consumers poll);
-* lease renewal: :class:`~kombu_pgmq.transport._leases.LeaseKeeper`'s, once it holds messages;
+* lease renewal: :class:`~kombu_pgmq.transport._leases.LeaseKeeper`'s, while it holds messages;
 * heartbeats/reaper: :class:`~kombu_pgmq.transport._maintenance.Maintainer`'s, once it
   consumes (plus a short-lived one per VACUUM).
+
+Each is named by its role in ``pg_stat_activity`` (``application_name`` ``kombu_pgmq:statements``,
+``:listener``, ``:leases``, ``:heartbeat``, ``:vacuum``); ``docs/connections.md`` counts them
+per Celery pool type.
 
 Fork safety: after ``fork()`` the child's transport forgets the parent's state (consumers,
 held messages, batched acks, waiting rows) without sending anything, abandons the parent's
@@ -204,7 +208,7 @@ class Transport(virtual.Transport):
             # connection to that database: no connection of its own, no reaper run.
             connector = self._statements = self.binding.statements()
         if connector is None:
-            connector = Connector(self.dsn)
+            connector = Connector(self.dsn, role="statements")
             try:
                 connector.connection  # noqa: B018 - connect now: errors surface here
                 if self.options.install_schema:

@@ -24,9 +24,9 @@ Environment
     ``worker_prefetch_multiplier``.
     ``KPT_RESULT_BACKEND`` (optional): ``postgresql`` selects kombu_pgmq's own result
     backend (``result_backend = "postgresql://"``: the broker's database) instead of
-    Celery's SQLAlchemy backend. ``KPT_RESULT_OPTIONS`` (JSON object, optional): its
-    ``result_backend_transport_options``. ``KPT_TRACK_STARTED`` (optional):
-    ``task_track_started``.
+    Celery's SQLAlchemy backend; ``none``: no result backend. ``KPT_RESULT_OPTIONS``
+    (JSON object, optional): its ``result_backend_transport_options``.
+    ``KPT_TRACK_STARTED`` (optional): ``task_track_started``.
     ``KPT_BEAT`` (optional): beat runs kombu_pgmq's scheduler (``beat_scheduler =
     "kombu_pgmq.beat:Scheduler"``) with ``beat_schedule`` :data:`BEAT_SCHEDULE`: task
     ``e2e.beat_tick`` every second and every minute (crontab), each run recorded in table
@@ -179,8 +179,12 @@ def create_app(env: Mapping[str, str] = os.environ) -> Celery:
         app.conf.result_backend_transport_options = json.loads(
             env.get("KPT_RESULT_OPTIONS") or "{}"
         )
+    elif env.get("KPT_RESULT_BACKEND") == "none":
+        app.conf.result_backend = None
     elif env.get("KPT_RESULT_BACKEND"):
-        raise ValueError(f"KPT_RESULT_BACKEND={env['KPT_RESULT_BACKEND']!r}: only 'postgresql'")
+        raise ValueError(
+            f"KPT_RESULT_BACKEND={env['KPT_RESULT_BACKEND']!r}: only 'postgresql' or 'none'"
+        )
     if env.get("KPT_TRACK_STARTED"):
         app.conf.task_track_started = True
     if env.get("KPT_MAX_PRIORITY"):

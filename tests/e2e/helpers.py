@@ -47,12 +47,13 @@ class Worker:
         app_module: str = "tests.e2e.celery_app",
         queues: Sequence[str] = ("celery",),
         concurrency: int = 2,
+        pool: str = "prefork",
     ) -> None:
         """*without*: ``--without-<x>`` flags; *extra_args*: more ``celery worker``
         arguments (``-E``...); *own_queue*: also consume queue ``e2e_<name>`` (readiness
         is a ``ping`` task sent there; without it, a remote-control ping); *app_module*:
         the ``-A`` argument; *queues*: the ``-Q`` queues (besides its own);
-        *concurrency*: prefork pool processes."""
+        *concurrency*: pool processes (threads, greenlets); *pool*: the ``-P`` pool type."""
         self.name = name
         self.node = host_format(f"{name}@%h")  # the worker's node name, as -n expands it
         # Consumed by this worker only: readiness pings (None: no such queue).
@@ -64,6 +65,7 @@ class Worker:
         self.app_module = app_module
         self.queues = list(queues)
         self.concurrency = concurrency
+        self.pool = pool
         self.proc: subprocess.Popen[bytes] | None = None
         self._terminated = False
 
@@ -81,7 +83,7 @@ class Worker:
             self.app_module,
             "worker",
             "-P",
-            "prefork",
+            self.pool,
             "-c",
             str(self.concurrency),
             *(f"--without-{feature}" for feature in self.without),

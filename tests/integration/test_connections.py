@@ -213,13 +213,71 @@ def test_connector_in_a_forked_child_sends_nothing(db_dsn):
 
 
 def _backends(db_dsn: str, application_name: str) -> int:
-    query = "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s"
+    """Backends named ``application_name`` or ``application_name:<role>``, once none is
+    left (or after 5 s)."""
+    query = (
+        "SELECT count(*) FROM pg_stat_activity"
+        " WHERE application_name = %s OR application_name LIKE %s || ':%%'"
+    )
     deadline = time.monotonic() + 5
     while True:
-        n = sql(db_dsn, query, (application_name,))[0][0]
+        n = sql(db_dsn, query, (application_name, application_name))[0][0]
         if n == 0 or time.monotonic() > deadline:
             return int(n)
         time.sleep(0.1)
+
+
+def _roles(db_dsn: str, application_name: str) -> dict[str, int]:
+    """``{role: backends}`` of the connections named ``<application_name>:<role>``."""
+    rows = sql(
+        db_dsn,
+        "SELECT split_part(application_name, ':', 2), count(*) FROM pg_stat_activity"
+        " WHERE application_name LIKE %s || ':%%' GROUP BY 1",
+        (application_name,),
+    )
+    return {str(role): int(n) for role, n in rows}
+
+
+def test_each_connection_is_named_by_its_role(db_dsn):
+    """application_name is the connection string's plus ':<role>': a consumer holding a
+    message has its statements, listener, lease and heartbeat connections, each named."""
+    name = f"kpt_roles_{uuid.uuid4().hex[:8]}"
+    with connect(
+        db_dsn,
+        connection_options={"application_name": name},
+        lease_renewal_interval=0.05,
+        consumer_heartbeat_interval=0.05,
+    ) as conn:
+        publish(conn, "roles", ["x"])
+        held: list[Any] = []
+        _hold_one(conn, "roles", held)
+        wait_for(lambda: (_drain_for(conn, 0.2), held)[1], 10, "a delivery")
+        expected = {"statements": 1, "listener": 1, "leases": 1, "heartbeat": 1}
+        wait_for(lambda: _roles(db_dsn, name) == expected, 10, f"{expected}")
+    assert _backends(db_dsn, name) == 0
+
+
+def test_lease_connection_is_closed_while_nothing_is_held(db_dsn):
+    """No idle connection for lease renewal: a round with nothing held closes it, the next
+    held message opens one again."""
+    name = f"kpt_lease_{uuid.uuid4().hex[:8]}"
+    with connect(
+        db_dsn, connection_options={"application_name": name}, lease_renewal_interval=0
+    ) as conn:
+        publish(conn, "lease_idle", ["x", "y"])
+        leases = conn.transport.leases
+        message = conn.channel().basic_get("lease_idle")
+        assert message is not None
+        assert leases.renew().renewed == 1
+        assert _roles(db_dsn, name).get("leases") == 1
+        message.ack()
+        assert leases.renew().renewed == 0
+        assert not leases.connector.connected
+        wait_for(lambda: "leases" not in _roles(db_dsn, name), 5, "the lease connection closed")
+        again = conn.channel().basic_get("lease_idle")
+        assert again is not None and leases.renew().renewed == 1
+        assert _roles(db_dsn, name).get("leases") == 1
+        again.ack()
 
 
 def test_close_with_batched_acks_archives_them_and_leaks_no_connection(db_dsn):

@@ -80,6 +80,27 @@ def test_sweep_deletes_expired_results_in_batches(db_dsn: str) -> None:
     assert backend.get_task_meta("kept-0")["status"] == "SUCCESS"
 
 
+def test_sweep_holds_no_connection_between_rounds(db_dsn: str) -> None:
+    """A round a minute: the sweep connects for a round and closes after it."""
+    backend = make_app(db_dsn).backend
+    store(backend, 2)
+    time.sleep(1.2)
+    tag = f"kpt_sweep_{time.monotonic_ns()}"
+    dsn = backend.dsn + f" application_name={tag}"
+    service = expiry.ResultExpiry(dsn, interval_seconds=0.05, batch=10)
+    service.start()
+    try:
+        assert wait_for(lambda: service.rounds >= 2)
+    finally:
+        service.stop()
+        service.join(5)
+    assert service._connector is None  # released after its last round, not by close()
+    with psycopg.connect(db_dsn, autocommit=True) as conn:
+        query = "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s"
+        assert wait_for(lambda: conn.execute(query, (f"{tag}:result-expiry",)).fetchone()[0] == 0)
+    service.close()
+
+
 def test_worker_ready_starts_one_sweep_and_shutdown_stops_it(db_dsn: str) -> None:
     app = make_app(db_dsn, expire_interval_seconds=0.2, expire_batch=10)
     store(app.backend, 12)

@@ -507,6 +507,48 @@ def test_get_is_woken_by_the_notification_not_by_polling(apps, monkeypatch, size
     assert len(spy.calls) == reads + (0 if size == "inline" else 1), spy.calls
 
 
+def test_backends_of_threads_share_one_connection_one_statement_at_a_time(apps, db_dsn):
+    """Celery makes a backend instance per thread (per greenlet under gevent): they share
+    the app's one result connection, and a transaction of one thread holds the others'
+    statements until it ends (never run inside it, nor seeing its writes)."""
+    tag = f"kpt_shared_{uuid.uuid4().hex[:8]}"
+    app = apps(result_backend_transport_options={"connection_options": {"application_name": tag}})
+    backends: list[Any] = []
+    opened, committed = threading.Event(), threading.Event()
+    seen: list[Any] = []
+
+    def writer() -> None:
+        backend = app.backend
+        backends.append(backend)
+        with backend.store.transaction():
+            backend.store_result("uncommitted", 1, states.SUCCESS)
+            opened.set()
+            time.sleep(0.3)
+            committed.set()
+
+    def reader() -> None:
+        backend = app.backend
+        backends.append(backend)
+        opened.wait(WAIT_S)
+        seen.append((backend.get_task_meta("uncommitted")["status"], committed.is_set()))
+
+    threads = [threading.Thread(target=writer), threading.Thread(target=reader)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(WAIT_S)
+    assert len({id(b) for b in backends}) == 2  # two instances...
+    assert len({id(b._db) for b in backends}) == 1  # ...one connection
+    assert seen == [(states.SUCCESS, True)]  # read after the commit, not inside it
+    names = sql(
+        db_dsn,
+        "SELECT application_name FROM pg_stat_activity WHERE application_name LIKE %s",
+        (tag + ":%",),
+    )
+    assert names == [(f"{tag}:results",)]
+    backends[0]._db.close()  # the main thread's backend never used it: close_app cannot
+
+
 def test_a_result_stored_before_get_is_found_by_its_first_read(apps):
     waiting, writer = apps(), apps()
     task_id = new_id()

@@ -248,7 +248,7 @@ def test_url_parameters_reach_the_server(db_dsn):
         channel = conn.channel()
         pid = channel.pgmq.db.backend_pid
         rows = sql(db_dsn, "SELECT application_name FROM pg_stat_activity WHERE pid = %s", [pid])
-    assert rows == [("kpgmq-app-test",)]
+    assert rows == [("kpgmq-app-test:statements",)]  # + the role (docs/connections.md)
 
 
 def test_password_never_in_repr_or_logs(db_dsn, caplog):

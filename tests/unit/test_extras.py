@@ -236,6 +236,7 @@ USED_WITHOUT_IMPORT = {
     "mypy": "command: mypy (tox -e type, .ci/run)",
     "ruff": "command: ruff check / ruff format (tox -e lint, .ci/run)",
     "tox": "command: tox (tox.ini)",
+    "gevent": "celery worker -P gevent: tests/e2e/test_connection_budget.py",
     "pytest-timeout": "pytest plugin: timeout = 300 in [tool.pytest.ini_options]",
     "pyarrow": "pyspark's Spark Connect client needs it at run time",
     "redis": "kombu's redis:// transport: the benchmarks' Redis broker",
