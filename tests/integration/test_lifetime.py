@@ -7,7 +7,10 @@ import time
 from datetime import datetime, timedelta, timezone
 
 import pytest
-from kombu import Consumer, Producer, Queue
+from kombu import Connection, Consumer, Producer, Queue
+
+from kombu_pgmq._db.connector import Connector
+from kombu_pgmq._db.consumers import Consumers
 
 from .helpers import connect, drain, publish, sql, table
 
@@ -158,6 +161,36 @@ def test_live_consumer_keeps_queue_alive_through_heartbeats(db_dsn):
         time.sleep(1.5)
         assert other.transport.reap() == []
         assert exists(db_dsn, "alive.q")
+
+
+def test_heartbeats_of_many_consumers_update_their_queue_once_a_second(db_dsn):
+    """Consumers of one queue in many processes mark it used at most once a second
+    between them (its row is not a hot spot): a second heartbeat right after the first
+    leaves the row as it was (same xmin), one a second later updates it."""
+    with connect(db_dsn) as first, connect(db_dsn) as second:
+        q = Queue("hot.q")
+        Consumer(first.channel(), [q], on_message=lambda m: None).consume()
+        Consumer(second.channel(), [q], on_message=lambda m: None).consume()
+
+        def version() -> object:
+            return sql(db_dsn, "SELECT xmin::text FROM kombu_pgmq.queues WHERE queue = 'hot.q'")
+
+        sql(db_dsn, "UPDATE kombu_pgmq.queues SET last_used_at = now() - interval '1 hour'")
+
+        def beat(conn: Connection) -> None:
+            db = Connector(db_dsn)
+            try:
+                Consumers(db).heartbeat(conn.transport.owner)
+            finally:
+                db.close()
+
+        beat(first)
+        after_first = version()
+        beat(second)
+        assert version() == after_first
+        time.sleep(1.1)
+        beat(second)
+        assert version() != after_first
 
 
 def test_x_expires_drops_unused_queue(db_dsn):
