@@ -15,6 +15,10 @@ Default brokers (``--broker`` replaces the whole list):
   ``pgmq`` transport, transport option ``init_extension=False`` on an SQL-only PGMQ
   install (``pgmq.install.install_pgmq_from_sql``, run once if ``pgmq.meta`` is missing).
 
+``--pgbouncer`` adds ``kombu_pgmq_pgbouncer``: ``kombu_pgmq``'s database through a PgBouncer
+1.18 started for the run (``tests/support/pgbouncer.py``: transaction mode, pool 8), with
+``pooler="transaction"`` and ``direct_url`` the direct URL (issue 30).
+
 PostgreSQL databases of the URLs are created if missing. For each broker, a worker
 subprocess ``celery -A celery_bench_app worker -P prefork -c 2 --without-gossip
 --without-mingle --without-heartbeat`` (queue ``celery_bench``, no result backend: tasks
@@ -71,6 +75,8 @@ from brokers import (  # noqa: E402
     pg_version,
 )
 from kombu.utils.url import maybe_sanitize_url  # noqa: E402
+
+from tests.support import pgbouncer  # noqa: E402
 
 WORKER_STOP_TIMEOUT_S = 20.0
 READY_TIMEOUT_S = 60.0
@@ -433,6 +439,12 @@ def main() -> None:
         default=0,
         help="backlog tasks carry header x-limit-key, one of this many keys (limits, issue 29)",
     )
+    parser.add_argument(
+        "--pgbouncer",
+        action="store_true",
+        help="add broker kombu_pgmq_pgbouncer: kombu_pgmq's URL through a PgBouncer started "
+        "here (transaction mode, pool 8; pooler + direct_url, issue 30)",
+    )
     parser.add_argument("--json", type=Path, help="write results as JSON here")
     parser.add_argument("--keep", action="store_true", help="keep the task logs / worker output")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -444,6 +456,18 @@ def main() -> None:
     options = {n: dict(DEFAULT_OPTIONS.get(n, {})) for n in brokers}
     for n, raw in parse_pairs(args.options, "--options").items():
         options[n] = json.loads(raw)
+    with contextlib.ExitStack() as stack:
+        if args.pgbouncer:
+            direct = brokers["kombu_pgmq"]
+            ensure_database(pg_dsn(direct) or direct)
+            bouncer = stack.enter_context(pgbouncer.PgBouncer(direct, default_pool_size=8))
+            brokers["kombu_pgmq_pgbouncer"] = bouncer.pooled_url(direct)
+            options["kombu_pgmq_pgbouncer"] = {"pooler": "transaction", "direct_url": direct}
+        run(args, brokers, options)
+
+
+def run(args: argparse.Namespace, brokers: dict[str, str], options: dict[str, Any]) -> None:
+    """One run of every broker (see the module docstring)."""
 
     first_pg = next((d for d in map(pg_dsn, brokers.values()) if d), None)
     env = {
