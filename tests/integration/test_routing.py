@@ -278,3 +278,19 @@ def test_routed_publishes_with_deduplication_take_publish_routed(db_dsn):
                 )
             assert sent.count("send_routed") == 4 and "direct" not in sent, sent
     assert (count(db_dsn, "by_task"), count(db_dsn, "by_header")) == (1, 1)
+
+
+def test_a_queue_deleted_by_another_process_under_a_cached_routed_statement(db_dsn):
+    """The guarded statement of a queue (plan-cached) meets the queue dropped by another
+    connection: the publish reloads the routes, finds no binding and drops the message
+    (as AMQP does), without an error and without creating the queue again."""
+    ex = Exchange("dropped.ex", type="direct")
+    with connect(db_dsn) as conn:
+        bind(conn, "dropped", ex, "k")
+        publish_to(conn, ex, "k", {"n": 0})
+        assert ("send_routed_queue", "dropped") in conn.transport.broker()._statements
+        with connect(db_dsn) as other:
+            other.channel().queue_delete("dropped")
+        publish_to(conn, ex, "k", {"n": 1})
+        assert ("send_routed_queue", "dropped") not in conn.transport.broker()._statements
+    assert sql(db_dsn, "SELECT to_regclass(%s)", [table("dropped")]) == [(None,)]
