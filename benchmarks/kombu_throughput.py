@@ -3,13 +3,18 @@
 Usage::
 
     python benchmarks/kombu_throughput.py [--messages 2000] [--prefetch 10] [--repeat 5] \
-        [--broker NAME=URL ...] [--durability-modes] [--json out.json]
+        [--broker NAME=URL ...] [--exchange] [--durability-modes] [--json out.json]
 
 Brokers (default: all of :mod:`brokers`: kombu_pgmq, redis, rabbitmq, kombu57_pgmq) are
 measured in the same run, ``--repeat`` times in turn (median reported). Prints msgs/s
 for publish and for consume+ack (one ack per message, as Celery does). For kombu_pgmq it
 also measures the floor a publish stands on: a raw ``SELECT pgmq.send(...)`` loop on one
 psycopg connection, same payload.
+
+``--exchange`` also measures publishes through a direct exchange named ``celery`` (what
+Kombu's ``Producer(exchange=Exchange("celery"))`` and Celery with an explicit exchange
+send; each round, before the default-exchange publishes): column ``publish_exchange_per_s``
+and its ratio to the default exchange's.
 
 ``--durability-modes`` adds kombu_pgmq variants: ``durable_acks=True``; publishes with
 ``synchronous_commit=off`` (libpq ``options``); a non-durable queue (UNLOGGED tables).
@@ -28,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from kombu import Connection, Consumer, Producer, Queue
+from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -45,17 +50,33 @@ MODES: dict[str, tuple[dict[str, Any], bool]] = {
 }
 
 
+#: --exchange: also publish through this direct exchange (Celery's default exchange name).
+EXCHANGE = False
+
+
 def measure(
     url: str, options: dict[str, Any], messages: int, prefetch: int, durable: bool = True
 ) -> dict[str, float | str]:
     # durable=False: an UNLOGGED PGMQ queue with kombu_pgmq (no WAL; emptied by a crash).
-    queue = Queue(f"bench_{uuid.uuid4().hex[:8]}", routing_key="bench", durable=durable)
+    name = f"bench_{uuid.uuid4().hex[:8]}"
+    queue = Queue(name, Exchange("celery", type="direct"), routing_key=name, durable=durable)
     body = {"task": "noop", "args": [1, 2], "kwargs": {}, "id": str(uuid.uuid4())}
+    extra: dict[str, float | str] = {}
     with Connection(url, transport_options=options) as conn:
         channel = conn.channel()
         producer = Producer(channel)
         queue(channel).declare()
         channel.queue_purge(queue.name)
+        if EXCHANGE:
+            try:
+                routed = Producer(channel, exchange=queue.exchange)
+                start = time.perf_counter()
+                for _ in range(messages):
+                    routed.publish(body, routing_key=queue.name)
+                extra["publish_exchange_per_s"] = round(messages / (time.perf_counter() - start))
+            except Exception as exc:  # a transport without exchanges: say so, go on
+                extra["publish_exchange_error"] = f"{type(exc).__name__}: {exc}"
+            channel.queue_purge(queue.name)
         start = time.perf_counter()
         for _ in range(messages):
             producer.publish(body, routing_key=queue.name)
@@ -78,6 +99,7 @@ def measure(
         "url": redact(url),
         "publish_per_s": round(publish_rate),
         "consume_ack_per_s": round(consume_rate),
+        **extra,
     }
 
 
@@ -100,9 +122,12 @@ def main() -> None:
     parser.add_argument("--prefetch", type=int, default=10)
     parser.add_argument("--broker", action="append", metavar="NAME=URL")
     parser.add_argument("--repeat", type=int, default=3, help="runs per broker (median)")
+    parser.add_argument("--exchange", action="store_true", help="also through exchange celery")
     parser.add_argument("--durability-modes", action="store_true")
     parser.add_argument("--json", help="write results to this file")
     args = parser.parse_args()
+    global EXCHANGE
+    EXCHANGE = args.exchange
     brokers = dict(b.split("=", 1) for b in args.broker) if args.broker else dict(DEFAULT_BROKERS)
     # case name -> (url, transport options, durable queue)
     cases: dict[str, tuple[str, dict[str, Any], bool]] = {
@@ -133,24 +158,46 @@ def main() -> None:
         if runs[name]:
             row["publish_per_s"] = statistics.median(r["publish_per_s"] for r in runs[name])
             row["consume_ack_per_s"] = statistics.median(r["consume_ack_per_s"] for r in runs[name])
+            routed = [
+                r["publish_exchange_per_s"] for r in runs[name] if "publish_exchange_per_s" in r
+            ]
+            if routed:
+                row["publish_exchange_per_s"] = statistics.median(routed)
+                row["exchange_to_default"] = round(
+                    statistics.median(
+                        r["publish_exchange_per_s"] / r["publish_per_s"]
+                        for r in runs[name]
+                        if "publish_exchange_per_s" in r
+                    ),
+                    3,
+                )
             row["runs"] = runs[name]
         if name in errors:
             row["error"] = errors[name]
         if name == "kombu_pgmq" and raw:
             row["raw_pgmq_send_per_s"] = round(statistics.median(raw))
         results.append(row)
-    print(f"{'broker':30} {'publish/s':>10} {'consume+ack/s':>14} {'raw pgmq.send/s':>16}")
+    print(
+        f"{'broker':30} {'publish/s':>10} {'consume+ack/s':>14} {'raw pgmq.send/s':>16}"
+        f" {'exchange publish/s':>19} {'ratio':>6}"
+    )
     for r in results:
         if "error" in r:
             print(f"{r['broker']:30} error: {r['error']}")
             continue
         print(
             f"{r['broker']:30} {r['publish_per_s']:>10.0f} {r['consume_ack_per_s']:>14.0f} "
-            f"{r.get('raw_pgmq_send_per_s', '-')!s:>16}"
+            f"{r.get('raw_pgmq_send_per_s', '-')!s:>16} "
+            f"{r.get('publish_exchange_per_s', '-')!s:>19} {r.get('exchange_to_default', '-')!s:>6}"
         )
     if args.json:
         with open(args.json, "w") as fh:
-            meta = {"messages": args.messages, "prefetch": args.prefetch, "repeat": args.repeat}
+            meta = {
+                "messages": args.messages,
+                "prefetch": args.prefetch,
+                "repeat": args.repeat,
+                "exchange": args.exchange,
+            }
             json.dump({**meta, "host_cpus": os.cpu_count(), "results": results}, fh, indent=2)
             fh.write("\n")
 

@@ -23,8 +23,11 @@ SELECT kombu_pgmq.publish(%(queue)s, %(message)s::jsonb, %(headers)s::jsonb,
 -- Migration 0003's shared advisory lock is taken before the row is written, and consumers
 -- waiting on the queue are notified after it (kombu_pgmq.notify_waiting, migration 0013;
 -- a delayed message with its due time, migration 0016).
+-- {routed}: empty, or statement routed_guard (a routed publish, issue 30: nothing is
+-- locked, written or notified unless the routing version is still the caller's).
 WITH locked AS (
     SELECT pg_advisory_xact_lock_shared(1802530161, hashtext(%(queue)s))
+    {routed}
 ), sent AS (
     INSERT INTO {queue_table} (vt, message, headers)
     SELECT clock_timestamp() + make_interval(secs => %(delay_seconds)s::integer),
@@ -558,10 +561,19 @@ SELECT v.version,
        coalesce((SELECT jsonb_agg(jsonb_build_object(
                             'exchange', b.exchange, 'routing_key', b.routing_key,
                             'queue', b.queue, 'pgmq_queue', q.pgmq_queue,
-                            'priority_bands', q.priority_bands, 'band_queues', q.band_queues))
+                            'priority_bands', q.priority_bands, 'band_queues', q.band_queues,
+                            'deduplicate_task_id', q.deduplicate_task_id))
                  FROM kombu_pgmq.bindings b JOIN kombu_pgmq.queues q USING (queue)),
                 '[]'::jsonb) AS bindings
 FROM kombu_pgmq.routing_version v
+
+-- name: routed_guard
+-- send_queue's {routed}: a routed publish to one queue without deduplication (issue 30),
+-- the plan-cached statement instead of kombu_pgmq.publish_routed's pgmq.send (format +
+-- EXECUTE). The statement's snapshot reads the one-row version table: when a bind, unbind
+-- or exchange change committed since the caller loaded its routes, no row comes back and
+-- nothing was written (reload the routes and publish again), as publish_routed does.
+FROM kombu_pgmq.routing_version WHERE version = %(version)s::bigint
 
 -- name: routing_version
 -- Cheap freshness check of a cached routing table (one-row table).

@@ -80,7 +80,8 @@ class BatchedPublisher(Broker):
         version: int,
         delay_seconds: int = 0,
         deduplication_window: float = 300.0,
-    ) -> tuple[int, list[int | None]]:
+        deduplicated: bool = True,
+    ) -> tuple[int | None, list[int | None]]:
         if self._version is not None and version != self._version:
             self.flush()  # routes of another version: what was recorded goes first
         self._version = version

@@ -189,12 +189,17 @@ class Broker(Declarations):
             "delay_seconds": delay_seconds,
         }
         rows: list[Any] = self._fetch_direct(
-            "send_queue",
-            queue,
-            lambda: self.db.compose("send_queue", queue_table=("pgmq", f"q_{queue}")),
-            params,
+            "send_queue", queue, lambda: self._compose_send_queue(queue), params
         )
         return int(rows[0][0])
+
+    def _compose_send_queue(self, queue: str, *, routed: bool = False) -> sql.Composed:
+        """Statement ``send_queue`` for ``queue``'s table; ``routed``: guarded by the
+        routing version (statement ``routed_guard``)."""
+        guard = self.db.statement("routed_guard") if routed else ""
+        return sql.SQL(self.db.statement("send_queue")).format(
+            queue_table=sql.Identifier("pgmq", f"q_{queue}"), routed=sql.SQL(guard)
+        )
 
     def _read_queue(
         self, queue: str, vt_seconds: int, qty: int, acks: Sequence[Receipt], durable_acks: bool
@@ -519,14 +524,27 @@ class Broker(Declarations):
         version: int,
         delay_seconds: int = 0,
         deduplication_window: float = 300.0,
-    ) -> tuple[int, list[int | None]]:
+        deduplicated: bool = True,
+    ) -> tuple[int | None, list[int | None]]:
         """Send one message to several PGMQ queues in one statement, if the routing version
         is still ``version``. Returns ``(current_version, msg_ids)``; when the versions
-        differ nothing was sent. ``delay_seconds > 0``: visible only after that long.
+        differ nothing was sent (``current_version`` None: it moved, to a version not
+        read). ``delay_seconds > 0``: visible only after that long.
+
+        ``deduplicated=False``: the caller knows the message has no deduplication id in
+        any of ``queues``; to one queue, on the transport's own connection, it is then
+        written by statement ``send_queue`` guarded by the version (``routed_guard``,
+        plan-cached), else by ``kombu_pgmq.publish_routed``.
 
         Raises:
             QueueNotFound: one of the queues is gone (nothing was sent).
         """
+        if not deduplicated and self.direct_writes and len(queues) == 1:
+            try:
+                return self._send_routed_queue(queues[0], message, headers, version, delay_seconds)
+            except PermissionDenied:
+                # a least-privilege role publishes through kombu_pgmq.publish_routed
+                self.direct_writes = False
         params = {
             "queues": list(queues),
             "message": message,
@@ -537,3 +555,24 @@ class Broker(Declarations):
         }
         row = self.db.fetch("send_routed", params, VersionRow)[0]
         return int(row.version), list(row.msg_ids)
+
+    def _send_routed_queue(
+        self, queue: str, message: str, headers: str, version: int, delay_seconds: int
+    ) -> tuple[int | None, list[int | None]]:
+        """:meth:`send_routed` to one queue: statement ``send_queue`` + ``routed_guard``."""
+        params = {
+            "queue": queue,
+            "message": message,
+            "headers": headers,
+            "delay_seconds": max(delay_seconds, 0),
+            "version": version,
+        }
+        rows: list[Any] = self._fetch_direct(
+            "send_routed_queue",
+            queue,
+            lambda: self._compose_send_queue(queue, routed=True),
+            params,
+        )
+        if not rows:
+            return None, []
+        return version, [int(rows[0][0])]

@@ -157,6 +157,7 @@ class Declarations:
                 for b in bindings
                 if b["priority_bands"] and b["band_queues"]
             },
+            frozenset(b["queue"] for b in bindings if b.get("deduplicate_task_id")),
         )
 
     def routing_version(self) -> int:

@@ -130,6 +130,9 @@ class RoutingTable(NamedTuple):
     bindings: list[tuple[str, str, str, str]]
     #: ``{queue: (priority_floors, band_pgmq_queues)}`` of bound queues with priorities.
     bands: dict[str, tuple[list[int], list[str]]] = {}
+    #: Bound queues declared with ``x-deduplicate-task-id`` (fixed at the first
+    #: declaration: it changes only through a delete, which moves the version).
+    deduplicated: frozenset[str] = frozenset()
 
 
 class QueueInfo(NamedTuple):

@@ -129,8 +129,13 @@ which build their SQL with ``format()`` + ``EXECUTE`` on every call. The tables 
 exactly PGMQ's: the rows written are those PGMQ's functions write (``last_read_at``
 where the table has it), so ``pgmq.read``, ``pgmq.archive``, ``pgmq.metrics`` and
 PGMQ's clients keep working on the same queues, on the extension and on the SQL-only
-install. A message with a deduplication id, a FIFO queue, several priority bands in one
-read, a publish inside the application's transaction and a least-privilege role
+install. A publish through an exchange that routes to one queue (Kombu's
+``Producer(exchange=...)``, Celery with an explicit exchange) is the same ``send_queue``
+statement, guarded by the routing version: nothing is written if a binding changed since
+the routes were cached, and the publish is repeated with the routes reloaded. A message
+with a deduplication id, an exchange routing to several queues (``publish_routed``), a
+FIFO queue, several priority bands in one read, a publish inside the application's
+transaction and a least-privilege role
 (``kombu-pgmq schema grant``, no rights on PGMQ's tables) go through kombu_pgmq's SQL
 functions as before.
 

@@ -55,6 +55,8 @@ class Routes:
     def __init__(self, table: RoutingTable) -> None:
         self.version = table.version
         self.exchanges = table.exchanges
+        #: Kombu queues of this table declared with ``x-deduplicate-task-id``.
+        self.deduplicated = table.deduplicated
         by_exchange: dict[str, list[tuple[str, str, str]]] = defaultdict(list)
         for exchange, routing_key, queue, pgmq_queue in table.bindings:
             by_exchange[exchange].append((routing_key, queue, pgmq_queue))

@@ -298,6 +298,12 @@ class Publisher(ChannelPart):
                 ]
             else:
                 names = [pgmq for _, pgmq in targets]
+            # No deduplication id: the header is absent (a substring test, conservative)
+            # and no target queue was declared with x-deduplicate-task-id (as of the
+            # routes' version, which the statement checks).
+            plain = '"x-deduplication-id"' not in headers and routes.deduplicated.isdisjoint(
+                queue for queue, _ in targets
+            )
             try:
                 version, msg_ids = transport.publisher().send_routed(
                     names,
@@ -306,6 +312,7 @@ class Publisher(ChannelPart):
                     version=routes.version,
                     delay_seconds=delay,
                     deduplication_window=self.options.deduplication_window,
+                    deduplicated=not plain,
                 )
             except errors.QueueNotFound as exc:
                 # A bound queue was dropped meanwhile (its bindings normally go with it):

@@ -174,3 +174,123 @@ def test_unroutable_publishes_check_the_version_instead_of_reloading(db_dsn):
         publish_to(conn, events, "worker.heartbeat", {"n": 9})
         assert reloads == [1]
     assert count(db_dsn, "monitor") == 1
+
+
+def _statements_sent(conn: Connection) -> list[str]:
+    """Names of the named statements the connection's broker sends from now on
+    ("direct" for a statement composed on a queue's tables)."""
+    db = conn.transport.broker().db
+    sent: list[str] = []
+    fetch = db.fetch
+
+    def spy(query, *args, **kwargs):  # type: ignore[no-untyped-def]
+        sent.append(query if isinstance(query, str) else "direct")
+        return fetch(query, *args, **kwargs)
+
+    db.fetch = spy
+    return sent
+
+
+def test_a_routed_publish_to_one_queue_is_one_guarded_direct_statement(db_dsn):
+    """Celery's case (issue 30): exchange "celery" routes to one queue; the publish is
+    statement send_queue with the routing version guard, not kombu_pgmq.publish_routed.
+    The row is PGMQ's (pgmq.read takes it); a delay and a priority band keep working."""
+    celery = Exchange("celery", type="direct")
+    with connect(db_dsn) as conn:
+        bind(conn, "celery", celery, "celery")
+        Queue("prio", celery, routing_key="prio", max_priority=9)(conn.channel()).declare()
+        publish_to(conn, celery, "celery", {"n": 0})  # loads the routes
+        sent = _statements_sent(conn)
+        publish_to(conn, celery, "celery", {"n": 1})
+        Producer(conn.channel(), exchange=celery).publish(
+            {"n": 2}, routing_key="celery", headers={"x-delay": 60_000}
+        )
+        Producer(conn.channel(), exchange=celery).publish({"n": 3}, routing_key="prio", priority=9)
+        assert sent == ["direct"] * 3
+        statements = conn.transport.broker()._statements
+        assert ("send_routed_queue", "celery") in statements
+        high = conn.transport.topology.bands("prio").queue_for(9)
+        assert high != "prio" and ("send_routed_queue", high) in statements
+    rows = sql(db_dsn, "SELECT message, read_ct FROM pgmq.read('celery', 30, 10)")
+    assert sorted((r[0]["n"], r[1]) for r in rows) == [(0, 1), (1, 1)]  # n=2 is delayed
+    delayed = sql(db_dsn, "SELECT vt > now() + interval '50 seconds' FROM pgmq.q_celery")
+    assert sorted(d[0] for d in delayed) == [False, False, True]
+    assert count(db_dsn, "prio") == 0
+    assert sql(db_dsn, f"SELECT message FROM pgmq.q_{high}") == [({"n": 3},)]
+
+
+BIND_ELSEWHERE = """
+import sys
+from kombu import Connection, Exchange, Queue
+import kombu_pgmq
+url, old, new = sys.argv[1:4]
+with Connection(url) as conn:
+    channel = conn.channel()
+    channel.queue_unbind(old, "moving", "k")
+    Queue(new, Exchange("moving", type="direct"), routing_key="k")(channel).declare()
+"""
+
+
+def test_a_binding_moved_by_another_process_moves_the_next_routed_publish(db_dsn):
+    """The publisher's cached routes name one queue; another process unbinds it and binds
+    another (committed): the publisher's next publish reaches the new queue only (its
+    guarded statement wrote nothing, the routes were reloaded)."""
+    import subprocess
+    import sys
+
+    moving = Exchange("moving", type="direct")
+    with connect(db_dsn) as conn:
+        bind(conn, "before", moving, "k")
+        publish_to(conn, moving, "k", {"n": 0})
+        assert count(db_dsn, "before") == 1
+        subprocess.run(
+            [sys.executable, "-c", BIND_ELSEWHERE, db_dsn, "before", "after"], check=True
+        )
+        sent = _statements_sent(conn)
+        publish_to(conn, moving, "k", {"n": 1})
+        assert sent == ["direct", "routing_table", "direct"]  # refused, reloaded, sent
+        assert (count(db_dsn, "before"), count(db_dsn, "after")) == (1, 1)
+        # and back, through another connection in this process
+        with connect(db_dsn) as other:
+            other.channel().queue_unbind("after", "moving", "k")
+            bind(other, "before", moving, "k")
+        publish_to(conn, moving, "k", {"n": 2})
+    assert (count(db_dsn, "before"), count(db_dsn, "after")) == (2, 1)
+
+
+def test_routed_publishes_with_deduplication_take_publish_routed(db_dsn):
+    """A target queue declared with x-deduplicate-task-id (known from the routing table)
+    or an x-deduplication-id header: kombu_pgmq.publish_routed claims the id."""
+    ex = Exchange("dedup.ex", type="direct")
+    with connect(db_dsn) as conn:
+        Queue("by_task", ex, routing_key="t", queue_arguments={"x-deduplicate-task-id": True})(
+            conn.channel()
+        ).declare()
+        bind(conn, "by_header", ex, "h")
+        with connect(db_dsn) as producer:  # never declared them: the routes tell
+            sent = _statements_sent(producer)
+            for _ in range(2):
+                Producer(producer.channel(), exchange=ex).publish(
+                    {}, routing_key="t", headers={"id": "task-1"}
+                )
+                Producer(producer.channel(), exchange=ex).publish(
+                    {}, routing_key="h", headers={"x-deduplication-id": "d-1"}
+                )
+            assert sent.count("send_routed") == 4 and "direct" not in sent, sent
+    assert (count(db_dsn, "by_task"), count(db_dsn, "by_header")) == (1, 1)
+
+
+def test_a_queue_deleted_by_another_process_under_a_cached_routed_statement(db_dsn):
+    """The guarded statement of a queue (plan-cached) meets the queue dropped by another
+    connection: the publish reloads the routes, finds no binding and drops the message
+    (as AMQP does), without an error and without creating the queue again."""
+    ex = Exchange("dropped.ex", type="direct")
+    with connect(db_dsn) as conn:
+        bind(conn, "dropped", ex, "k")
+        publish_to(conn, ex, "k", {"n": 0})
+        assert ("send_routed_queue", "dropped") in conn.transport.broker()._statements
+        with connect(db_dsn) as other:
+            other.channel().queue_delete("dropped")
+        publish_to(conn, ex, "k", {"n": 1})
+        assert ("send_routed_queue", "dropped") not in conn.transport.broker()._statements
+    assert sql(db_dsn, "SELECT to_regclass(%s)", [table("dropped")]) == [(None,)]
