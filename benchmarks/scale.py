@@ -135,8 +135,10 @@ def consume(
     max_seconds: float,
     go: Any,
     acked: Any,
+    ready: Any = None,
 ) -> None:
-    """Consume and ack until the processes together acked ``total`` (or time is up)."""
+    """Consume and ack until the processes together acked ``total`` (or time is up);
+    ``ready`` (a shared counter, optional) is counted up once connected and declared."""
 
     def on_message(_body: object, message: Any) -> None:
         message.ack()
@@ -148,6 +150,9 @@ def consume(
             conn.channel(), [Queue(queue, routing_key=queue)], callbacks=[on_message]
         )
         consumer.qos(prefetch_count=10)
+        if ready is not None:
+            with ready.get_lock():
+                ready.value += 1
         go.wait()
         consumer.consume()
         deadline = time.monotonic() + max_seconds

@@ -43,37 +43,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from brokers import reset_statement_stats, top_statements
-from kombu import Connection, Consumer, Queue
 from limits import _start_server
-from scale import cpu_busy, fill
+from scale import consume, cpu_busy, fill
 
 import kombu_pgmq  # noqa: F401  (registers postgresql://)
 from tests.support import pgbouncer
 
 QUEUE = "scale_pooler"
-
-
-def consume(url: str, options: dict[str, Any], total: int, ready: Any, go: Any, acked: Any) -> None:
-    """One consumer process: ack one by one until the processes together acked ``total``."""
-
-    def on_message(_body: object, message: Any) -> None:
-        message.ack()
-        with acked.get_lock():
-            acked.value += 1
-
-    with Connection(url, transport_options=options) as conn:
-        consumer = Consumer(
-            conn.channel(), [Queue(QUEUE, routing_key=QUEUE)], callbacks=[on_message]
-        )
-        consumer.qos(prefetch_count=10)
-        with ready.get_lock():
-            ready.value += 1
-        go.wait()
-        consumer.consume()
-        while acked.value < total:
-            with contextlib.suppress(TimeoutError, OSError):
-                conn.drain_events(timeout=0.2)
-        consumer.cancel()
 
 
 class Sampler(threading.Thread):
@@ -111,7 +87,8 @@ def drain(
 ) -> dict[str, Any]:
     ready, go, acked = mp.Value("i", 0), mp.Event(), mp.Value("q", 0)
     procs = [
-        mp.Process(target=consume, args=(url, options, total, ready, go, acked)) for _ in range(k)
+        mp.Process(target=consume, args=(url, options, QUEUE, total, limit, go, acked, ready))
+        for _ in range(k)
     ]
     for p in procs:
         p.start()
