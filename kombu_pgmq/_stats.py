@@ -23,6 +23,7 @@ FIELDS = (
     "lost_leases",
     "publishes",
     "publish_errors",
+    "handovers",
 )
 
 
@@ -41,6 +42,7 @@ class ProcessStats:
     lost_leases: int
     publishes: int
     publish_errors: int
+    handovers: int
 
     def __init__(self) -> None:
         self.reset()

@@ -73,7 +73,8 @@ from . import errors
 from ._conninfo import is_ours, redact
 from ._db.batch import BatchedPublisher
 from ._db.broker import Broker
-from ._db.connector import Connector, ExternalConnector
+from ._db.connector import Connector
+from ._db.external import ExternalConnector
 from ._db.pooling import mark_pooled
 from .schema import ensure_schema
 from .transport._binding import BINDING_OPTION, CURRENT_BINDING, current_binding

@@ -23,23 +23,72 @@ SELECT kombu_pgmq.publish(%(queue)s, %(message)s::jsonb, %(headers)s::jsonb,
 -- Migration 0003's shared advisory lock is taken before the row is written, and consumers
 -- waiting on the queue are notified after it (kombu_pgmq.notify_waiting, migration 0013;
 -- a delayed message with its due time, migration 0016).
+-- Hand-over (migration 0023): %(handoff)s is the NOTIFY payload's tail (message, chr(30),
+-- headers: what the caller sends, small enough for a NOTIFY), NULL for a delayed or large
+-- message. When a waiting consumer offers a slot (kombu_pgmq.hand_off claims it, after the
+-- lock and the routing guard: it is called per row of locked, and only when a slot is
+-- offered on the queue: a publish nobody waits for pays no function call), the row is written as pgmq.read
+-- leaves a delivered one (read_ct 1, vt = now + that consumer's visibility timeout, last_read_at)
+-- and the consumer's channel is notified with queue, msg_id, enqueued_at (UTC) and the tail,
+-- separated by chr(30) (never in JSON text); no other consumer is woken.
 -- {routed}: empty, or statement routed_guard (a routed publish, issue 30: nothing is
--- locked, written or notified unless the routing version is still the caller's).
+-- locked, claimed, written or notified unless the routing version is still the caller's).
+-- {handed_columns}/{handed_values}: send_handed_columns/_values, or nothing for PGMQ < 1.11.
+-- %(commit)s 'off' (transport option visible_before_flush), NULL: a publish that a waiting
+-- consumer gets now (handed over, or woken: not delayed and the queue has a waiting row)
+-- commits without waiting for the WAL flush, so its NOTIFY leaves at once, and says so in
+-- column flush: the caller then waits for the flush with statement flush_commits. A
+-- publish nobody waits for commits as the session does (one round trip, no second
+-- transaction).
 WITH locked AS (
     SELECT pg_advisory_xact_lock_shared(1802530161, hashtext(%(queue)s))
     {routed}
+), handed AS MATERIALIZED (
+    SELECT h.channel, h.vt_seconds
+    FROM (SELECT %(handoff)s::text AS tail FROM locked
+          WHERE %(handoff)s::text IS NOT NULL
+            AND EXISTS (SELECT 1 FROM kombu_pgmq.waiting w
+                        WHERE w.pgmq_queue = %(queue)s AND w.handoff_slots > 0)) AS offer,
+         LATERAL kombu_pgmq.hand_off(%(queue)s, offer.tail) AS h
 ), sent AS (
-    INSERT INTO {queue_table} (vt, message, headers)
-    SELECT clock_timestamp() + make_interval(secs => %(delay_seconds)s::integer),
-           %(message)s::jsonb, %(headers)s::jsonb
-    FROM locked
-    RETURNING msg_id, vt
+    INSERT INTO {queue_table} (vt, message, headers, read_ct{handed_columns})
+    SELECT CASE WHEN h.channel IS NULL
+                THEN clock_timestamp() + make_interval(secs => %(delay_seconds)s::integer)
+                ELSE clock_timestamp() + make_interval(secs => h.vt_seconds) END,
+           %(message)s::jsonb, %(headers)s::jsonb,
+           CASE WHEN h.channel IS NULL THEN 0 ELSE 1 END{handed_values}
+    FROM locked LEFT JOIN handed h ON true
+    RETURNING msg_id, vt, enqueued_at
 )
-SELECT msg_id,
-       kombu_pgmq.notify_waiting(%(queue)s,
-                                 CASE WHEN %(delay_seconds)s::integer > 0 THEN vt END)::text
-           AS notified
-FROM sent
+SELECT s.msg_id,
+       CASE WHEN h.channel IS NULL
+            THEN kombu_pgmq.notify_waiting(%(queue)s,
+                                           CASE WHEN %(delay_seconds)s::integer > 0
+                                                THEN s.vt END)::text
+            ELSE pg_notify(h.channel,
+                           %(queue)s || chr(30) || s.msg_id || chr(30)
+                           || to_char(s.enqueued_at AT TIME ZONE 'UTC',
+                                      'YYYY-MM-DD"T"HH24:MI:SS.US')
+                           || chr(30) || %(handoff)s)::text
+       END AS notified,
+       CASE WHEN %(commit)s::text = 'off'
+                 AND (h.channel IS NOT NULL
+                      OR (%(delay_seconds)s::integer <= 0
+                          AND EXISTS (SELECT 1 FROM kombu_pgmq.waiting w
+                                      WHERE w.pgmq_queue = %(queue)s)))
+            THEN set_config('synchronous_commit', 'off', true) = 'off'
+            ELSE false
+       END AS flush
+FROM sent s LEFT JOIN handed h ON true
+
+-- name: send_handed_columns
+-- send_queue's {handed_columns} where the table has last_read_at (PGMQ >= 1.11).
+, last_read_at
+
+-- name: send_handed_values
+-- send_queue's {handed_values} with send_handed_columns: a handed row is read now, as
+-- pgmq.read marks it.
+, CASE WHEN h.channel IS NULL THEN NULL ELSE clock_timestamp() END
 
 -- name: read
 -- Deliver up to qty visible messages of one queue, hiding them for vt_seconds
@@ -70,7 +119,8 @@ FROM kombu_pgmq.read(%(queues)s::text[], %(vt_seconds)s::integer, %(qty)s::integ
 -- hold (msg_id, read_ct, enqueued_at, migration 0007); an acked row whose msg_id is
 -- already archived (an UNLOGGED queue's ids restarted after a crash) is archived under a
 -- new one (kombu_pgmq.archive_under_new_id, migration 0014), never dropped. read: up to
--- qty visible rows in msg_id order, FOR UPDATE SKIP LOCKED, never one being acked here,
+-- qty visible rows, oldest visibility first on PGMQ's vt index (as read_queue_without_acks,
+-- issue 30), FOR UPDATE SKIP LOCKED, never one being acked here,
 -- nothing from a paused queue (migration 0012) or a limited one (migration 0021: it is
 -- read by kombu_pgmq.read; a row with msg_id NULL says it is limited). Rows with acked =
 -- true are the acks applied. {queue_table}/{archive_table}: pgmq.q_<name>/pgmq.a_<name>;
@@ -92,10 +142,10 @@ WITH acked AS (
     RETURNING msg_id
 ), picked AS (
     SELECT msg_id FROM {queue_table}
-    WHERE vt <= clock_timestamp() AND msg_id <> ALL(%(ack_ids)s::bigint[])
+    WHERE vt <= (SELECT clock_timestamp()) AND msg_id <> ALL(%(ack_ids)s::bigint[])
       AND NOT EXISTS (SELECT 1 FROM kombu_pgmq.paused p WHERE p.pgmq_queue = %(queue)s)
       AND NOT EXISTS (SELECT 1 FROM kombu_pgmq.limited l WHERE l.pgmq_queue = %(queue)s)
-    ORDER BY msg_id
+    ORDER BY vt, msg_id
     LIMIT %(qty)s
     FOR UPDATE SKIP LOCKED
 ), delivered AS (
@@ -122,6 +172,39 @@ UNION ALL
 SELECT NULL, 0, NULL, NULL, NULL, NULL, false, NULL
 FROM kombu_pgmq.limited l WHERE l.pgmq_queue = %(queue)s
 ORDER BY acked, msg_id
+
+-- name: read_queue_without_acks
+-- read_queue when no acks ride along (issue 30): the read alone, which PostgreSQL parses and
+-- plans in a third of read_queue's time (the acked/archived parts are planned even when
+-- empty; through a transaction pooler, where nothing is prepared, that is paid on every
+-- read). Up to qty visible rows, oldest visibility first (the vt index, PGMQ's
+-- q_<name>_vt_idx: rows in flight, whose vt is in the future, are never walked past;
+-- (SELECT clock_timestamp()) is computed once, so it bounds the index scan), msg_id
+-- breaking ties; nothing from a paused queue (migration 0012); a limited one (migration
+-- 0021) delivers nothing and says so with its marker row (msg_id NULL), as read_queue.
+-- Placeholders as read_queue's.
+WITH delivered AS (
+    UPDATE {queue_table} AS m
+    SET vt = clock_timestamp() + make_interval(secs => %(vt_seconds)s::integer),
+        read_ct = m.read_ct + 1{touch}
+    WHERE m.msg_id = ANY(ARRAY(
+        SELECT msg_id FROM {queue_table}
+        WHERE vt <= (SELECT clock_timestamp())
+          AND NOT EXISTS (SELECT 1 FROM kombu_pgmq.paused p WHERE p.pgmq_queue = %(queue)s)
+          AND NOT EXISTS (SELECT 1 FROM kombu_pgmq.limited l WHERE l.pgmq_queue = %(queue)s)
+        ORDER BY vt, msg_id
+        LIMIT %(qty)s
+        FOR UPDATE SKIP LOCKED))
+    RETURNING m.msg_id, m.read_ct, m.enqueued_at, m.message, m.headers
+)
+SELECT msg_id, read_ct, enqueued_at, message::text AS message, headers::text AS headers,
+       extract(epoch FROM clock_timestamp() - enqueued_at)::float8 AS age_seconds,
+       false AS acked, {commit_mode}
+FROM delivered
+UNION ALL
+SELECT NULL, 0, NULL, NULL, NULL, NULL, false, NULL
+FROM kombu_pgmq.limited l WHERE l.pgmq_queue = %(queue)s
+ORDER BY msg_id
 
 -- name: read_limited_queue
 -- read_queue for a limited queue without key limits (migration 0021): the same acks and
@@ -157,15 +240,15 @@ WITH acked AS (
     SELECT allowed, cut, taken
     FROM kombu_pgmq.limit_take(%(queue)s, %(qty)s::integer, %(ack_ids)s::bigint[])
 ), picked AS (
-    SELECT msg_id FROM {queue_table}
-    WHERE vt <= clock_timestamp() AND msg_id <> ALL(%(ack_ids)s::bigint[])
+    SELECT msg_id, vt FROM {queue_table}
+    WHERE vt <= (SELECT clock_timestamp()) AND msg_id <> ALL(%(ack_ids)s::bigint[])
       AND NOT EXISTS (SELECT 1 FROM kombu_pgmq.paused p WHERE p.pgmq_queue = %(queue)s)
-    ORDER BY msg_id
+    ORDER BY vt, msg_id
     LIMIT %(qty)s
     FOR UPDATE SKIP LOCKED
 ), chosen AS (
     SELECT msg_id FROM picked
-    ORDER BY msg_id
+    ORDER BY vt, msg_id
     LIMIT (SELECT coalesce(b.allowed, %(qty)s::integer) FROM budget b)
 ), delivered AS (
     UPDATE {queue_table} AS m
@@ -252,6 +335,16 @@ SET synchronous_commit = off
 -- name: synchronous_commit_reset
 RESET synchronous_commit
 
+-- name: flush_commits
+-- After a publish that committed without waiting for the WAL flush (send_queue's column
+-- flush; Broker.send), in a transaction of its own: a
+-- transactional logical decoding message (prefix 'kombu_pgmq.flush', empty; callable by
+-- every role) takes a transaction id and writes a WAL record, so the commit writes a
+-- commit record and, in the session's commit mode, waits for the WAL flush up to it: that
+-- covers the publish's commit record, written before. (A transaction id alone writes no
+-- WAL: PostgreSQL then commits it without a flush.)
+SELECT pg_logical_emit_message(true, 'kombu_pgmq.flush', '')
+
 -- name: wait_for
 -- This connection found the queues empty and sleeps on their NOTIFY channels (see
 -- migration 0003 for why no wake-up is lost). Read the queues once more afterwards.
@@ -261,6 +354,29 @@ RESET synchronous_commit
 -- (migration 0016).
 SELECT queue, unsettled, due_in_seconds, server_epoch
 FROM kombu_pgmq.wait_for_due(%(owner)s, %(queues)s::text[])
+
+-- name: wait_for_handoff
+-- wait_for, offering one hand-over slot (migration 0023) on those of the queues whose
+-- consumers take messages with acks: publishes then hand a message to this connection in
+-- its NOTIFY (channel, held by the session advisory lock lock_key on the LISTEN
+-- connection), delivered with a visibility timeout of vt_seconds.
+SELECT queue, unsettled, due_in_seconds, server_epoch
+FROM kombu_pgmq.wait_for_handoff(%(owner)s, %(queues)s::text[], %(handoff_queues)s::text[],
+                                 %(channel)s, %(lock_key)s::bigint, %(vt_seconds)s::integer)
+
+-- name: rearm_handoff
+-- Offer a hand-over slot again on queues this connection still waits on (migration 0023);
+-- returns those it still waits on.
+SELECT queue FROM kombu_pgmq.rearm_handoff(%(owner)s, %(queues)s::text[]) AS queue
+
+-- name: handoff_lock
+-- The LISTEN connection's session advisory lock, held while it listens for hand-overs
+-- (migration 0023): publishers skip the slots of a connection that no longer holds it.
+SELECT pg_advisory_lock(%(lock_key)s::bigint)
+
+-- name: round_trip
+-- Nothing but a round trip: notifications committed before it are read before its result.
+SELECT 1
 
 -- name: stop_waiting
 -- The queues have a backlog: publishers need not notify this connection any more.
@@ -613,11 +729,16 @@ SELECT kombu_pgmq.release_consumer(%(kombu_queue)s, %(owner)s, %(consumer_tag)s)
 
 -- name: dead_tuples
 -- Dead row versions of queue tables (cumulative statistics, a few seconds behind), of
--- the tables this role may VACUUM (their owner, or a member of it; superusers).
+-- the tables this role may VACUUM (their owner, or a member of it; superusers), left out
+-- if a VACUUM (ours, another process's, autovacuum) ended less than min_interval_seconds
+-- ago: the statistics lag, and 64 consumers of one table ran 2.6 VACUUMs a second on it
+-- (issue 30, benchmarks/README.md), one after the other.
 SELECT s.relname, s.n_dead_tup
 FROM pg_stat_user_tables s JOIN pg_class c ON c.oid = s.relid
 WHERE s.schemaname = 'pgmq' AND s.relname = ANY(%(tables)s::text[])
   AND pg_has_role(c.relowner, 'USAGE')
+  AND coalesce(greatest(s.last_vacuum, s.last_autovacuum), '-infinity')
+      < now() - make_interval(secs => %(min_interval_seconds)s::float8)
 
 -- name: vacuum
 -- {queue_table} composed with psycopg.sql.Identifier. SKIP_LOCKED: another consumer's

@@ -110,6 +110,8 @@ class LeastPrivilegeDb:
     owner: str
     producer: str
     worker: str
+    #: The same database as the server's superuser (the test server's own role).
+    admin_url: str
 
 
 @dataclass(frozen=True)
@@ -203,6 +205,7 @@ def least_privilege_db(request: pytest.FixtureRequest) -> Iterator[LeastPrivileg
             lp.owner,
             lp.producer,
             lp.worker,
+            pgserver.database_url(lp.server, name),
         )
     finally:
         pgserver.drop_database(lp.server, name)
@@ -358,6 +361,30 @@ def pgbouncer(pg_server: str) -> Iterator[Any]:
         pytest.skip(reason)
     bouncer = support.PgBouncer(
         pg_server, default_pool_size=2, settings={"server_round_robin": "1"}
+    )
+    with bouncer:
+        yield bouncer
+
+
+@pytest.fixture(scope="session")
+def pgbouncer_prepared(pg_server: str) -> Iterator[Any]:
+    """A PgBouncer >= 1.21 that keeps prepared statements (``max_prepared_statements``
+    100), otherwise as :func:`pgbouncer`, once per session. Skipped, saying why, without
+    one (Debian 12 ships 1.18: ``.ci/build-pgbouncer`` builds 1.24.1 from Debian's
+    source)."""
+    from tests.support import pgbouncer as support
+
+    binary = support.prepared_binary()
+    if binary is None:
+        pytest.skip(
+            "no PgBouncer >= 1.21 here (Debian 12 ships 1.18): run .ci/build-pgbouncer, or "
+            "set KOMBU_PGMQ_PGBOUNCER_PREPARED to one"
+        )
+    bouncer = support.PgBouncer(
+        pg_server,
+        default_pool_size=2,
+        settings={"server_round_robin": "1", "max_prepared_statements": "100"},
+        binary=binary,
     )
     with bouncer:
         yield bouncer

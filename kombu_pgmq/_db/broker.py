@@ -15,9 +15,12 @@ from typing import Any
 
 from psycopg import sql
 
-from ..errors import KombuPgmqError, PermissionDenied, QueueNotFound
-from .connector import Connector, ExternalConnector
+from ..errors import PermissionDenied, QueueNotFound
+from . import handoff
+from .connector import Connector
 from .declarations import Declarations
+from .external import ExternalConnector
+from .nowait import Nowait
 from .rows import (
     KEY_LIMITED,
     QueueInfo,
@@ -30,7 +33,6 @@ from .rows import (
     Throttle,
     VersionRow,
     receipt_handles,
-    text_array,
 )
 
 logger = logging.getLogger(__name__)
@@ -41,7 +43,7 @@ _ARCHIVE_COLUMNS = ("msg_id", "read_ct", "enqueued_at", "last_read_at", "vt", "m
 __all__ = ["Broker", "QueueInfo", "Receipt", "RoutingTable", "Row"]
 
 
-class Broker(Declarations):
+class Broker(Declarations, Nowait):
     """Typed broker operations over one connector (see the module docstring)."""
 
     def __init__(self, db: Connector) -> None:
@@ -61,6 +63,10 @@ class Broker(Declarations):
         #: application's transaction the wake-up waits for its commit), and until the
         #: role turns out not to have the privileges for it.
         self.direct_writes = not isinstance(db, ExternalConnector)
+        #: Direct publishes (statement ``send_queue``) that a waiting consumer gets now
+        #: reach it (a NOTIFY, a hand-over) before their WAL flush and return after it
+        #: (transport option ``visible_before_flush``; :meth:`_flushed`).
+        self.visible_before_flush = False
 
     def database_identity(self) -> tuple[str, Any]:
         """``(database name, server start time)`` of the database this connection
@@ -187,18 +193,49 @@ class Broker(Declarations):
             "message": message,
             "headers": headers,
             "delay_seconds": delay_seconds,
+            "handoff": handoff.tail(message, headers, delay_seconds),
+            "commit": "off" if self.visible_before_flush else None,
         }
         rows: list[Any] = self._fetch_direct(
             "send_queue", queue, lambda: self._compose_send_queue(queue), params
         )
-        return int(rows[0][0])
+        return int(self._flushed(rows)[0][0])
+
+    def _flushed(self, rows: list[Any]) -> list[Any]:
+        """``rows`` of statement ``send_queue``, once the publish is on disk: when it
+        committed without waiting for the WAL flush (its column ``flush``: a waiting
+        consumer got it), statement ``flush_commits`` waits for that flush first. A role
+        that may not run it (a managed server that revoked ``pg_logical_emit_message``
+        from PUBLIC) turns ``visible_before_flush`` off, with a warning naming the fix."""
+        if rows and rows[0][-1]:
+            try:
+                self.db.execute("flush_commits")
+            except PermissionDenied as exc:
+                # The publish is committed (asynchronously): the WAL writer flushes it
+                # within wal_writer_delay. Later publishes commit synchronously.
+                self.visible_before_flush = False
+                logger.warning(
+                    "kombu_pgmq: visible_before_flush is off for this connection from now "
+                    "on: this role may not run pg_logical_emit_message (statement "
+                    "flush_commits: %s). GRANT EXECUTE ON FUNCTION "
+                    "pg_logical_emit_message(boolean, text, text) (PostgreSQL 17+: "
+                    "(boolean, text, text, boolean)) TO the role, or set the transport "
+                    "option visible_before_flush=False",
+                    exc,
+                )
+        return rows
 
     def _compose_send_queue(self, queue: str, *, routed: bool = False) -> sql.Composed:
         """Statement ``send_queue`` for ``queue``'s table; ``routed``: guarded by the
         routing version (statement ``routed_guard``)."""
         guard = self.db.statement("routed_guard") if routed else ""
+        table = f"pgmq.q_{queue}"
+        touch = "last_read_at" in set(self.db.column("table_columns", {"table": table}))
         return sql.SQL(self.db.statement("send_queue")).format(
-            queue_table=sql.Identifier("pgmq", f"q_{queue}"), routed=sql.SQL(guard)
+            queue_table=sql.Identifier("pgmq", f"q_{queue}"),
+            routed=sql.SQL(guard),
+            handed_columns=sql.SQL(self.db.statement("send_handed_columns") if touch else ""),
+            handed_values=sql.SQL(self.db.statement("send_handed_values") if touch else ""),
         )
 
     def _read_queue(
@@ -255,7 +292,10 @@ class Broker(Declarations):
             # the commit mode of the statement's own transaction (no session SET)
             "commit": None if durable else "off",
         }
-        name = "read_limited_queue" if limited else "read_queue"
+        if limited:
+            name = "read_limited_queue"
+        else:  # the read alone plans in a third of the time (sql/queries.sql)
+            name = "read_queue" if acks else "read_queue_without_acks"
         rows = self._fetch_direct(
             name,
             queue,
@@ -281,66 +321,6 @@ class Broker(Declarations):
             if r.msg_id is None:
                 delivered.limits[queue] = Throttle(r.read_ct, r.age_seconds)
         return delivered, [int(r.msg_id) for r in rows if r.acked]
-
-    def ack_nowait(
-        self,
-        receipts: Sequence[Receipt],
-        *,
-        durable: bool,
-        on_settled: Callable[[set[tuple[str, int]]], None],
-        on_error: Callable[[KombuPgmqError], None],
-    ) -> bool:
-        """Send the acks of one queue (receipts) without waiting for the result: the
-        server archives them as soon as the statement arrives (statement ``ack_queue``,
-        prepared on this connection). ``on_settled`` gets the ``(queue, msg_id)`` settled
-        (a stale receipt is left out) and ``on_error`` a failure, when the result is read:
-        before the next statement on this connection. Returns False, sending nothing,
-        where this path does not apply (receipts of several queues, a least-privilege
-        role): the caller archives them with :meth:`ack`.
-
-        Raises:
-            BrokerConnectionError: the statement could not be sent.
-        """
-        if not (self.direct_reads and receipts) or isinstance(self.db, ExternalConnector):
-            return False
-        queue = receipts[0].queue
-        if any(r.queue != queue for r in receipts):
-            return False
-        # a limited queue's acks wake the consumers its limits hold back
-        key = ("ack_queue", queue) if queue not in self.limited else ("ack_queue_wake", queue)
-        statement = self._statements.get(key)
-        if statement is None:
-            composed = self._compose_read_queue(queue, "ack_queue", wake=key[0] != "ack_queue")
-            statement = self._statements[key] = composed.as_bytes(self.db.connection)
-
-        def settled(rows: list[tuple[str | None, ...]]) -> None:
-            on_settled({(queue, int(r[0])) for r in rows if r[0] is not None})
-
-        # PGMQ names: at most 47 of [a-z0-9_]
-        name = f"kombu_pgmq_ack_{queue}" if key[0] == "ack_queue" else f"kombu_pgmq_ackw_{queue}"
-
-        def failed(error: KombuPgmqError) -> None:
-            if isinstance(error, PermissionDenied):
-                self.direct_reads = False  # a least-privilege role: kombu_pgmq.ack from now on
-            elif isinstance(error, QueueNotFound):
-                self._statements.pop(key, None)
-                self.db.forget_prepared(name)
-            on_error(error)
-
-        self.db.send_nowait(
-            name,
-            statement,
-            [
-                text_array(r.msg_id for r in receipts),
-                text_array(r.read_ct for r in receipts),
-                text_array(r.enqueued_at for r in receipts),
-                b"on" if durable else b"off",
-                queue.encode(),
-            ],
-            on_result=settled,
-            on_error=failed,
-        )
-        return True
 
     def _compose_read_queue(
         self, queue: str, name: str = "read_queue", *, wake: bool = False
@@ -566,6 +546,8 @@ class Broker(Declarations):
             "headers": headers,
             "delay_seconds": max(delay_seconds, 0),
             "version": version,
+            "handoff": handoff.tail(message, headers, delay_seconds),
+            "commit": "off" if self.visible_before_flush else None,
         }
         rows: list[Any] = self._fetch_direct(
             "send_routed_queue",
@@ -573,6 +555,7 @@ class Broker(Declarations):
             lambda: self._compose_send_queue(queue, routed=True),
             params,
         )
+        rows = self._flushed(rows)
         if not rows:
             return None, []
         return version, [int(rows[0][0])]

@@ -45,15 +45,14 @@ from ..errors import (
     BrokerConnectionError,
     ConfigurationError,
     KombuPgmqError,
-    TransactionError,
     translate,
 )
 from . import pooling
-from .pooling import is_pooled, local_settings
+from .pooling import is_pooled, local_settings, pooler_prepares
 from .queries import queries
 from .row_factory import named_row as _named_row
 
-__all__ = ["Connector", "ExternalConnector", "Query"]
+__all__ = ["Connector", "Query"]
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +98,15 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+#: libpq >= 17 closes a prepared statement at the protocol level (PgBouncer >= 1.21 tracks
+#: that, not ``DEALLOCATE``).
+_CLOSE_PREPARED = psycopg.capabilities.has_send_close_prepared()
+
+#: SQLSTATEs of a statement prepared through a pooler that does not keep prepared
+#: statements per client (pooler_prepared_statements=True where it should be False).
+_NOT_KEPT = ("26000", "42P05")
+
+
 class Connector:
     """One fork-safe PostgreSQL connection for one concern.
 
@@ -132,6 +140,8 @@ class Connector:
         self.role = role
         #: Through a transaction pooler (see :mod:`kombu_pgmq._db.pooling`).
         self.pooled = is_pooled(dsn) if pooled is None else pooled
+        #: Statements are prepared: a direct connection, or a pooler that keeps them.
+        self.prepares = not self.pooled or pooler_prepares(dsn)
         if self.pooled and on_notify is not None:
             raise ConfigurationError(
                 "LISTEN through a transaction pooler hears nothing: listen on a direct "
@@ -182,8 +192,9 @@ class Connector:
             dsn = self._dsn
             if self.role:  # a keyword overrides the connection string's value
                 dsn = make_conninfo(dsn, application_name=self._application_name())
-            # pooled: no prepared statements (the next transaction may run elsewhere)
-            extra = {"prepare_threshold": None} if self.pooled else {}
+            # pooled: no prepared statements (the next transaction may run elsewhere),
+            # unless the pooler keeps them (pooler_prepared_statements)
+            extra = {} if self.prepares else {"prepare_threshold": None}
             conn = psycopg.connect(dsn, autocommit=True, **extra)
             self._synchronous = True
             self._prepared = set()
@@ -252,6 +263,16 @@ class Connector:
     # -- statements ------------------------------------------------------------------
 
     def _fail(self, exc: psycopg.Error) -> KombuPgmqError:
+        # 26000 "prepared statement ... does not exist" (prepared on another server
+        # connection), 42P05 "... already exists" (another client's, of the same name, on
+        # this one): the pooler does not keep each client's prepared statements
+        if self.pooled and self.prepares and getattr(exc, "sqlstate", None) in _NOT_KEPT:
+            return ConfigurationError(
+                f"{exc}: statements are prepared through the pooler (transport option "
+                "pooler_prepared_statements=True), but it does not keep them: set "
+                "max_prepared_statements > 0 in pgbouncer.ini (PgBouncer >= 1.21), or "
+                "pooler_prepared_statements=False"
+            )
         err = translate(exc)
         if isinstance(err, BrokerConnectionError):
             with self._lock:
@@ -433,7 +454,7 @@ class Connector:
                 self._collect(conn)
             with conn.lock:
                 pgconn = conn.pgconn
-                if self.pooled:
+                if not self.prepares:
                     pgconn.send_query_params(statement, params)
                 else:
                     self._prepare(pgconn, name, statement)
@@ -448,7 +469,10 @@ class Connector:
         """Prepare ``statement`` as ``name`` on this session unless it is (again after
         :meth:`forget_prepared`)."""
         if name in self._stale:
-            pgconn.exec_(b"DEALLOCATE " + name.encode())  # gone already: fine too
+            if _CLOSE_PREPARED:  # the protocol's Close: PgBouncer >= 1.21 tracks it
+                pgconn.close_prepared(name.encode())
+            else:
+                pgconn.exec_(b"DEALLOCATE " + name.encode())  # gone already: fine too
             self._stale.discard(name)
         if name not in self._prepared:
             result = pgconn.prepare(name.encode(), statement)
@@ -551,50 +575,3 @@ class Connector:
                     self._on_notify(notify.relname.decode(), notify.extra.decode())
         except psycopg.Error as exc:
             raise self._fail(exc) from exc
-
-
-class ExternalConnector(Connector):
-    """Statements on a connection the application owns, inside its transaction
-    (:func:`kombu_pgmq.using`): never connects, reconnects, commits, closes or changes
-    its settings; a failure is a :class:`~kombu_pgmq.errors.TransactionError` (the
-    application's transaction is what failed: kombu must not retry it elsewhere).
-
-    Arguments:
-        connection: an open psycopg 3 connection of the application.
-    """
-
-    def __init__(self, connection: psycopg.Connection[Any]) -> None:
-        super().__init__("")
-        # Weak: kombu_pgmq must not keep the application's connection alive.
-        self._ref: Callable[[], psycopg.Connection[Any] | None] = weakref.ref(connection)
-        _LIVE.discard(self)  # the application's: a fork leaves it to the application
-
-    def __repr__(self) -> str:
-        conn = self._ref()
-        return f"<ExternalConnector {'closed' if conn is None or conn.closed else 'open'}>"
-
-    @property
-    def connection(self) -> psycopg.Connection[Any]:
-        conn = self._ref()
-        if conn is None or conn.closed or self._pid != os.getpid():
-            raise TransactionError(
-                "the application's connection given to kombu_pgmq.using() is closed (or "
-                "belongs to another process): publish through an open connection"
-            )
-        return conn
-
-    def _connect(self) -> psycopg.Connection[Any]:  # pragma: no cover - never connects
-        return self.connection
-
-    def _commit_mode(self, conn: psycopg.Connection[Any], synchronous: bool | None) -> None:
-        """The application's transaction commits as the application says: no change."""
-
-    def close(self) -> None:
-        """Forget the application's connection (it stays open: it is not ours)."""
-        self._ref = lambda: None
-
-    def _fail(self, exc: psycopg.Error) -> KombuPgmqError:
-        return TransactionError(
-            f"publishing in the application's transaction failed: {translate(exc)}; the "
-            "transaction is aborted (PostgreSQL rolls it back): roll back and try it again"
-        )

@@ -8,12 +8,14 @@ named statement of ``sql/queries.sql``, sent through a
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
+from ..errors import KombuPgmqError
 from .connector import Connector
+from .nowait import numbered
 
-__all__ = ["Consumers", "Waiting"]
+__all__ = ["Consumers", "HandoffSlot", "Waiting"]
 
 
 class Waiting(NamedTuple):
@@ -22,6 +24,18 @@ class Waiting(NamedTuple):
     unsettled: list[str]
     due: dict[str, float]
     clock_offset: float
+
+
+class HandoffSlot(NamedTuple):
+    """A hand-over slot offered with :meth:`Consumers.wait_for` (migration 0023): the
+    LISTEN connection's NOTIFY ``channel`` and the session advisory lock ``lock_key`` it
+    holds while listening (:func:`kombu_pgmq._db.handoff.new_slot`), the visibility
+    timeout of a handed message (``vt_seconds``), and the PGMQ ``queues`` offered."""
+
+    channel: str
+    lock_key: int
+    vt_seconds: int
+    queues: Sequence[str]
 
 
 class _Wait(NamedTuple):
@@ -44,7 +58,9 @@ class Consumers:
 
     # -- wake-ups (migration 0003) ----------------------------------------------------
 
-    def wait_for(self, owner: str, queues: Sequence[str]) -> Waiting:
+    def wait_for(
+        self, owner: str, queues: Sequence[str], handoff: HandoffSlot | None = None
+    ) -> Waiting:
         """Record that ``owner`` sleeps until notified on ``queues`` (publishers then
         NOTIFY); returns once publishers that missed the record have committed, so a
         read of the queues after this call sees their messages (see migration 0003).
@@ -54,15 +70,69 @@ class Consumers:
         ``unsettled``, to be polled (migration 0006). ``due``: seconds until each queue's
         next delayed message becomes visible (queues without one are left out; migration
         0016); ``clock_offset``: the server's clock minus this host's (``time.time()``),
-        to read the due times NOTIFY payloads carry."""
+        to read the due times NOTIFY payloads carry.
+
+        ``handoff``: also offer one hand-over slot on ``handoff.queues`` (migration 0023):
+        a publish then hands its message to this connection in its NOTIFY instead of
+        waking it to read."""
         sent = time.time()
-        rows = self.db.fetch("wait_for", {"owner": owner, "queues": list(queues)}, _Wait)
+        params: dict[str, object] = {"owner": owner, "queues": list(queues)}
+        if handoff is None or not handoff.queues:
+            rows = self.db.fetch("wait_for", params, _Wait)
+        else:
+            params.update(
+                handoff_queues=list(handoff.queues),
+                channel=handoff.channel,
+                lock_key=handoff.lock_key,
+                vt_seconds=handoff.vt_seconds,
+            )
+            rows = self.db.fetch("wait_for_handoff", params, _Wait)
         now = (sent + time.time()) / 2.0
         return Waiting(
             [str(r.queue) for r in rows if r.unsettled],
             {str(r.queue): float(r.due_in_seconds) for r in rows if r.due_in_seconds is not None},
             float(rows[0].server_epoch) - now if rows else 0.0,
         )
+
+    def rearm_handoff(self, owner: str, queues: Sequence[str]) -> set[str]:
+        """Offer one hand-over slot again on ``queues`` (``owner`` took what it was
+        handed there and has room); returns those it still waits on (the others were
+        given up: a backlog, the reaper)."""
+        return {
+            str(q)
+            for q in self.db.column("rearm_handoff", {"owner": owner, "queues": list(queues)})
+        }
+
+    def rearm_handoff_nowait(
+        self,
+        owner: str,
+        queues: Sequence[str],
+        *,
+        on_offered: Callable[[set[str]], None],
+        on_error: Callable[[KombuPgmqError], None],
+    ) -> None:
+        """:meth:`rearm_handoff` sent without waiting for its result (read before this
+        connection's next statement: ``on_offered`` gets the queues still waited on,
+        ``on_error`` a failure), so a consumer that was just handed a message is not
+        held up by it (Celery's event loop writes the task to its pool afterwards).
+
+        Raises:
+            BrokerConnectionError: the statement could not be sent.
+        """
+        statement = self.db.statement("rearm_handoff").encode()
+        self.db.send_nowait(
+            "kombu_pgmq_rearm_handoff",
+            numbered(statement, ("owner", "queues")),
+            # PGMQ names are [a-z0-9_]: nothing to escape in the array literal
+            [owner.encode(), ("{" + ",".join(f'"{q}"' for q in queues) + "}").encode()],
+            on_result=lambda rows: on_offered({str(r[0]) for r in rows}),
+            on_error=on_error,
+        )
+
+    def hold_handoff_lock(self, lock_key: int) -> None:
+        """Take the session advisory lock a LISTEN connection holds while it listens for
+        hand-overs (see :class:`HandoffSlot`)."""
+        self.db.execute("handoff_lock", {"lock_key": lock_key})
 
     def stop_waiting(self, owner: str, queues: Sequence[str] | None = None) -> None:
         """Publishers need not notify ``owner`` for ``queues`` (None: any queue) any more."""
@@ -111,10 +181,17 @@ class Consumers:
         skipped this round instead of waited for (migration 0006)."""
         return [str(q) for q in self.db.column("reap")]
 
-    def dead_tuples(self, queues: Sequence[str]) -> dict[str, int]:
+    def dead_tuples(
+        self, queues: Sequence[str], min_interval_seconds: float = 0.0
+    ) -> dict[str, int]:
         """Dead row versions of each queue's table ``pgmq.q_<queue>`` (from the server's
-        cumulative statistics; queues without statistics yet are left out)."""
-        rows = self.db.fetch("dead_tuples", {"tables": [f"q_{q}" for q in queues]}, _DeadTuples)
+        cumulative statistics; queues without statistics yet are left out, and those
+        VACUUMed less than ``min_interval_seconds`` ago)."""
+        params = {
+            "tables": [f"q_{q}" for q in queues],
+            "min_interval_seconds": min_interval_seconds,
+        }
+        rows = self.db.fetch("dead_tuples", params, _DeadTuples)
         return {str(r.relname)[2:]: int(r.n_dead_tup) for r in rows}
 
     def vacuum(self, queue: str) -> None:

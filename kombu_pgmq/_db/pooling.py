@@ -5,7 +5,11 @@ is free, so nothing may outlive a transaction on the server side of it:
 
 * no protocol-level prepared statements (PgBouncer < 1.21 has none; psycopg's are turned
   off with ``prepare_threshold=None``, :meth:`Connector.send_nowait
-  <kombu_pgmq._db.connector.Connector.send_nowait>` sends the unnamed statement);
+  <kombu_pgmq._db.connector.Connector.send_nowait>` sends the unnamed statement), unless
+  the pooler keeps them (``pooler_prepared_statements``: PgBouncer >= 1.21 with
+  ``max_prepared_statements`` > 0, the default from 1.22): then statements are prepared
+  as on a direct connection (and closed at the protocol level, which such a pooler
+  tracks, not with ``DEALLOCATE``);
 * no session settings: a :class:`~kombu_pgmq._db.connector.Connector`'s ``settings``
   are set with ``set_config(name, value, true)`` inside each transaction instead of once
   per session (:func:`local_settings`), and ``synchronous_commit`` is never toggled per
@@ -28,7 +32,14 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["POOLERS", "is_pooled", "local_settings", "mark_pooled", "warn_polling_once"]
+__all__ = [
+    "POOLERS",
+    "is_pooled",
+    "local_settings",
+    "mark_pooled",
+    "pooler_prepares",
+    "warn_polling_once",
+]
 
 logger = logging.getLogger("kombu_pgmq")
 
@@ -45,14 +56,25 @@ POOLERS = (None, "session", "transaction")
 ASYNC_COMMIT_PER_TRANSACTION = False
 
 _pooled: set[str] = set()
+_prepares: set[str] = set()
 _warned: set[str] = set()
 _lock = threading.Lock()
 
 
-def mark_pooled(dsn: str) -> None:
-    """Connectors made from libpq string ``dsn`` (in this process) run in pooled mode."""
+def mark_pooled(dsn: str, *, prepared: bool = False) -> None:
+    """Connectors made from libpq string ``dsn`` (in this process) run in pooled mode;
+    ``prepared``: the pooler keeps prepared statements (see the module docstring)."""
     with _lock:
         _pooled.add(dsn)
+        if prepared:
+            _prepares.add(dsn)
+        else:
+            _prepares.discard(dsn)
+
+
+def pooler_prepares(dsn: str) -> bool:
+    """True when ``dsn`` reaches a transaction pooler that keeps prepared statements."""
+    return dsn in _prepares
 
 
 def is_pooled(dsn: str) -> bool:

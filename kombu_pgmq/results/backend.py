@@ -63,7 +63,9 @@ Transport Options
   ``get()`` re-reads what it waits for every ``polling_interval`` seconds (float, default
   0.5; one WARNING per process says so). Default for ``result_backend = "postgresql://"``
   (the broker's database): the broker's ``broker_transport_options`` ``pooler`` and
-  ``direct_url``. See ``docs/pgbouncer.md``.
+  ``direct_url``. ``pooler_prepared_statements`` (bool, default False): that pooler keeps
+  prepared statements (PgBouncer >= 1.21, ``max_prepared_statements`` > 0): statements
+  are prepared through it. See ``docs/pgbouncer.md``.
 """
 
 from __future__ import annotations
@@ -171,7 +173,7 @@ class ResultBackend(AsyncBackendMixin, BaseKeyValueStoreBackend):
         self.failure_expires = (
             self.expires if failure_expires is None else self.prepare_expires(failure_expires)
         )
-        self.pooler, self.direct_url = self._pooler_options(options)
+        self.pooler, self.direct_url, self.pooler_prepared = self._pooler_options(options)
         self.polling_interval = float(options.get("polling_interval", 0.5))
         self._dsn_cache: str | None = None
         self._db: SharedConnector | None = None
@@ -193,14 +195,16 @@ class ResultBackend(AsyncBackendMixin, BaseKeyValueStoreBackend):
                 params.update(extra)
                 dsn = conninfo.make_dsn(params)
             if self.pooler == "transaction":
-                mark_pooled(dsn)  # every connector to it: no session state
+                # every connector to it: no session state
+                mark_pooled(dsn, prepared=self.pooler_prepared)
             self._dsn_cache = dsn
         return self._dsn_cache
 
-    def _pooler_options(self, options: Mapping[str, Any]) -> tuple[str | None, str | None]:
-        """``pooler`` and ``direct_url`` of ``result_backend_transport_options``; for the
-        broker's database (``postgresql://``) the broker's unless given here."""
-        from ..transport.options import validate_pooler
+    def _pooler_options(self, options: Mapping[str, Any]) -> tuple[str | None, str | None, bool]:
+        """``pooler``, ``direct_url`` and ``pooler_prepared_statements`` of
+        ``result_backend_transport_options``; for the broker's database
+        (``postgresql://``) the broker's unless given here."""
+        from ..transport.options import validate_pooler, validate_pooler_prepared
 
         if "pooler" not in options and (self.url or "").strip().partition("://")[2] in ("", "/"):
             broker = self.app.conf.broker_write_url or self.app.conf.broker_url
@@ -208,9 +212,12 @@ class ResultBackend(AsyncBackendMixin, BaseKeyValueStoreBackend):
                 broker = ";".join(broker)
             if broker and conninfo.is_ours(broker, self.app.conf.broker_transport):
                 options = self.app.conf.broker_transport_options or {}
-        return validate_pooler(
-            options.get("pooler"), options.get("direct_url"), "result_backend_transport_options"
+        source = "result_backend_transport_options"
+        pooler, direct_url = validate_pooler(
+            options.get("pooler"), options.get("direct_url"), source
         )
+        prepared = options.get("pooler_prepared_statements", False)
+        return pooler, direct_url, validate_pooler_prepared(prepared, pooler, source)
 
     @property
     def listen_dsn(self) -> str | None:

@@ -2,8 +2,9 @@
 
 Each Kombu queue is a PGMQ queue (tables ``pgmq.q_<name>`` and the archive
 ``pgmq.a_<name>``). Delivery is ``pgmq.read`` with a visibility timeout, ack is
-``pgmq.archive`` (the archive is the audit trail), reject with requeue is ``pgmq.set_vt``
-to now, and reject without requeue, or too many deliveries, moves the message to a
+``pgmq.archive`` (the archive is the audit trail), reject with requeue makes the message
+visible again in its place (as ``pgmq.set_vt`` would, to its ``enqueued_at``), and reject
+without requeue, or too many deliveries, moves the message to a
 dead-letter queue (a PGMQ queue too) with the reason recorded.
 
 Connection string
@@ -100,8 +101,23 @@ Delivery semantics
 Durability
 ==========
 
-* Publishes commit synchronously: once ``publish`` returns, the message survives a
-  server crash.
+* Publishes are durable: once ``publish`` returns, the message survives a server crash.
+  A direct publish (statement ``send_queue``: Celery's ``apply_async``, Kombu's default
+  exchange, an exchange routing to one queue) that hands its message over or wakes a
+  consumer waiting on the queue commits without waiting for the WAL flush, so the
+  consumer gets it at once, then waits for the flush with a second transaction that
+  writes one logical decoding message (statement ``flush_commits``: WAL is flushed in
+  order, so its flush covers the publish) before it returns; transport option
+  ``visible_before_flush``, default True. This is the order RabbitMQ keeps for a
+  persistent message under publisher confirms (delivered to a consumer before its
+  fsync, confirmed after it). What it risks, only between the commit and the flush: a
+  server crash forgets a message a consumer may already have started, and the publish
+  raises (Kombu and Celery publish it again): at least once still holds. It costs a
+  second transaction id and one more round trip per such publish, not a second WAL
+  flush; a publish nobody waits for commits synchronously, once. A role that may not run
+  ``pg_logical_emit_message`` (revoked from PUBLIC) turns the option off for its
+  connection, with a warning naming the grant. ``visible_before_flush=False``: a message
+  is seen only once it is on disk.
 * Deliveries and acks commit asynchronously (``synchronous_commit = off`` for those
   transactions): a server crash (PostgreSQL or the machine) may forget the last ones,
   roughly 3 x ``wal_writer_delay`` (600 ms by default); those messages are then delivered
@@ -110,6 +126,19 @@ Durability
   batch of acks).
 * Opt-in trade-offs, with the failure each one risks:
 
+  - ``confirm_publish=False``: a publish to the default exchange (Celery's
+    ``apply_async``) returns once its statement is sent, without waiting for the
+    server; the server's answer is read before the connection's next statement (one
+    publish in flight). The statement still commits durably on the server, and it
+    runs even if the publishing process exits right after (``os._exit``: tested). A
+    publish the server refuses (its queue table dropped, a connection lost before the
+    answer came) is published again, confirmed, at the next publish or when the
+    channel closes: at least once (a lost answer may hide a written row: then twice).
+    What it risks: a PostgreSQL crash before the commit loses a publish that already
+    returned; a refused last publish of a process that exits without closing its
+    connection is lost; a server-side ``client_connection_check_interval`` may cancel
+    a statement whose client is gone. Deduplicated publishes, publishes through an
+    exchange and publishes in the application's transaction are always confirmed.
   - ``connection_options={"options": "-c synchronous_commit=off"}`` on a *producer's*
     connection: publishes stop waiting for the WAL flush; a server crash loses the
     publishes of the last ~600 ms (the messages are gone, not duplicated). The database
@@ -166,6 +195,32 @@ after a delay is not spent waiting for a poll. A fallback poll every
 ``polling_interval`` seconds finds messages that become visible without a publish
 (visibility timeout expiry). An ack that frees a prefetch slot wakes the consumer at
 once.
+
+Hand-over (issue 30, migration 0023; transport option ``handover``): a consumer going to
+sleep on a queue it takes with acks also offers one hand-over slot there (its LISTEN
+connection's own NOTIFY channel, a session advisory lock that connection holds while it
+listens, its visibility timeout). A publish (the direct ``send_queue`` statement: Celery's
+``apply_async``, Kombu's default exchange, an exchange routing to one queue) to such a
+queue claims the slot of the consumer waiting longest (``FOR UPDATE SKIP LOCKED``:
+publishers never wait on each other), writes the row as delivered to it (``read_ct`` 1,
+``vt`` = now + its visibility timeout, ``last_read_at``, as ``pgmq.read`` leaves a row)
+and sends the row in that consumer's NOTIFY: the consumer delivers it without a read
+(one round trip less after each wake-up: Celery's latency p50 -0.9 ms on the benchmark
+machine), and only that consumer wakes, not every one waiting on the queue. The slot is
+offered again once the channel has room (a statement not waited for), so a channel gets
+at most one message past its prefetch window this way. In Celery's event loop the round
+that delivers a handed message sends nothing more: reads that fell due with it (the
+fallback poll, another queue notified) and the new offer wait 1 ms, until the loop's
+next turn has written the task to the pool (a read before it held that write, and was
+most of Celery's latency p99 gap to Redis). Nothing is lost: a handed row is a
+delivery; a consumer that dies before taking it, or whose LISTEN connection drops in that
+instant (the notification is lost with it), gets it delivered again after its visibility
+timeout; a consumer whose LISTEN connection is gone no longer holds its lock, so
+publishers skip its slot; rows handed over while a consumer is cancelled or closed are
+made visible again at once (not counted as deliveries). Not handed over: messages over
+7800 bytes (a NOTIFY payload's limit), delayed ones, deduplicated ones, publishes in the
+application's transaction or to several queues, paused and limited queues (FIFO groups
+included), ``no_ack`` consumers. ``kombu_pgmq_handovers_total`` counts them.
 
 With Celery, the transport runs in the worker's event loop (``asynloop``):
 ``implements.asynchronous`` is true, and :meth:`Transport.register_with_event_loop`
@@ -304,6 +359,16 @@ line (:mod:`kombu_pgmq._worker_checks`).
   messages that become visible without a publish (visibility timeout expiry). New and
   due delayed messages wake consumers at once through LISTEN/NOTIFY.
 * ``durable_acks`` (bool, default False): commit acks synchronously (see Durability).
+* ``confirm_publish`` (bool, default True): a publish returns once the server committed
+  it. False: once its statement is sent (see Durability); py-amqp's option of the same
+  name, where False is the default.
+* ``handover`` (bool, default True): a consumer waiting on a queue offers a hand-over
+  slot, so a publish gives it the message in its wake-up instead of waking it to read
+  (see Wake-ups). False: it is woken and reads, as before migration 0023.
+* ``visible_before_flush`` (bool, default True): a direct publish a consumer waits for
+  reaches it before its WAL flush and returns after it (see Durability). False: it is
+  seen only once it is on disk (one transaction a publish, as before issue 30's fourth
+  session).
 * ``vacuum_threshold`` (dead tuples, default 20000; 0 = never): a consuming process
   VACUUMs a consumed queue's table when it has more dead row versions than this
   (checked every ``consumer_heartbeat_interval``). Every delivery and ack leaves one; a
@@ -342,6 +407,12 @@ line (:mod:`kombu_pgmq._worker_checks`).
 * ``direct_url`` (libpq URL, default None): with ``pooler="transaction"``, a URL straight
   to the server (not through the pooler) for LISTEN (consumers' wake-ups) and the beat's
   leader election. Never shown in logs or ``repr``.
+* ``pooler_prepared_statements`` (bool, default False): with ``pooler="transaction"``,
+  the pooler keeps protocol-level prepared statements (PgBouncer >= 1.21 with
+  ``max_prepared_statements`` > 0, the default from 1.22): statements are then prepared
+  through it as on a direct connection, saving their parse and plan on every call. A
+  pooler that does not keep them makes the first reused statement fail with a
+  ``ConfigurationError`` naming this option.
 
 PgBouncer
 =========
@@ -352,8 +423,8 @@ With ``broker_url`` pointing at PgBouncer in transaction mode, set
 * Statements (publish, read, ack, lease renewal, heartbeats, VACUUM, the schema check)
   go through the pooler without session state: no prepared statements (psycopg's
   ``prepare_threshold=None``; the ack sent without waiting uses the unnamed statement:
-  PgBouncer 1.18 has no prepared statements, 1.21+ could, this release never prepares
-  through a pooler), the background services' ``lock_timeout`` set per transaction
+  PgBouncer 1.18 has none) unless ``pooler_prepared_statements=True`` says the pooler
+  keeps them (PgBouncer >= 1.21), the background services' ``lock_timeout`` set per transaction
   (``set_config(..., true)``), and no session ``SET``: reads and acks set
   ``synchronous_commit`` off for their own transaction in the statement itself, directly
   and through the pooler alike (see Durability).

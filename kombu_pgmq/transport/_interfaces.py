@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol
 
-from .._db.broker import Broker, Receipt
+from .._db.broker import Broker, Receipt, Row
 from ._leases import LeaseKeeper
 from .options import TransportOptions
 from .topology import Topology
@@ -57,6 +57,10 @@ class ReaderView(Protocol):
 
     def consume(self, only: set[str] | None, acks: list[Receipt]) -> Consumed: ...
 
+    def is_no_ack(self, queue: str) -> bool: ...
+
+    def deliver_rows(self, queue: str, name: str, rows: list[Row]) -> int: ...
+
 
 class ConsumingChannel(Protocol):
     """A channel, as the poller reads it."""
@@ -66,6 +70,9 @@ class ConsumingChannel(Protocol):
 
     @property
     def reader(self) -> ReaderView: ...
+
+    @property
+    def qos(self) -> Any: ...
 
 
 class PollerView(Protocol):
@@ -120,6 +127,9 @@ class TransportView(Protocol):
 
     @property
     def channels(self) -> Sequence[ConsumingChannel]: ...
+
+    @property
+    def unconfirmed_failed(self) -> list[tuple[str, str, str, int, int]]: ...
 
     @property
     def connection_errors(self) -> tuple[type[BaseException], ...]: ...

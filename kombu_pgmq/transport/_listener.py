@@ -8,10 +8,16 @@ descriptors) by a blocking ``drain_events``, or registered with Celery's event l
 :class:`~kombu_pgmq.transport.poller.Poller`.
 
 Publishers notify only while a consumer waits on the queue (``kombu_pgmq.waiting``,
-migration 0003); notifications are hints, never the message: an empty payload means a
-message is visible now, a number when a delayed one becomes due (epoch seconds, server
-clock; migration 0016). The poller keeps a fallback poll (``polling_interval``) for
-messages that become visible without an insert (visibility timeout expiry).
+migration 0003); on a queue's channel notifications are hints, never the message: an
+empty payload means a message is visible now, a number when a delayed one becomes due
+(epoch seconds, server clock; migration 0016). The poller keeps a fallback poll
+(``polling_interval``) for messages that become visible without an insert (visibility
+timeout expiry).
+
+Hand-overs (migration 0023): the LISTEN connection also listens on a channel of its own
+(:attr:`Listener.slot`) and holds a session advisory lock while it does; a publish to a
+queue this connection offered a slot on sends the delivered row there
+(:mod:`kombu_pgmq._db.handoff`), collected by :meth:`Listener.take_handed`.
 
 Without a LISTEN connection (``dsn`` None: behind a transaction pooler without
 ``direct_url``) the listener only has the wake pipe: consumers find messages by the poll
@@ -25,9 +31,11 @@ import os
 import selectors
 from collections.abc import Iterable
 
+from .._db import handoff
 from .._db.broker import Broker
 from .._db.connector import Connector
 from .._db.consumers import Consumers
+from .._db.rows import Row
 from ..errors import KombuPgmqError
 
 __all__ = ["CHANNEL_PREFIX", "Listener"]
@@ -48,6 +56,10 @@ class Listener:
         self._dsn = dsn
         self._connector: Connector | None = None
         self._notified: list[tuple[str, str]] = []
+        self._handed: list[Row] = []
+        #: ``(channel, advisory lock key)`` of this connection's hand-overs (migration
+        #: 0023), the same across reconnects; None when :attr:`polling`.
+        self.slot: tuple[str, int] | None = None if dsn is None else handoff.new_slot()
         self._queues: set[str] = set()
         self._pipe_r, self._pipe_w = os.pipe()
         os.set_blocking(self._pipe_r, False)
@@ -74,7 +86,12 @@ class Listener:
                 raise RuntimeError("no LISTEN connection: the listener polls")
             connector = Connector(self._dsn, on_notify=self._on_notify, role="listener")
             try:
-                Consumers(connector).listen(CHANNEL_PREFIX + q for q in sorted(self._queues))
+                consumers = Consumers(connector)
+                consumers.listen(CHANNEL_PREFIX + q for q in sorted(self._queues))
+                if self.slot is not None:
+                    # LISTEN first: once the lock is held, publishers may hand over
+                    consumers.listen([self.slot[0]])
+                    consumers.hold_handoff_lock(self.slot[1])
             except BaseException:
                 connector.close()
                 raise
@@ -83,7 +100,35 @@ class Listener:
         return Broker(connector)
 
     def _on_notify(self, channel: str, payload: str) -> None:
+        if self.slot is not None and channel == self.slot[0]:
+            row = handoff.parse(payload)
+            if row is not None:
+                self._handed.append(row)
+            return
         self._notified.append((channel, payload))
+
+    def take_handed(self) -> list[Row]:
+        """The rows handed over to this connection since the last call (read from the
+        socket by :meth:`collect` or :meth:`settle`): delivered to it already (read_ct 1,
+        its visibility timeout running), to be delivered to the application or given
+        back."""
+        handed, self._handed = self._handed, []
+        return handed
+
+    def settle(self) -> list[Row]:
+        """A round trip on the LISTEN connection, so every hand-over committed before
+        this call has arrived, then :meth:`take_handed` (e.g. after giving up the slots,
+        before closing). Empty without a connection.
+
+        Raises:
+            BrokerConnectionError: the LISTEN connection was lost (what it had not read
+                is delivered again after its visibility timeout).
+        """
+        connector = self._connector
+        if connector is not None:
+            connector.execute("round_trip")
+            connector.poll_notifies()
+        return self.take_handed()
 
     def listen(self, queues: Iterable[str]) -> None:
         """LISTEN for publishes to these PGMQ queues (idempotent)."""

@@ -14,7 +14,9 @@ Every ``consumer_heartbeat_interval`` seconds while the connection has consumers
   minute at best, and sometimes off) removes them; see ``benchmarks/README.md`` (churn).
   VACUUM runs on a short-lived connection of its own (it takes a while, and must not
   hold up the consumer's statements); ``SKIP_LOCKED``, so workers never queue behind each
-  other. A refusal (the role does not own the table) is logged once per table.
+  other, and not within :data:`VACUUM_MIN_INTERVAL_SECONDS` of the last VACUUM of the
+  table (the statistics lag: many consumers of one table ran VACUUMs back to back). A
+  refusal (the role does not own the table) is logged once per table.
 
 The thread has a PostgreSQL connection of its own with ``lock_timeout`` set
 (:class:`~kombu_pgmq.transport._service.Service`): a heartbeat or reaper blocked by a lock
@@ -36,6 +38,10 @@ from .._db.consumers import Consumers
 from ._service import Service
 
 logger = logging.getLogger(__name__)
+
+#: A table VACUUMed (by any process, or autovacuum) less than this long ago is not
+#: VACUUMed again yet: its statistics lag, and every consumer of it checks them.
+VACUUM_MIN_INTERVAL_SECONDS = 1.0
 
 
 class Maintainer(Service):
@@ -90,7 +96,7 @@ class Maintainer(Service):
         """VACUUM consumed queue tables with more than ``vacuum_threshold`` dead tuples."""
         due = [
             name
-            for name, dead in consumers.dead_tuples(tables).items()
+            for name, dead in consumers.dead_tuples(tables, VACUUM_MIN_INTERVAL_SECONDS).items()
             if dead > self.vacuum_threshold and name not in self._refused
         ]
         if not due:

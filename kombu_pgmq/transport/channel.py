@@ -452,6 +452,22 @@ class Channel(virtual.Channel):
         self.connection.poller.on_consume(self.connection.topology.bands(queue).queues)
         return result
 
+    def close(self) -> None:
+        """Close the channel (kombu's: consumers cancelled, unacked messages restored).
+        With ``confirm_publish=False`` first: the last unconfirmed publish's result is
+        waited for, and the ones that failed are published again."""
+        if not self.closed and not self.connection.options.confirm_publish:
+            try:
+                self.publisher.flush_unconfirmed()
+            except errors.KombuPgmqError as exc:
+                logger.error(
+                    "closing: %d unconfirmed publish(es) failed and could not be published "
+                    "again (%s); they are lost unless this connection publishes again",
+                    len(self.connection.unconfirmed_failed),
+                    exc,
+                )
+        super().close()
+
     def basic_cancel(self, consumer_tag: str) -> Any:
         """Stop the consumer ``consumer_tag``; its queue is dropped if it was auto_delete
         and this was its last consumer."""

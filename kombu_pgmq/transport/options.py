@@ -98,6 +98,18 @@ class TransportOptions:
         default=1.0, metadata=_doc("seconds", "fallback poll of every consumed queue")
     )
     durable_acks: bool = field(default=False, metadata=_doc("bool", "commit acks synchronously"))
+    confirm_publish: bool = field(
+        default=True,
+        metadata=_doc("bool", "a publish returns once committed (False: once sent; py-amqp's)"),
+    )
+    handover: bool = field(
+        default=True,
+        metadata=_doc("bool", "an idle consumer is handed a publish in its wake-up (no read)"),
+    )
+    visible_before_flush: bool = field(
+        default=True,
+        metadata=_doc("bool", "a waiting consumer gets a publish before its WAL flush"),
+    )
     vacuum_threshold: int = field(
         default=20_000, metadata=_doc("dead tuples", "VACUUM a consumed queue table above this")
     )
@@ -136,6 +148,10 @@ class TransportOptions:
         default=None,
         repr=False,  # may hold a password
         metadata=_doc("libpq URL", "with pooler='transaction': LISTEN here (None: consumers poll)"),
+    )
+    pooler_prepared_statements: bool = field(
+        default=False,
+        metadata=_doc("bool", "with pooler='transaction': it keeps prepared statements (1.21+)"),
     )
 
     @property
@@ -195,7 +211,13 @@ class TransportOptions:
         polling = _number(values["polling_interval"])
         if polling is None or polling <= 0:
             raise bad("polling_interval", "seconds > 0")
-        for name in ("durable_acks", "install_schema"):
+        for name in (
+            "durable_acks",
+            "confirm_publish",
+            "handover",
+            "visible_before_flush",
+            "install_schema",
+        ):
             if not isinstance(values[name], bool):
                 raise bad(name, "True or False")
         threshold = values["vacuum_threshold"]
@@ -231,9 +253,13 @@ class TransportOptions:
         pooler, direct_url = validate_pooler(
             values["pooler"], values["direct_url"], "transport option"
         )
+        prepared = validate_pooler_prepared(
+            values["pooler_prepared_statements"], pooler, "transport option"
+        )
         return cls(
             pooler=pooler,
             direct_url=direct_url,
+            pooler_prepared_statements=prepared,
             queue_limits=queue_limits,
             visibility_timeout=vt,
             lease_renewal_interval=renewal,
@@ -244,6 +270,9 @@ class TransportOptions:
             eta_lead_seconds=lead,
             polling_interval=polling,
             durable_acks=values["durable_acks"],
+            confirm_publish=values["confirm_publish"],
+            handover=values["handover"],
+            visible_before_flush=values["visible_before_flush"],
             vacuum_threshold=threshold,
             install_schema=values["install_schema"],
             connection_options=dict(conn_opts),
@@ -284,6 +313,26 @@ def validate_pooler(pooler: Any, direct_url: Any, source: str) -> tuple[str | No
         )
     conninfo.url_to_params(direct_url)  # raises, password masked, if unparseable
     return pooler, direct_url
+
+
+def validate_pooler_prepared(value: Any, pooler: str | None, source: str) -> bool:
+    """Check the ``pooler_prepared_statements`` option against ``pooler`` (as
+    :func:`validate_pooler` returned it).
+
+    Raises:
+        ConfigurationError: not a bool, or True without ``pooler="transaction"``.
+    """
+    if not isinstance(value, bool):
+        raise ConfigurationError(
+            f"{source} pooler_prepared_statements={value!r} is invalid: expected True or "
+            "False (default: False)"
+        )
+    if value and pooler != "transaction":
+        raise ConfigurationError(
+            f"{source} pooler_prepared_statements=True needs pooler='transaction' (a "
+            "direct connection always prepares): set pooler='transaction', or remove it"
+        )
+    return value
 
 
 def _default(f: Any) -> Any:

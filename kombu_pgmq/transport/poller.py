@@ -11,7 +11,9 @@ that filled their read stay ready. A queue with a delayed message is read when i
 due (*due*: learned from ``wait_for_due`` and from NOTIFY payloads, migration 0016; a
 timer of Celery's event loop, or the wait of ``drain_events``). A fallback poll every
 ``polling_interval`` seconds marks every consumed queue ready (messages that become
-visible without a publish: a lapsed visibility timeout).
+visible without a publish: a lapsed visibility timeout). In Celery's event loop, a round
+that delivers messages handed over at publish reads nothing more until the loop's next
+turn has written those tasks to the pool (:attr:`Poller.read_after_handover_seconds`).
 
 Statements go through the transport's statement connection only (the channels'), never
 the lease or heartbeat connections.
@@ -31,19 +33,19 @@ from .. import errors
 from .._db.broker import Receipt
 from .._db.consumers import Consumers
 from .._db.pooling import warn_polling_once
+from ._due import DueReads
+from ._handover import Handover
 from ._interfaces import TransportView
 from ._listener import Listener
+from ._recovery import RECONNECT_SECONDS, Recovery
 from .acks import AckBatch, archive, archive_nowait
 
 __all__ = ["RECONNECT_SECONDS", "Poller"]
 
 logger = logging.getLogger(__name__)
 
-#: Seconds between reconnection attempts of a consumer in Celery's event loop.
-RECONNECT_SECONDS = 1.0
 
-
-class Poller:
+class Poller(Recovery, DueReads):
     """Wake-ups, polling rounds and event-loop registration of one transport."""
 
     #: Consecutive full reads of a queue after which this connection stops waiting on
@@ -56,9 +58,16 @@ class Poller:
     #: item 11; Nagle's algorithm).
     ack_batch_seconds = 0.002
 
+    #: Seconds, in Celery's event loop, that reads and slot offers wait after a round
+    #: that delivered handed-over messages: Celery writes those tasks to its pool on the
+    #: loop's next turn, and a read now (say the fallback poll) would hold that write.
+    read_after_handover_seconds = 0.001
+
     def __init__(self, transport: TransportView) -> None:
         self.transport = transport
         self.acks = AckBatch()
+        #: Hand-over slots offered and rows handed over (migration 0023).
+        self.handover = Handover(transport)
         self._listener: Listener | None = None
         self._ready: set[str] = set()  # may hold visible messages: read when prefetch allows
         self._waiting: set[str] = set()  # our row is in kombu_pgmq.waiting: publishers notify
@@ -81,6 +90,8 @@ class Poller:
         self._connection_lost_at: float | None = None
         self._canceled_at: float | None = None  # a read was cancelled (statement_timeout)
         self._retry_pending = False  # a reconnection attempt is scheduled in the event loop
+        self._reads_deferred = False  # a timer of the loop reads after a hand-over's round
+        self._reading_deferred = False  # in that timer's round
 
     @property
     def polling_interval(self) -> float:
@@ -120,12 +131,14 @@ class Poller:
         """A consumer of PGMQ queues ``names`` was cancelled: stop listening to those no
         consumer is left for."""
         consumed = self.consumed()
+        given_up = False
         for name in names:
             if name in consumed:
                 continue
             self._ready.discard(name)
             self._full_reads.pop(name, None)
             self._due.pop(name, None)
+            self.handover.armed.discard(name)
             if self._listener is not None:
                 self._listener.unlisten([name])
             if name in self._waiting:
@@ -135,6 +148,9 @@ class Poller:
                     # the reaper removes the row with our consumers
                     with contextlib.suppress(errors.KombuPgmqError):
                         Consumers(broker.db).stop_waiting(self.transport.owner, [name])
+                        given_up = True
+        if given_up and self._listener is not None:
+            self.handover.settle(self._listener)  # handed over before that: given back
 
     def consumed(self) -> set[str]:
         """PGMQ queues (every priority band) of the queues consumed now."""
@@ -233,57 +249,6 @@ class Poller:
         if self.acks:
             self.acks.flush(self.transport.broker(), durable=self.transport.options.durable_acks)
 
-    # -- connection loss -------------------------------------------------------------
-
-    def _connection_lost(self, exc: BaseException) -> None:
-        """The statement connection was lost in the event loop: keep every held message
-        (leases renew once reconnected) and retry soon, instead of making Celery restart
-        its consumer (which would requeue the running tasks)."""
-        if self._connection_lost_at is None:
-            self._connection_lost_at = monotonic()
-            logger.warning(
-                "database connection lost (%s); reconnecting every %.1f s, held messages are kept",
-                exc,
-                self.polling_interval,
-            )
-        self._waiting.clear()  # recorded again as queues are found empty
-        with contextlib.suppress(errors.KombuPgmqError):
-            self._ready |= self.consumed()
-        if self._hub is not None and not self._retry_pending:
-            # retry soon, not at the next fallback poll only; one timer at a time
-            self._retry_pending = True
-            self._hub.call_later(RECONNECT_SECONDS, self._on_hub_retry)
-
-    def _on_hub_retry(self) -> None:
-        self._retry_pending = False
-        self._on_hub_fallback()
-
-    def _connection_ok(self) -> None:
-        if self._connection_lost_at is not None:
-            logger.warning(
-                "database connection re-established after %.1f s",
-                monotonic() - self._connection_lost_at,
-            )
-            self._connection_lost_at = None
-        if self._canceled_at is not None:
-            logger.warning("reads work again after %.1f s", monotonic() - self._canceled_at)
-            self._canceled_at = None
-
-    def _statement_canceled(self, exc: errors.StatementCanceled) -> None:
-        """A read or ack was cancelled (``statement_timeout`` ran out, e.g. behind a lock
-        an open transaction holds on a queue table, or ``pg_cancel_backend``): nothing was
-        applied (the acks are kept) and the connection is fine. Not a lost connection:
-        keep it and every held message, try again at the next fallback poll."""
-        if self._canceled_at is None:
-            self._canceled_at = monotonic()
-            logger.warning(
-                "reading the consumed queues failed: %s; trying again every %.1f s, held "
-                "messages are kept",
-                exc,
-                self.polling_interval,
-            )
-        self._next_fallback = monotonic() + self.polling_interval
-
     # -- rounds ----------------------------------------------------------------------
 
     def _note_wakeups(self, listener: Listener) -> None:
@@ -291,11 +256,13 @@ class Poller:
         consumed queue when the fallback poll is due or notifications may have been
         missed."""
         collected = listener.collect()
+        self.handover.handed += listener.take_handed()
         now = monotonic()
         if collected is None:
             # A new LISTEN connection: the database may have restarted and forgotten our
             # waiting rows; record them again as queues are found empty.
             self._waiting.clear()
+            self.handover.armed.clear()
         else:
             notified, due = collected
             for name, epoch in due.items():
@@ -314,32 +281,6 @@ class Poller:
                 self._waiting.discard(name)
         self._schedule_due()
 
-    def _due_at(self, name: str, deadline: float) -> None:
-        """Read queue ``name`` at ``deadline`` (monotonic; the earliest one wins)."""
-        current = self._due.get(name)
-        if current is None or deadline < current:
-            self._due[name] = deadline
-
-    def _schedule_due(self) -> None:
-        """In Celery's event loop: one timer, at the earliest due time."""
-        if self._hub is None:
-            return
-        earliest = min(self._due.values(), default=None)
-        timer = self._due_timer
-        if timer is not None:
-            if earliest is not None and timer[0] <= earliest:
-                return  # an earlier (or the same) read is scheduled already
-            with contextlib.suppress(Exception):
-                timer[1].cancel()
-            self._due_timer = None
-        if earliest is not None:
-            entry = self._hub.call_later(max(0.0, earliest - monotonic()), self._on_hub_due)
-            self._due_timer = (earliest, entry)
-
-    def _on_hub_due(self) -> None:
-        self._due_timer = None
-        self._on_hub_event()
-
     def poll(self) -> tuple[int, bool]:
         """One round: read the ready queues of every channel (batched acks ride along)
         and deliver. Returns ``(delivered, again)``; ``again`` asks for another round at
@@ -349,13 +290,23 @@ class Poller:
         since = self.acks.since
         acks = self.acks.take()
         taken = bool(acks)
-        delivered = 0
         drained: set[str] = set()
         full: set[str] = set()
         retry: dict[str, float] = {}
-        ready = set(self._ready)
         self._polling = True
         try:
+            # read_after_handover_seconds: in Celery's event loop, not at a deferred round
+            defer = self._hub is not None and bool(self.handover.handed)
+            defer = defer and not self._reading_deferred
+            delivered, to_read = self.handover.deliver(self._waiting, defer_rearm=defer)
+            self._ready |= to_read
+            if defer and delivered and (self._ready or self.handover.rearm_pending):
+                self._defer_reads()
+                ready: set[str] = set()
+            else:
+                if self.handover.rearm_pending:
+                    self._ready |= self.handover.rearm_now(self._waiting)
+                ready = set(self._ready)
             for channel in list(transport.channels):
                 if not channel.consumed_queues or not ready:
                     continue
@@ -395,9 +346,22 @@ class Poller:
             # A backlog: publishers stop notifying (their commits would serialize).
             Consumers(transport.broker().db).stop_waiting(transport.owner, sorted(to_busy))
             self._waiting.difference_update(to_busy)
+            self.handover.armed.difference_update(to_busy)
+        listener = self.listener()
+        rearm = self.handover.slot(listener.slot, (drained & self._waiting) - self.handover.armed)
+        if rearm is not None and rearm.queues:  # took a handed message, found empty now
+            consumers = Consumers(transport.broker().db)
+            offered = consumers.rearm_handoff(transport.owner, rearm.queues)
+            self.handover.armed |= offered
+            self._waiting -= set(rearm.queues) - offered  # not waited on: wait_for again
         if to_wait:
-            self.listener().fileno()  # LISTEN before publishers can see us waiting
-            waiting = Consumers(transport.broker().db).wait_for(transport.owner, sorted(to_wait))
+            listener.fileno()  # LISTEN before publishers can see us waiting
+            slot = self.handover.slot(listener.slot, to_wait)
+            waiting = Consumers(transport.broker().db).wait_for(
+                transport.owner, sorted(to_wait), slot
+            )
+            if slot is not None:
+                self.handover.armed |= set(slot.queues)
             if waiting.unsettled:
                 logger.debug(
                     "a publisher to %s is still in its transaction: its message is found by "
@@ -419,6 +383,21 @@ class Poller:
         if full and self._hub is not None:
             self.wake()  # more may wait: read again after the loop's other work
         return delivered, bool(to_wait)
+
+    def _defer_reads(self) -> None:
+        """In Celery's event loop: read the ready queues at a timer of the loop, after
+        its next turn (see :attr:`read_after_handover_seconds`)."""
+        if not self._reads_deferred and self._hub is not None:
+            self._reads_deferred = True
+            self._hub.call_later(self.read_after_handover_seconds, self._on_deferred_reads)
+
+    def _on_deferred_reads(self) -> None:
+        self._reads_deferred = False
+        self._reading_deferred = True  # this round reads, hand-over or not (no starving)
+        try:
+            self._on_hub_event()
+        finally:
+            self._reading_deferred = False
 
     def _send_acks(self, acks: list[Receipt], since: float) -> None:
         """Archive ``acks`` now: sent without waiting for the result where the broker
@@ -454,7 +433,7 @@ class Poller:
                 canceled = False
                 try:
                     self._note_wakeups(listener)
-                    if self._ready or self.acks:
+                    if self._ready or self.acks or self.handover.handed:
                         delivered, again = self.poll()
                         self._connection_ok()
                         if delivered:
@@ -530,7 +509,8 @@ class Poller:
             self._note_wakeups(listener)
             self._watch_listener(listener)
             for _ in range(2):  # a round, and the final read of queues that went to sleep
-                if not (self._ready or self.acks):
+                handover = self.handover
+                if not (self._ready or self.acks or handover.handed or handover.rearm_pending):
                     break
                 _, again = self.poll()
                 if not again:
@@ -544,6 +524,7 @@ class Poller:
 
     def unregister_from_event_loop(self) -> None:
         hub, self._hub = self._hub, None
+        self._reads_deferred = False  # its timer goes with the loop
         if hub is None:
             return
         for fd in self._hub_fds:
@@ -570,12 +551,16 @@ class Poller:
                     self.acks.flush(broker, durable=self.transport.options.durable_acks)
                 if self._waiting:
                     Consumers(broker.db).stop_waiting(self.transport.owner)
+                    if self._listener is not None:  # handed over before that: give back
+                        self.handover.handed += self._listener.settle()
+                self.handover.give_back(self.handover.handed, broker)
         except errors.KombuPgmqError as exc:
             logger.warning("closing: %s (unarchived acks are delivered again)", exc)
         finally:
             self._waiting.clear()
             self._due.clear()
             self.acks.clear()
+            self.handover.clear()
             listener, self._listener = self._listener, None
             if listener is not None:
                 listener.close()
@@ -583,6 +568,7 @@ class Poller:
     def after_fork(self) -> None:
         """In a forked child: the parent's state is not ours (no flush, no cleanup)."""
         self.acks.clear()
+        self.handover.clear()
         self._ready.clear()
         self._waiting.clear()
         self._full_reads.clear()

@@ -5,6 +5,7 @@ keeps Kombu's API and hands these calls to its :class:`Publisher`."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -349,15 +350,25 @@ class Publisher(ChannelPart):
         self._send_to(queue, body, headers, priority, delay)
 
     def _send_to(
-        self, queue: str, body: str, headers: str, priority: int = 0, delay: int = 0
+        self,
+        queue: str,
+        body: str,
+        headers: str,
+        priority: int = 0,
+        delay: int = 0,
+        *,
+        confirm: bool | None = None,
     ) -> None:
+        confirm = self.options.confirm_publish if confirm is None else confirm
         try:
-            self._send(queue, body, headers, priority, delay)
+            self._send(queue, body, headers, priority, delay, confirm)
         except errors.InvalidJsonBody:
             body, headers = encoding.reencode_opaque(body, headers)
-            self._send(queue, body, headers, priority, delay)
+            self._send(queue, body, headers, priority, delay, confirm)
 
-    def _send(self, queue: str, body: str, headers: str, priority: int, delay: int) -> None:
+    def _send(
+        self, queue: str, body: str, headers: str, priority: int, delay: int, confirm: bool
+    ) -> None:
         if priority:
             name = self.connection.topology.bands(queue).queue_for(priority)
         else:
@@ -373,6 +384,9 @@ class Publisher(ChannelPart):
             self.channel.declare_queue(queue)
             if priority:
                 name = self.connection.topology.bands(queue).queue_for(priority)
+        unconfirmed = not confirm and plain and publisher is self.pgmq
+        if unconfirmed and self._send_unconfirmed(queue, name, body, headers, priority, delay):
+            return
         try:
             msg_id = publisher.send(
                 name, body, headers, delay, deduplication_window=window, deduplicated=not plain
@@ -387,3 +401,51 @@ class Publisher(ChannelPart):
             msg_id = publisher.send(name, body, headers, delay, deduplication_window=window)
         if msg_id is None:
             _log_duplicates([name])
+
+    # -- unconfirmed publishes (confirm_publish=False) -----------------------------------
+
+    def _send_unconfirmed(
+        self, queue: str, name: str, body: str, headers: str, priority: int, delay: int
+    ) -> bool:
+        """Send without waiting for the server (:meth:`Broker.send_nowait`); a failure,
+        read before the connection's next statement, puts the message on the transport's
+        ``unconfirmed_failed`` list, and it is published again (confirmed) at once after
+        the next publish or when the channel closes. False: not sent this way (the caller
+        publishes it confirmed)."""
+        failed = self.connection.unconfirmed_failed
+
+        def keep(error: errors.KombuPgmqError) -> None:
+            logger.warning(
+                "an unconfirmed publish to %r failed (%s): publishing it again", queue, error
+            )
+            failed.append((queue, body, headers, priority, delay))
+
+        try:
+            sent = self.pgmq.send_nowait(name, body, headers, delay, on_error=keep)
+        except errors.QueueNotFound:
+            sent = False  # the confirmed path declares the queue again
+        self.republish_failed()
+        return sent
+
+    def republish_failed(self) -> None:
+        """Publish again, confirmed, the messages whose unconfirmed publish failed (at
+        least once: a message whose connection was lost before its result came back may
+        have been written, and is then delivered twice).
+
+        Raises:
+            KombuPgmqError: a publish failed again (the message stays on the list).
+        """
+        failed = self.connection.unconfirmed_failed
+        while failed:
+            queue, body, headers, priority, delay = failed[0]
+            self._send_to(queue, body, headers, priority, delay, confirm=True)
+            failed.pop(0)
+
+    def flush_unconfirmed(self) -> None:
+        """Wait for the result of an unconfirmed publish still in flight, and publish
+        again what failed (the channel is closing)."""
+        broker = self.connection.broker_if_connected()
+        if broker is not None:
+            with contextlib.suppress(errors.BrokerConnectionError):  # on the list already
+                broker.db.collect()
+        self.republish_failed()

@@ -259,6 +259,26 @@ class Reader(ChannelPart):
                 no_ack_read[name].extend(
                     Receipt(name, r.msg_id, r.read_ct, r.enqueued_at) for r in batch
                 )
+        self._deliver_all(deliveries, no_ack_read)
+        return Consumed(len(deliveries), drained, full, acks_sent, False, retry)
+
+    def deliver_rows(self, queue: str, name: str, rows: list[Row]) -> int:
+        """Deliver rows of PGMQ queue ``name`` (a band of Kombu queue ``queue``) handed
+        over at publish (migration 0023: delivered to this connection already) as a read's
+        rows are: poison and expired ones settled on the way. Returns how many reached the
+        consumer's callback."""
+        deliveries = [(m, queue) for m in self._to_messages(queue, name, rows, no_ack=False)]
+        self._deliver_all(deliveries, {})
+        return len(deliveries)
+
+    def _deliver_all(
+        self, deliveries: list[tuple[Any, str]], no_ack_read: dict[str, list[Receipt]]
+    ) -> None:
+        """Hand ``(message, kombu queue)`` pairs to their consumers in order; a callback
+        that raises gets its message dead-lettered in Celery's event loop (see
+        :meth:`_callback_failed`), else the messages after it are released and the error
+        propagates. ``no_ack_read``: what ``no_ack`` consumers were handed, deleted
+        afterwards (those a failure kept from them excepted)."""
         undelivered: list[Any] = []
         try:
             for index, (message, queue) in enumerate(deliveries):
@@ -277,7 +297,6 @@ class Reader(ChannelPart):
         finally:
             if no_ack_read:
                 self._forget_no_ack(no_ack_read, undelivered)
-        return Consumed(len(deliveries), drained, full, acks_sent, False, retry)
 
     def _deliver(self, message: Any, queue: str) -> None:
         """Hand a message to the consumer of ``queue`` on this channel (held for its ack

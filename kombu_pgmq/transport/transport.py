@@ -109,12 +109,17 @@ class Transport(virtual.Transport):
         #: (``pooler="transaction"``) ``direct_url``'s, or None (consumers poll).
         self.listen_dsn: str | None = self.dsn
         if self.options.pooler == "transaction" and self.binding is None:
-            mark_pooled(self.dsn)  # every connector to it: no session state
+            # every connector to it: no session state (prepared statements only if the
+            # pooler keeps them)
+            mark_pooled(self.dsn, prepared=self.options.pooler_prepared_statements)
             direct = self.options.direct_url
             self.listen_dsn = None if direct is None else self._direct_dsn(direct)
         self._pid = os.getpid()
         self._statements: Connector | None = None
         self._broker: Broker | None = None  # operations on _statements
+        #: Unconfirmed publishes (``confirm_publish=False``) the server refused or whose
+        #: connection was lost: ``(queue, body, headers, priority, delay)``, published again.
+        self.unconfirmed_failed: list[tuple[str, str, str, int, int]] = []
         #: Priority bands, FIFO queues and the routing table, as stored (cached).
         self.topology = Topology(self.broker)
         #: Identifies this connection's consumers in kombu_pgmq.consumers.
@@ -226,6 +231,7 @@ class Transport(virtual.Transport):
             except errors.KombuPgmqError as exc:
                 logger.warning("reaping abandoned queues failed: %s", exc)
         broker = self._broker = Broker(connector)
+        broker.visible_before_flush = self.options.visible_before_flush
         return broker
 
     def publisher(self) -> Broker:
@@ -411,6 +417,7 @@ class Transport(virtual.Transport):
         self.owner = self._new_owner()
         self._consumers_lock = threading.Lock()
         self._consumers = set()
+        self.unconfirmed_failed = []  # the parent's to publish again
         statements, self._statements, self._broker = self._statements, None, None
         if statements is not None:
             statements.close()  # abandons: nothing is sent

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import pytest
 
 from tests.e2e import chaos
@@ -24,16 +23,8 @@ SETTINGS = {**pgserver.TEST_SETTINGS, "synchronous_commit": "on"}
 
 @pytest.fixture
 def crashable_server() -> Any:
-    try:
-        server = pgserver.start_server(settings=SETTINGS)
-    except pgserver.EmbeddedPostgresMissing as exc:
-        pytest.skip(str(exc))
-    try:
-        with psycopg.connect(server.dsn, autocommit=True) as conn:
-            conn.execute("CREATE DATABASE chaos")
+    with pgserver.throwaway_server(SETTINGS, "chaos") as server:
         yield server
-    finally:
-        server.stop()
 
 
 def test_no_task_lost_when_workers_are_killed_and_postgresql_crashes(

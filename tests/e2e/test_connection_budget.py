@@ -41,6 +41,8 @@ SETTLE_S = 45.0
 STEADY_S = 1.0
 #: Tasks run before the "after tasks" count.
 TASKS = 20
+#: Seconds between lease renewal rounds of the workers here.
+LEASE_ROUND_S = 0.3
 
 #: The budget of a worker's main process with Celery's defaults (worker heartbeat events
 #: on) and no result backend: the consumer's statements, its LISTEN connection and its
@@ -92,10 +94,29 @@ def ran(conn: psycopg.Connection) -> int:
 
 
 def wait_ran(conn: psycopg.Connection, n: int) -> None:
+    """Wait until ``n`` tasks ran, then until every message of queue ``celery`` is acked
+    (see :func:`wait_acked`)."""
     deadline = time.monotonic() + SETTLE_S
     while ran(conn) < n:
         assert time.monotonic() < deadline, f"{ran(conn)} of {n} tasks ran"
         time.sleep(0.1)
+    wait_acked(conn)
+
+
+def wait_acked(conn: psycopg.Connection) -> None:
+    """Wait until queue ``celery`` holds no message (each task's message acked), then two
+    lease rounds more. A task writes its row, or its result, a moment before its message
+    is acked; a lease round in that moment finds the message held and opens the lease
+    connection (as it should), and the next round closes it again. Counting before then
+    would see a connection that is about to go."""
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        row = conn.execute("SELECT count(*) FROM pgmq.q_celery").fetchone()
+        if row is not None and row[0] == 0:
+            break
+        assert time.monotonic() < deadline, f"{row} messages of queue celery not acked"
+        time.sleep(0.1)
+    time.sleep(2 * LEASE_ROUND_S + 0.2)
 
 
 @pytest.fixture
@@ -107,7 +128,7 @@ def budget_env(db_dsn: str) -> dict[str, str]:
         KPT_BROKER_URL=db_dsn,
         KPT_RESULT_BACKEND="none",
         KPT_CONSUMER_HEARTBEAT_INTERVAL="0.3",
-        KPT_LEASE_RENEWAL_INTERVAL="0.3",
+        KPT_LEASE_RENEWAL_INTERVAL=str(LEASE_ROUND_S),
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")])),
         PYTHONUNBUFFERED="1",
     )
@@ -231,8 +252,12 @@ def test_prefork_children_that_publish(worker, client, conn):
 def test_beat_and_task_events(worker, conn):
     """``-B`` with kombu_pgmq's scheduler adds the beat process's leader connection and its
     producer's statements; ``-E`` adds nothing (task events go out on the event
-    dispatcher's connection, there for worker heartbeats already)."""
-    worker("prefork", "-B", "-E", KPT_BEAT="1")
+    dispatcher's connection, there for worker heartbeats already).
+
+    Beat sends a task every second, so with 0.3 s lease rounds one round in a few finds
+    a tick task held and opens the lease connection for it (as it should; the per-pool
+    test checks that): lease renewal is off here, so the count is beat's alone."""
+    worker("prefork", "-B", "-E", KPT_BEAT="1", KPT_LEASE_RENEWAL_INTERVAL="0")
     settle(conn, {**WORKER, "beat-leader": 1, "statements": 3}, "prefork worker -B -E")
 
 
@@ -297,6 +322,7 @@ def test_producer_budget(budget_env, worker, conn, db_dsn):
     settle(conn, solo, "solo worker without events")
     proc = _producer(CELERY_PRODUCER, {**env, "KPT_BROKER_URL": _tagged(db_dsn, "producer")})
     try:
+        wait_acked(conn)  # get() returned (the producer printed 3): the result is stored
         settle(
             conn,
             {

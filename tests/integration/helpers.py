@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from typing import Any
 
@@ -102,3 +103,40 @@ class FakeHub:
                 if fd in self.readers:
                     callback, args = self.readers[fd]
                     callback(*args)
+
+
+class WaitingConsumer:
+    """A consumer (acks, never acking) draining ``queue`` in a thread, on its own
+    connection: it waits on the queue between messages, offering a hand-over slot."""
+
+    def __init__(self, url: str, queue: Queue, **options: Any) -> None:
+        self.got: list[Any] = []
+        self._options = options
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(url, queue), daemon=True)
+        self._thread.start()
+        assert self._ready.wait(30), "the consumer did not start"
+
+    def _run(self, url: str, queue: Queue) -> None:
+        with (
+            connect(url, **self._options) as conn,
+            Consumer(
+                conn.channel(), [queue], callbacks=[lambda body, m: self.got.append(body)]
+            ) as consumer,
+        ):
+            consumer.qos(prefetch_count=100)
+            self._ready.set()
+            while not self._stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    conn.drain_events(timeout=0.2)
+
+    def wait_for(self, n: int) -> None:
+        deadline = time.monotonic() + 30
+        while len(self.got) < n:
+            assert time.monotonic() < deadline, f"the consumer got {len(self.got)} of {n}"
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)

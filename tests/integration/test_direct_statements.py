@@ -89,6 +89,8 @@ def test_sent_by_pgmq_read_and_archived_directly(url: str, request: pytest.Fixtu
         sql(url, "SELECT pgmq.send(%s, %s::jsonb)", (PGMQ, json.dumps({"n": i})))
     with connect(url) as conn:
         got = drain(conn, QUEUE, expect=4, prefetch=10)
+        # the first read carried no acks (read_queue_without_acks), the next ones did
+        assert ("read_queue_without_acks", PGMQ) in broker_of(conn)._statements
         assert ("read_queue", PGMQ) in broker_of(conn)._statements
     assert len(got) == 4
     assert {m.delivery_info["pgmq_read_ct"] for m in got} == {1}
@@ -208,3 +210,48 @@ def test_least_privilege_roles_fall_back_to_the_functions(least_privilege_db: An
         assert broker_of(conn).direct_reads is False
     assert sorted(json.loads(m.body)["n"] for m in got) == list(range(5))
     assert sql(db.owner_url, "SELECT count(*) FROM pgmq.a_lp_direct") == [(5,)]
+
+
+def test_a_handed_over_row_is_pgmq_s_delivered_row(
+    url: str, request: pytest.FixtureRequest
+) -> None:
+    """A publish handed to a waiting consumer (migration 0023) writes the row as
+    pgmq.read leaves a delivered one (read_ct 1, vt ahead, last_read_at where the table
+    has it); the consumer's ack archives it as pgmq.archive would."""
+    import contextlib
+
+    from kombu import Consumer, Producer
+
+    from kombu_pgmq._stats import STATS
+
+    declare(url, request)
+    got: list[Any] = []
+    with (
+        connect(url, polling_interval=60) as conn,
+        connect(url) as producer,
+        Consumer(conn.channel(), [Queue(QUEUE, routing_key=QUEUE)], on_message=got.append),
+    ):
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not sql(
+            url,
+            "SELECT 1 FROM kombu_pgmq.waiting WHERE pgmq_queue = %s AND handoff_slots = 1",
+            (PGMQ,),
+        ):
+            with contextlib.suppress(TimeoutError):
+                conn.drain_events(timeout=0.2)
+        channel = producer.channel()
+        Queue(QUEUE, routing_key=QUEUE)(channel).declare()
+        before = STATS.handovers
+        Producer(channel).publish({"n": 1}, routing_key=QUEUE)
+        row = sql(url, f"SELECT read_ct, vt > now() FROM pgmq.q_{PGMQ}")
+        assert row == [(1, True)]
+        if "last_read_at" in columns(url, f"pgmq.q_{PGMQ}"):
+            assert sql(url, f"SELECT last_read_at IS NOT NULL FROM pgmq.q_{PGMQ}") == [(True,)]
+        while not got and time.monotonic() < deadline:
+            with contextlib.suppress(TimeoutError):
+                conn.drain_events(timeout=0.2)
+        assert STATS.handovers == before + 1
+        got[0].ack()
+        with contextlib.suppress(TimeoutError):
+            conn.drain_events(timeout=0.3)
+    assert sql(url, f"SELECT read_ct, message FROM pgmq.a_{PGMQ}") == [(1, {"n": 1})]

@@ -1,5 +1,6 @@
 """Through PgBouncer in transaction mode (issue 30, item 1): a real pgbouncer 1.18
-(:mod:`tests.support.pgbouncer`) with 2 server connections per database and
+(:mod:`tests.support.pgbouncer`; 1.21+ for prepared statements through the pooler,
+``pooler_prepared_statements``) with 2 server connections per database and
 ``server_round_robin`` on, shared by 3 or more Kombu connections, so consecutive
 transactions of one client run on different server connections: a prepared statement or
 a session setting relied on fails (``test_without_pooled_mode_the_same_work_fails``
@@ -308,6 +309,99 @@ def test_without_pooled_mode_the_same_work_fails(db_dsn, pg_server, monkeypatch)
         finally:
             lease.close()
         assert ("1s",) in _server_settings(url, ("lock_timeout",))
+
+
+# -- prepared statements through a pooler that keeps them (PgBouncer >= 1.21) -------------
+
+
+@pytest.fixture
+def prepared_db(db_dsn: str, pgbouncer_prepared: Any) -> Any:
+    """``db_dsn`` through the session's PgBouncer >= 1.21 (``max_prepared_statements``
+    100; 2 server connections, round robin), and directly."""
+    from tests.conftest import PooledDb
+
+    return PooledDb(pgbouncer_prepared.pooled_url(db_dsn), db_dsn, pgbouncer_prepared)
+
+
+def _parses_and_binds(db: Any) -> tuple[int, int]:
+    """(Parse messages from clients, Bind messages) PgBouncer counted for the database."""
+    dbname = conninfo_to_dict(db.direct_url)["dbname"]
+    [row] = [r for r in db.bouncer.show("STATS") if r["database"] == dbname]
+    return int(row["total_client_parse_count"]), int(row["total_bind_count"])
+
+
+def test_statements_are_prepared_through_a_pooler_that_keeps_them(prepared_db):
+    """pooler_prepared_statements=True: the same work as through 1.18 (three connections,
+    leases renewed with lock_timeout, every message once), with the statements prepared:
+    the pooler saw far fewer Parse messages than Binds (each prepared statement parsed
+    once per client, bound on every call)."""
+    options = _options(prepared_db, pooler_prepared_statements=True)
+    got = _work(prepared_db.pooled_url, options, "prepared")
+    assert got == list(range(30))
+    parses, binds = _parses_and_binds(prepared_db)
+    assert binds >= 60 and parses * 3 < binds, (parses, binds)
+    # no session setting left behind either
+    defaults = _defaults(prepared_db.direct_url, ("lock_timeout", "synchronous_commit"))
+    seen = _server_settings(prepared_db.pooled_url, ("lock_timeout", "synchronous_commit"))
+    assert seen == defaults
+
+
+def test_without_the_option_nothing_is_prepared_through_the_pooler(prepared_db):
+    """The test above can fail: without pooler_prepared_statements the same work sends
+    no prepared statement through the pooler (it counts none: unnamed statements only)."""
+    got = _work(prepared_db.pooled_url, _options(prepared_db), "unprepared")
+    assert got == list(range(30))
+    assert _parses_and_binds(prepared_db) == (0, 0)
+
+
+def test_a_pooler_that_does_not_keep_prepared_statements_names_the_option(db_dsn, pg_server):
+    """pooler_prepared_statements=True through a PgBouncer that keeps none (1.18, or
+    max_prepared_statements = 0): the first statement run again on another server
+    connection fails with a ConfigurationError that names the option and the fix, not a
+    bare 'prepared statement does not exist' (or 'already exists': another client's
+    statement of the same name on that server connection). A PgBouncer of its own: the
+    failure leaves prepared statements on its server connections."""
+    reason = support.available()
+    if reason is not None:
+        pytest.skip(reason)
+    settings = {"server_round_robin": "1"}
+    if (support.version(support.BINARY) or (0,)) >= (1, 21):
+        settings["max_prepared_statements"] = "0"
+    with support.PgBouncer(pg_server, settings=settings) as bouncer:
+        options = {"pooler": "transaction", "direct_url": db_dsn}
+        options["pooler_prepared_statements"] = True
+        with pytest.raises(ConfigurationError, match="pooler_prepared_statements"):
+            _work(bouncer.pooled_url(db_dsn), options, "not_kept")
+
+
+def test_prepared_statement_names_that_collide_through_the_pooler_name_the_option(
+    db_dsn, pg_server
+):
+    """The same, when the statement lands on a server connection where another client
+    prepared one of the same name (psycopg names them ``_pg3_0``, ``_pg3_1``... per
+    client, at a statement's fifth run): 'already exists' also becomes the
+    ConfigurationError naming the option. One server connection, so the second client's
+    first prepared statement collides with the first client's."""
+    reason = support.available()
+    if reason is not None:
+        pytest.skip(reason)
+    settings = {}
+    if (support.version(support.BINARY) or (0,)) >= (1, 21):
+        settings["max_prepared_statements"] = "0"
+    with support.PgBouncer(pg_server, default_pool_size=1, settings=settings) as bouncer:
+        url = bouncer.pooled_url(db_dsn)
+        options = {"pooler": "transaction", "direct_url": db_dsn}
+        options["pooler_prepared_statements"] = True
+        with connect(url, **options) as first:
+            publish(first, "collide", [{"n": n} for n in range(6)])  # prepares _pg3_0
+            with (
+                connect(url, **options) as second,
+                pytest.raises(ConfigurationError, match="pooler_prepared_statements") as failed,
+            ):
+                publish(second, "collide", [{"n": n} for n in range(6, 12)])
+            assert "already exists" in str(failed.value)
+    published = sql(db_dsn, "SELECT (message->>'n')::int FROM pgmq.q_collide ORDER BY 1")
+    assert [r[0] for r in published][:6] == list(range(6))  # the first client's, all there
 
 
 def test_beat_refuses_a_transaction_pooler_without_direct_url(pooled_db):

@@ -20,6 +20,8 @@ from kombu_pgmq import errors, schema
 from kombu_pgmq.dlq import DeadLetterQueue
 from tests.conftest import LeastPrivilegeDb
 
+from .helpers import WaitingConsumer, sql
+
 EXCHANGE = Exchange("orders_x", type="direct")
 QUEUE = Queue("orders", EXCHANGE, routing_key="orders")
 OPTIONS = {"install_schema": False, "polling_interval": 0.2}
@@ -115,6 +117,19 @@ def test_producer_publishes_to_existing_queues_and_nothing_else(least_privilege_
     _sql_refused(db.producer_url, "SELECT * FROM kombu_pgmq.read(ARRAY['orders'], 30, 1)")
     _sql_refused(db.producer_url, "DELETE FROM kombu_pgmq.queues")
     _sql_refused(db.producer_url, "SELECT kombu_pgmq.purge('orders')")
+
+
+def test_an_unconfirmed_producer_without_table_rights_loses_nothing(least_privilege_db):
+    """confirm_publish=False: the producer's first statement on PGMQ's table is refused
+    after the publish returned; that message is published again through
+    kombu_pgmq.publish, and so are the next ones."""
+    db = least_privilege_db
+    _declare_as_worker(db)
+    with _connection(db.producer_url, confirm_publish=False) as conn:
+        producer = Producer(conn.default_channel)
+        for n in range(5):
+            producer.publish({"n": n}, routing_key="orders", declare=[QUEUE])
+    assert _owner_count(db, "q_orders") == 5
 
 
 def test_worker_consumes_acks_rejects_and_declares_its_queues_nothing_else(least_privilege_db):
@@ -359,3 +374,39 @@ def test_a_worker_archives_expired_messages(least_privilege_db):
             "SELECT message->>'n', headers->>'x-archive-reason' FROM pgmq.a_orders ORDER BY msg_id"
         ).fetchall()
     assert reasons == [("0", "expired"), ("1", None)]
+
+
+def test_a_role_that_may_not_write_wal_messages_still_publishes(least_privilege_db, caplog):
+    """A server that revoked ``pg_logical_emit_message`` from PUBLIC: the owner's publish
+    a consumer waits for (committed before its WAL flush; statement ``flush_commits``
+    then refused) succeeds and is delivered, and the connection turns
+    ``visible_before_flush`` off with a warning naming the grant; later publishes commit
+    synchronously, once."""
+    db = least_privilege_db
+    sql(
+        db.admin_url,
+        "DO $$ DECLARE f regprocedure; BEGIN"
+        " FOR f IN SELECT oid::regprocedure FROM pg_proc"
+        "  WHERE proname = 'pg_logical_emit_message' LOOP"
+        "  EXECUTE format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', f);"
+        " END LOOP; END $$",
+    )
+    queue = Queue("no_wal_messages", routing_key="no_wal_messages")
+    with _connection(db.owner_url) as conn:
+        producer = Producer(conn.channel())
+        producer.publish({"i": -1}, routing_key="no_wal_messages", declare=[queue])
+        consumer = WaitingConsumer(db.owner_url, queue, **OPTIONS)
+        try:
+            consumer.wait_for(1)
+            time.sleep(0.3)  # the consumer waits again
+            with caplog.at_level("WARNING", logger="kombu_pgmq"):
+                for i in range(3):
+                    producer.publish({"i": i}, routing_key="no_wal_messages", declare=[queue])
+            consumer.wait_for(4)
+        finally:
+            consumer.stop()
+        assert not conn.transport.broker().visible_before_flush
+    warned = [r.getMessage() for r in caplog.records if "visible_before_flush" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert "GRANT EXECUTE ON FUNCTION" in warned[0]
+    assert sorted(b["i"] for b in consumer.got) == [-1, 0, 1, 2]

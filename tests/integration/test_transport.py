@@ -124,6 +124,34 @@ def test_reject_with_requeue_is_visible_at_once(db_dsn):
         assert again.delivery_info["redelivered"] is True
 
 
+def test_a_requeued_message_goes_back_to_its_place(db_dsn):
+    """Consumers read oldest visibility first (issue 30); a message requeued at once keeps
+    its place in the queue (migration 0022: vt = its enqueued_at), as AMQP's requeue does,
+    instead of going behind every message visible meanwhile."""
+    with connect(db_dsn, visibility_timeout=600) as conn:
+        publish(conn, "place", ["a", "b", "c"])
+        order: list[str] = []
+
+        def on_message(message):
+            order.append(message.decode())
+            if len(order) == 1:
+                message.reject(requeue=True)
+            else:
+                message.ack()
+
+        with Consumer(
+            conn.channel(),
+            [Queue("place", routing_key="place")],
+            on_message=on_message,
+            prefetch_count=1,
+        ):
+            deadline = time.monotonic() + 10
+            while len(order) < 4 and time.monotonic() < deadline:
+                with contextlib.suppress(TimeoutError):
+                    conn.drain_events(timeout=0.5)
+    assert order == ["a", "a", "b", "c"]
+
+
 def test_reject_without_requeue_dead_letters(db_dsn):
     with connect(db_dsn) as conn:
         publish(conn, "poison", [{"bad": True}], headers={"task": "t"})

@@ -46,22 +46,61 @@ from urllib.parse import quote
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
-__all__ = ["BINARY", "PgBouncer", "PgBouncerMissing", "available"]
+__all__ = [
+    "BINARY",
+    "BUILT",
+    "PgBouncer",
+    "PgBouncerMissing",
+    "available",
+    "prepared_binary",
+    "version",
+]
 
 #: Where Debian's ``pgbouncer`` package installs the program.
 BINARY = os.environ.get("KOMBU_PGMQ_PGBOUNCER", "/usr/sbin/pgbouncer")
+#: Where ``.ci/build-pgbouncer`` installs a PgBouncer that keeps prepared statements
+#: (1.24.1, from Debian's source: Debian 12 ships 1.18, which has none): as root, and not.
+BUILT = (
+    Path("/opt/kombu_pgmq/pgbouncer-1.24.1/bin/pgbouncer"),
+    Path.home() / ".cache" / "kombu_pgmq" / "pgbouncer-1.24.1" / "bin" / "pgbouncer",
+)
 _START_TIMEOUT_S = 20.0
+
+
+def version(binary: str) -> tuple[int, ...] | None:
+    """The version of the PgBouncer at ``binary`` (``pgbouncer --version``), or None."""
+    try:
+        out = subprocess.run(
+            [binary, "--version"], capture_output=True, text=True, timeout=10, check=False
+        ).stdout
+    except OSError:
+        return None
+    words = out.split()
+    if len(words) < 2 or words[0] != "PgBouncer":
+        return None
+    return tuple(int(p) for p in words[1].split(".") if p.isdigit())
+
+
+def prepared_binary() -> str | None:
+    """A PgBouncer that keeps protocol-level prepared statements (>= 1.21): the program
+    ``$KOMBU_PGMQ_PGBOUNCER_PREPARED`` names, else :data:`BINARY` if new enough, else
+    :data:`BUILT`; None when there is none here."""
+    for candidate in (os.environ.get("KOMBU_PGMQ_PGBOUNCER_PREPARED"), BINARY, *map(str, BUILT)):
+        if candidate and shutil.which(candidate) and (version(candidate) or (0,)) >= (1, 21):
+            return candidate
+    return None
 
 
 class PgBouncerMissing(RuntimeError):
     """The pgbouncer program is not installed (tests skip with this message)."""
 
 
-def available() -> str | None:
-    """None when PgBouncer can be started here, else why not (a skip reason)."""
-    if shutil.which(BINARY) is None:
+def available(binary: str = BINARY) -> str | None:
+    """None when PgBouncer (``binary``) can be started here, else why not (a skip
+    reason)."""
+    if shutil.which(binary) is None:
         return (
-            f"pgbouncer is not installed ({BINARY} missing): apt-get install pgbouncer, or "
+            f"pgbouncer is not installed ({binary} missing): apt-get install pgbouncer, or "
             "set KOMBU_PGMQ_PGBOUNCER to its path"
         )
     return None
@@ -101,6 +140,7 @@ class PgBouncer:
         max_client_conn: most client connections.
         settings: more ``[pgbouncer]`` settings (``{"max_prepared_statements": "0"}``).
         users: more user names clients may log in as (the target's user always may).
+        binary: the program (default :data:`BINARY`).
 
     Raises (on :meth:`start`):
         PgBouncerMissing: the program is not installed.
@@ -116,7 +156,9 @@ class PgBouncer:
         max_client_conn: int = 1000,
         settings: Mapping[str, Any] | None = None,
         users: tuple[str, ...] = (),
+        binary: str = BINARY,
     ) -> None:
+        self.binary = binary
         params = {k: str(v) for k, v in conninfo_to_dict(target).items() if v is not None}
         self.target_host = params.get("host") or "/var/run/postgresql"
         self.target_port = params.get("port") or "5432"
@@ -193,7 +235,7 @@ class PgBouncer:
 
     def start(self) -> PgBouncer:
         """Write the configuration, start PgBouncer, wait until it accepts connections."""
-        reason = available()
+        reason = available(self.binary)
         if reason is not None:
             raise PgBouncerMissing(reason)
         user = _run_user()
@@ -207,7 +249,7 @@ class PgBouncer:
         if user is not None:
             for path in (directory, *directory.iterdir()):
                 shutil.chown(path, user, user)
-        cmd = [BINARY, *(["-u", user] if user is not None else []), str(ini)]
+        cmd = [self.binary, *(["-u", user] if user is not None else []), str(ini)]
         log = open(directory / "pgbouncer.log", "wb")  # noqa: SIM115 - the process keeps it
         with log:
             self._proc = subprocess.Popen(

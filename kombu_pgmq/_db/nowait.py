@@ -1,0 +1,185 @@
+"""Statements sent without waiting for their result (the part of
+:class:`~kombu_pgmq._db.broker.Broker` that pipelines): the result is read before the
+connection's next statement (:meth:`~kombu_pgmq._db.connector.Connector.send_nowait`).
+Errors as in :mod:`kombu_pgmq._db.broker`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from psycopg import sql
+
+from ..errors import KombuPgmqError, PermissionDenied, QueueNotFound
+from . import handoff
+from .connector import Connector
+from .external import ExternalConnector
+from .rows import Receipt, text_array
+
+__all__ = ["Nowait"]
+
+
+class Nowait:
+    """Statements sent without waiting (a base of :class:`Broker`)."""
+
+    db: Connector
+    #: (statement, PGMQ queue) -> the statement composed for that queue's tables
+    _statements: dict[tuple[str, str], bytes]
+    direct_reads: bool
+    direct_writes: bool
+    limited: set[str]
+
+    def _compose_read_queue(
+        self, queue: str, name: str = "read_queue", *, wake: bool = False
+    ) -> sql.Composed:
+        raise NotImplementedError
+
+    def _compose_send_queue(self, queue: str, *, routed: bool = False) -> sql.Composed:
+        raise NotImplementedError
+
+    def ack_nowait(
+        self,
+        receipts: Sequence[Receipt],
+        *,
+        durable: bool,
+        on_settled: Callable[[set[tuple[str, int]]], None],
+        on_error: Callable[[KombuPgmqError], None],
+    ) -> bool:
+        """Send the acks of one queue (receipts) without waiting for the result: the
+        server archives them as soon as the statement arrives (statement ``ack_queue``,
+        prepared on this connection). ``on_settled`` gets the ``(queue, msg_id)`` settled
+        (a stale receipt is left out) and ``on_error`` a failure, when the result is read:
+        before the next statement on this connection. Returns False, sending nothing,
+        where this path does not apply (receipts of several queues, a least-privilege
+        role): the caller archives them with :meth:`ack`.
+
+        Raises:
+            BrokerConnectionError: the statement could not be sent.
+        """
+        if not (self.direct_reads and receipts) or isinstance(self.db, ExternalConnector):
+            return False
+        queue = receipts[0].queue
+        if any(r.queue != queue for r in receipts):
+            return False
+        # a limited queue's acks wake the consumers its limits hold back
+        key = ("ack_queue", queue) if queue not in self.limited else ("ack_queue_wake", queue)
+        statement = self._statements.get(key)
+        if statement is None:
+            composed = self._compose_read_queue(queue, "ack_queue", wake=key[0] != "ack_queue")
+            statement = self._statements[key] = composed.as_bytes(self.db.connection)
+
+        def settled(rows: list[tuple[str | None, ...]]) -> None:
+            on_settled({(queue, int(r[0])) for r in rows if r[0] is not None})
+
+        # PGMQ names: at most 47 of [a-z0-9_]
+        name = f"kombu_pgmq_ack_{queue}" if key[0] == "ack_queue" else f"kombu_pgmq_ackw_{queue}"
+
+        def failed(error: KombuPgmqError) -> None:
+            if isinstance(error, PermissionDenied):
+                self.direct_reads = False  # a least-privilege role: kombu_pgmq.ack from now on
+            elif isinstance(error, QueueNotFound):
+                self._statements.pop(key, None)
+                self.db.forget_prepared(name)
+            on_error(error)
+
+        self.db.send_nowait(
+            name,
+            statement,
+            [
+                text_array(r.msg_id for r in receipts),
+                text_array(r.read_ct for r in receipts),
+                text_array(r.enqueued_at for r in receipts),
+                b"on" if durable else b"off",
+                queue.encode(),
+            ],
+            on_result=settled,
+            on_error=failed,
+        )
+        return True
+
+    def send_nowait(
+        self,
+        queue: str,
+        message: str,
+        headers: str,
+        delay_seconds: int,
+        *,
+        on_error: Callable[[KombuPgmqError], None],
+    ) -> bool:
+        """Publish one message without deduplication (statement ``send_queue``, prepared
+        on this connection) and return without waiting for the server: the statement
+        commits on its own as soon as it arrives. ``on_error`` gets a failure when the
+        result is read, before this connection's next statement (the message may then
+        not be in the queue: publish it again). Returns False, sending nothing, where
+        this path does not apply (an application's connection, a least-privilege role,
+        found now or by an earlier failure): the caller publishes with :meth:`send`.
+
+        Raises:
+            BrokerConnectionError: the statement could not be sent.
+            QueueNotFound: the queue's table does not exist (nothing was sent).
+        """
+        if not self.direct_writes or isinstance(self.db, ExternalConnector):
+            return False
+        key = ("send_queue_nowait", queue)
+        statement = self._statements.get(key)
+        if statement is None:
+            composed = self._compose_send_queue(queue).as_bytes(self.db.connection)
+            statement = self._statements[key] = numbered(composed, _SEND_PARAMS)
+        name = f"kombu_pgmq_send_{queue}"  # PGMQ names: at most 47 of [a-z0-9_]
+        handed = handoff.tail(message, headers, delay_seconds)
+
+        def failed(error: KombuPgmqError) -> None:
+            if isinstance(error, PermissionDenied):
+                self.direct_writes = False  # kombu_pgmq.publish from now on
+            elif isinstance(error, QueueNotFound):
+                self._statements.pop(key, None)
+                self.db.forget_prepared(name)
+            on_error(error)
+
+        try:
+            self.db.send_nowait(
+                name,
+                statement,
+                [
+                    queue.encode(),
+                    str(delay_seconds).encode(),
+                    message.encode("utf-8", "surrogatepass"),
+                    headers.encode("utf-8", "surrogatepass"),
+                    None if handed is None else handed.encode("utf-8", "surrogatepass"),
+                    None,  # commit: the session's synchronous_commit
+                ],
+                on_result=_ignore,
+                on_error=failed,
+            )
+        except QueueNotFound:
+            self._statements.pop(key, None)
+            self.db.forget_prepared(name)
+            raise
+        except PermissionDenied:
+            self.direct_writes = False
+            return False
+        return True
+
+
+#: The parameters of statement ``send_queue``, in the order :meth:`Nowait.send_nowait`
+#: sends them ($1...).
+_SEND_PARAMS = ("queue", "delay_seconds", "message", "headers", "handoff", "commit")
+
+
+def numbered(statement: bytes, names: Sequence[str]) -> bytes:
+    """``statement`` with psycopg's named placeholders (``%(name)s``) as PostgreSQL's
+    ``$1``... in the order of ``names`` (and ``%%`` as ``%``): the form a statement sent
+    by :meth:`~kombu_pgmq._db.connector.Connector.send_nowait` takes.
+
+    Raises:
+        ValueError: the statement has a placeholder not in ``names``.
+    """
+    for number, param in enumerate(names, 1):
+        statement = statement.replace(b"%(" + param.encode() + b")s", b"$%d" % number)
+    if b"%(" in statement:
+        raise ValueError(f"statement has placeholders not in {names}: {statement[:200]!r}")
+    return statement.replace(b"%%", b"%")
+
+
+def _ignore(rows: list[tuple[str | None, ...]]) -> None:
+    """A publish's result: its msg_id (and whether consumers were woken); nothing to do."""
