@@ -27,7 +27,9 @@ append ``kind,value,ts`` lines to a per-run file with ``O_APPEND``), then:
 1. latency (``--rounds`` times, brokers interleaved, samples pooled): queue purged,
    worker started and warmed up (one ``ping`` task run), then
    ``--latency-tasks`` tasks sent ``--interval-ms`` apart with ``apply_async``; each
-   records ``task start - sent timestamp`` (its argument). p50/p90/p99/max in ms.
+   records ``task start - sent timestamp`` (its argument). p50/p90/p99/max in ms, and
+   the slowest samples with the second of the round they were sent in (``slowest``;
+   printed with ``-v``): a periodic cause shows as one offset modulo its period.
 2. backlog: worker stopped, queue purged, one ``ping`` then ``--backlog`` noop tasks
    published with no worker running; a worker is started; rate = backlog / (last noop
    done - ping start), i.e. from worker ready to the last task done. ``--backlog-rounds``
@@ -233,7 +235,7 @@ def run_latency(app, name, url, options, workdir: Path, n: int, interval_s: floa
         wait_log(log, worker, lambda rows: count("ping", rows) >= 1, READY_TIMEOUT_S)
         time.sleep(SETTLE_S)
         task = app.tasks["bench.latency"]
-        t0 = time.monotonic()
+        t0, wall0 = time.monotonic(), time.time()
         for i in range(n):
             delay = t0 + i * interval_s - time.monotonic()
             if delay > 0:
@@ -244,6 +246,9 @@ def run_latency(app, name, url, options, workdir: Path, n: int, interval_s: floa
     finally:
         code = worker.stop()
     in_order = [(ts - float(value)) * 1000 for kind, value, ts in rows if kind == "lat"]
+    # seconds into the round each task was sent, sample order (where in the round the slow
+    # ones are: a periodic cause shows as the same offset modulo its period)
+    sent_s = [float(value) - wall0 for kind, value, ts in rows if kind == "lat"]
     return {
         "tasks": n,
         "interval_ms": interval_s * 1000,
@@ -253,6 +258,7 @@ def run_latency(app, name, url, options, workdir: Path, n: int, interval_s: floa
         **percentiles(in_order),
         "worker_exit_code": code,
         "samples_ms": [round(x, 3) for x in in_order],  # in completion order
+        "sent_s": [round(x, 4) for x in sent_s],  # seconds into the round, same order
     }
 
 
@@ -274,18 +280,31 @@ def pool_latency(runs: list[dict]) -> dict:
     if not ok:
         return runs[-1] if runs else {"error": "no latency run"}
     samples = [x for r in ok for x in r["samples_ms"]]
+    # the slowest samples but each round's first task (a cold start for every broker)
+    slow = sorted(
+        (
+            (ms, i, sent)
+            for i, r in enumerate(ok)
+            for ms, sent in zip(r["samples_ms"], r.get("sent_s") or [], strict=False)
+            if sent > 0.01
+        ),
+        reverse=True,
+    )
     return {
         "rounds": len(ok),
         "tasks": len(samples),
         **percentiles(samples),
         "round_p50_ms": [r["p50_ms"] for r in ok],
         "round_p99_ms": [r["p99_ms"] for r in ok],
+        "slowest": [{"ms": ms, "round": i, "sent_s": sent} for ms, i, sent in slow[:WORST_SAMPLES]],
         "errors": [r["error"] for r in runs if "error" in r],
     }
 
 
 #: --limit-keys: backlog tasks carry header x-limit-key, one of this many keys (issue 29).
 LIMIT_KEYS = 0
+#: Slowest latency samples kept in the results (``slowest``; printed with -v).
+WORST_SAMPLES = 12
 
 
 def run_backlog(app, name, url, options, workdir: Path, n: int) -> dict:
@@ -536,6 +555,11 @@ def run(args: argparse.Namespace, brokers: dict[str, str], options: dict[str, An
     env["loadavg_end"] = os.getloadavg()
 
     print(table(results))
+    if args.verbose:  # the slowest samples, by where in the round they were sent
+        for name, res in results.items():
+            slow = (res.get("latency") or {}).get("slowest") or []
+            shown = ", ".join(f"{s['ms']:.1f} ms at {s['sent_s']:.2f} s" for s in slow)
+            print(f"slowest {name}: {shown}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"environment": env, "results": results}, indent=2) + "\n")

@@ -13,11 +13,16 @@ carrying its send time. Per message (p50 / p99 over the pooled rounds, ms):
 * ``total``: publish start -> consumer callback;
 * kombu_pgmq only, from timestamps taken inside the consumer (the transport's methods
   wrapped in the subprocess, nothing changed in the library): ``publish->wake`` (the
-  NOTIFY read from the LISTEN connection), ``wake->read`` (the read sent),
-  ``read`` (the read's round trip), ``read->callback``.
+  NOTIFY read from the LISTEN connection), ``wake->callback``; when the consumer reads
+  after the wake-up (no hand-over): ``wake->read`` (the read sent), ``read`` (the read's
+  round trip), ``read->callback``.
 
-Brokers: ``kombu_pgmq`` (default ``postgresql://postgres@127.0.0.1:5432/kpb_latency``),
-the same with ``synchronous_commit=off`` publishes (``kombu_pgmq async``), and ``redis``.
+Brokers: ``kombu_pgmq`` (default ``postgresql://postgres@127.0.0.1:5432/kpb_latency``;
+the message handed over in the wake-up, migration 0023), the same with a consumer that
+reads after the wake-up (``kombu_pgmq read``: transport option ``handover=False``), the
+same with publishes seen only once flushed (``kombu_pgmq strict``: the publisher's
+``visible_before_flush=False``), the same with ``synchronous_commit=off`` publishes
+(``kombu_pgmq async``), and ``redis``.
 It also measures one round trip (``SELECT 1``) on a connection used back to back and on
 one idle for ``--interval-ms`` before each statement: what the read after a wake-up costs
 when the server process serving it was asleep.
@@ -41,13 +46,14 @@ QUEUE = "latency_breakdown"
 ASYNC = {"connection_options": {"options": "-c synchronous_commit=off"}}
 STEPS = [
     ("t0", "wake", "publish->wake"),
+    ("wake", "cb", "wake->callback"),
     ("wake", "read0", "wake->read"),
     ("read0", "read1", "read"),
     ("read1", "cb", "read->callback"),
 ]
 
 
-def _consumer(url: str, n: int, ready: Any, out: Any) -> None:
+def _consumer(url: str, n: int, ready: Any, out: Any, options: dict[str, Any]) -> None:
     from kombu import Connection, Consumer, Queue
 
     import kombu_pgmq  # noqa: F401
@@ -62,6 +68,8 @@ def _consumer(url: str, n: int, ready: Any, out: Any) -> None:
 
         def timed_collect(self: Any) -> Any:
             marks["wake"] = time.time()
+            marks.pop("read0", None)  # a read before this wake-up is not this message's
+            marks.pop("read1", None)
             return collect(self)
 
         def timed_read(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -74,7 +82,7 @@ def _consumer(url: str, n: int, ready: Any, out: Any) -> None:
         broker.Broker._read_queue_settled = timed_read  # type: ignore[method-assign]
     rows: list[tuple[float, float, dict[str, float]]] = []
     queue = Queue(QUEUE, routing_key=QUEUE)
-    with Connection(url) as conn:
+    with Connection(url, transport_options=options) as conn:
         channel = conn.channel()
         queue(channel).declare()
         channel.queue_purge(QUEUE)
@@ -94,21 +102,26 @@ def _consumer(url: str, n: int, ready: Any, out: Any) -> None:
     out.put(rows)
 
 
-def run(url: str, options: dict[str, Any], n: int, interval: float) -> dict[str, list[float]]:
-    from kombu import Connection, Producer
+def run(
+    url: str, options: dict[str, Any], n: int, interval: float, consumer: dict[str, Any]
+) -> dict[str, list[float]]:
+    from kombu import Connection, Producer, Queue
 
     import kombu_pgmq  # noqa: F401
 
     warm = 5
     ctx = mp.get_context("spawn")
     ready, out = ctx.Event(), ctx.Queue()
-    child = ctx.Process(target=_consumer, args=(url, n + warm, ready, out))
+    child = ctx.Process(target=_consumer, args=(url, n + warm, ready, out, consumer))
     child.start()
     ready.wait(60)
     time.sleep(0.5)
     publish: list[float] = []
     with Connection(url, transport_options=options) as conn:
         producer = Producer(conn.channel())
+        # declared on the publishing channel, as Celery's producer does: kombu_pgmq then
+        # knows the queue deduplicates nothing and takes its direct publish (send_queue)
+        Queue(QUEUE, routing_key=QUEUE)(producer.channel).declare()
         for i in range(n + warm):
             t0 = time.time()
             producer.publish({"t0": t0, "i": i}, routing_key=QUEUE)
@@ -161,20 +174,25 @@ def main() -> None:
             "kombu_pgmq": "postgresql://postgres@127.0.0.1:5432/kpb_latency",
             "redis": "redis://127.0.0.1:6379/0",
         }
-    cases: dict[str, tuple[str, dict[str, Any]]] = {}
+    # name -> (url, publisher's transport options, consumer's)
+    cases: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {}
     for name, url in brokers.items():
-        cases[name] = (url, {})
+        cases[name] = (url, {}, {})
         if pg_dsn(url):
             ensure_database(pg_dsn(url) or url)
-            cases[f"{name} async"] = (url, ASYNC)
+            cases[f"{name} read"] = (url, {}, {"handover": False})
+            # nothing visible before the publish's WAL flush (the default before issue 30's
+            # fourth session)
+            cases[f"{name} strict"] = (url, {"visible_before_flush": False}, {})
+            cases[f"{name} async"] = (url, ASYNC, {})
     interval = args.interval_ms / 1000
     pooled: dict[str, dict[str, list[float]]] = {name: {} for name in cases}
     for _ in range(args.rounds):
-        for name, (url, options) in cases.items():
-            for part, values in run(url, options, args.messages, interval).items():
+        for name, (url, options, consumer) in cases.items():
+            for part, values in run(url, options, args.messages, interval, consumer).items():
                 pooled[name].setdefault(part, []).extend(values)
             dsn = pg_dsn(url)
-            if dsn and not options:
+            if dsn and not options and not consumer:
                 for part, values in round_trips(dsn, 200, interval).items():
                     pooled[name].setdefault(part, []).extend(values)
     results = {

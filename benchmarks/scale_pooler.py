@@ -4,7 +4,7 @@ consumer processes, directly and through PgBouncer in transaction mode.
 Usage::
 
     python benchmarks/scale_pooler.py [--backlog 1000000] [--consumers 16,64,128] \
-        [--pooler-from 64] [--pool-size 8] [--direct-url] [--max-seconds 900] \
+        [--pooler-from 64] [--pool-size 8] [--direct-url] [--prepared] [--max-seconds 900] \
         [--json benchmarks/results/scale_pooler.json]
 
 A throwaway server (this machine's PostgreSQL 15 binaries, ``fsync=on``,
@@ -16,11 +16,16 @@ drain the whole backlog; the queue is filled again before the next count. From
 ``pool_mode = transaction``, ``default_pool_size = --pool-size``, started by
 ``tests.support.pgbouncer``) with the transport option ``pooler: "transaction"``; without
 ``--direct-url`` the consumers have no LISTEN connection and poll (a drain never waits).
+``--prepared``: PgBouncer >= 1.21 (``tests.support.pgbouncer.prepared_binary``, e.g. built
+by ``.ci/build-pgbouncer``; ``max_prepared_statements = 200``) and the transport option
+``pooler_prepared_statements``: statements prepared through the pooler.
 
 Each cell records: the drain rate (messages acked / seconds from the start signal to the
-last ack), the machine's CPU busy share, PostgreSQL backends, the wait events of active
-backends sampled every 0.25 s (lock waits show up as ``Lock:*``/``LWLock:*``), and the
-top statements by total time: where it bends, and why.
+last ack), the machine's CPU busy share, CPU ms per 1,000 messages of the PostgreSQL
+server, PgBouncer and the consumer processes (``/proc``, the drain's steady part),
+PostgreSQL backends, the wait events of active backends sampled every 0.25 s (lock waits
+show up as ``Lock:*``/``LWLock:*``), and the top statements by total time: where it bends,
+and why.
 """
 
 from __future__ import annotations
@@ -50,6 +55,27 @@ import kombu_pgmq  # noqa: F401  (registers postgresql://)
 from tests.support import pgbouncer
 
 QUEUE = "scale_pooler"
+
+
+def cpu_by_group() -> dict[str, float]:
+    """CPU seconds so far (user + system) of the live processes, by group: ``postgres``,
+    ``pgbouncer``, ``python`` (the consumers, this process included)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    groups: Counter[str] = Counter()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                text = stat.read()
+        except OSError:
+            continue
+        comm = text[text.index("(") + 1 : text.rindex(")")]
+        fields = text[text.rindex(")") + 2 :].split()
+        group = next((g for g in ("postgres", "pgbouncer", "python") if comm.startswith(g)), "")
+        if group:
+            groups[group] += (int(fields[11]) + int(fields[12])) / tick
+    return dict(groups)
 
 
 class Sampler(threading.Thread):
@@ -102,10 +128,23 @@ def drain(
     busy0, all0 = cpu_busy()
     start = time.monotonic()
     go.set()
+    # CPU by group over the steady middle of the drain (every process alive): from 10 %
+    # to 90 % of the messages
+    marks: list[tuple[int, dict[str, float]]] = []
     while acked.value < total and time.monotonic() - start < limit:
+        done = acked.value
+        if (not marks and done >= total // 10) or (len(marks) == 1 and done >= total * 9 // 10):
+            marks.append((done, cpu_by_group()))
         time.sleep(0.01)
     seconds = time.monotonic() - start
     busy1, all1 = cpu_busy()
+    cpu_ms: dict[str, float] = {}
+    if len(marks) == 2:
+        (n0, c0), (n1, c1) = marks
+        cpu_ms = {
+            g: round((c1.get(g, 0.0) - c0.get(g, 0.0)) * 1000 * 1000 / max(1, n1 - n0), 1)
+            for g in ("postgres", "pgbouncer", "python")
+        }
     sampler.stop.set()
     sampler.join()
     count = acked.value
@@ -122,6 +161,7 @@ def drain(
         "seconds": round(seconds, 1),
         "per_s": round(count / seconds),
         "cpu_busy": round((busy1 - busy0) / max(1, all1 - all0), 2),
+        "cpu_ms_per_1000": cpu_ms,
         **sampler.summary(),
         "top_statements": [
             {key: t[key] for key in ("calls", "mean_ms", "total_ms", "rows_per_call", "query")}
@@ -137,6 +177,7 @@ def main() -> None:
     parser.add_argument("--pooler-from", type=int, default=64)
     parser.add_argument("--pool-size", type=int, default=8)
     parser.add_argument("--direct-url", action="store_true")
+    parser.add_argument("--prepared", action="store_true", help="PgBouncer >= 1.21, prepared")
     parser.add_argument("--max-seconds", type=float, default=900.0)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -148,7 +189,18 @@ def main() -> None:
         with psycopg.connect(dsn, autocommit=True) as db:
             db.execute("CREATE EXTENSION pg_stat_statements")
         needed = any(k >= args.pooler_from for k in counts)
-        bouncing = pgbouncer.PgBouncer(dsn, default_pool_size=args.pool_size) if needed else None
+        binary = pgbouncer.BINARY
+        settings: dict[str, str] = {}
+        if args.prepared:
+            binary = pgbouncer.prepared_binary() or sys.exit("no PgBouncer >= 1.21 here")
+            settings["max_prepared_statements"] = "200"
+        bouncing = (
+            pgbouncer.PgBouncer(
+                dsn, default_pool_size=args.pool_size, settings=settings, binary=binary
+            )
+            if needed
+            else None
+        )
         with bouncing or contextlib.nullcontext() as bouncer:
             for k in counts:
                 pooled = k >= args.pooler_from
@@ -157,10 +209,16 @@ def main() -> None:
                     url, options = bouncer.pooled_url(dsn), {"pooler": "transaction"}
                     if args.direct_url:
                         options["direct_url"] = dsn
+                    if args.prepared:
+                        options["pooler_prepared_statements"] = True
                 fill_s = fill(dsn, {}, QUEUE, args.backlog)
                 print(f"{k} consumers: filled {args.backlog:,} in {fill_s:.1f} s", flush=True)
                 run = drain(url, options, dsn, k, args.backlog, args.max_seconds)
-                run["via"] = f"pgbouncer (pool {args.pool_size})" if pooled else "direct"
+                version = ".".join(map(str, pgbouncer.version(binary) or ()))
+                prepared = ", prepared" if args.prepared else ""
+                run["via"] = (
+                    f"pgbouncer {version} (pool {args.pool_size}{prepared})" if pooled else "direct"
+                )
                 print(json.dumps({key: v for key, v in run.items() if key != "top_statements"}))
                 for t in run["top_statements"]:
                     print(f"    {t['calls']:>9} calls {t['mean_ms']:.3f} ms  {t['query'][:70]!r}")
@@ -171,13 +229,18 @@ def main() -> None:
         server.stop()
     peak = max(r["per_s"] for r in results)
     print()
-    print("| consumers | via | drained/s | x peak | CPU busy | backends | top wait events |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| consumers | via | drained/s | x peak | CPU busy | CPU ms / 1,000 msgs: server, "
+        "PgBouncer, consumers | backends | top wait events |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for r in results:
         waits = ", ".join(f"{k} {v}" for k, v in r["active_by_wait_event"].items())
+        cpu = r["cpu_ms_per_1000"]
+        shares = " / ".join(str(cpu.get(g, "-")) for g in ("postgres", "pgbouncer", "python"))
         print(
             f"| {r['consumers']} | {r['via']} | {r['per_s']:,} | {r['per_s'] / peak:.2f} | "
-            f"{r['cpu_busy']:.0%} | {r['backends_max']} | {waits} |"
+            f"{r['cpu_busy']:.0%} | {shares} | {r['backends_max']} | {waits} |"
         )
     if args.json:
         meta = {"backlog": args.backlog, "pool_size": args.pool_size, "host_cpus": os.cpu_count()}
