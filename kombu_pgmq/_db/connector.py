@@ -105,6 +105,17 @@ _CLOSE_PREPARED = psycopg.capabilities.has_send_close_prepared()
 #: SQLSTATEs of a statement prepared through a pooler that does not keep prepared
 #: statements per client (pooler_prepared_statements=True where it should be False).
 _NOT_KEPT = ("26000", "42P05")
+#: The same, seen as a protocol violation: "bind message supplies 5 parameters, but
+#: prepared statement ... requires 11" (another client's statement of the same name).
+_NOT_KEPT_BIND = "08P01"
+
+
+def _not_kept(exc: psycopg.Error) -> bool:
+    """Whether ``exc`` is what a pooler that does not keep prepared statements causes."""
+    sqlstate = getattr(exc, "sqlstate", None)
+    if sqlstate == _NOT_KEPT_BIND:
+        return "prepared statement" in str(exc)
+    return sqlstate in _NOT_KEPT
 
 
 class Connector:
@@ -265,8 +276,10 @@ class Connector:
     def _fail(self, exc: psycopg.Error) -> KombuPgmqError:
         # 26000 "prepared statement ... does not exist" (prepared on another server
         # connection), 42P05 "... already exists" (another client's, of the same name, on
-        # this one): the pooler does not keep each client's prepared statements
-        if self.pooled and self.prepares and getattr(exc, "sqlstate", None) in _NOT_KEPT:
+        # this one), 08P01 "bind message supplies N parameters, but prepared statement ...
+        # requires M" (that other statement, bound): the pooler does not keep each
+        # client's prepared statements
+        if self.pooled and self.prepares and _not_kept(exc):
             return ConfigurationError(
                 f"{exc}: statements are prepared through the pooler (transport option "
                 "pooler_prepared_statements=True), but it does not keep them: set "

@@ -404,6 +404,38 @@ def test_prepared_statement_names_that_collide_through_the_pooler_name_the_optio
     assert [r[0] for r in published][:6] == list(range(6))  # the first client's, all there
 
 
+def test_a_prepared_statement_replaced_through_the_pooler_names_the_option(db_dsn, pg_server):
+    """The third face of the same mistake: the client binds its ``_pg3_0`` on a server
+    connection where another client's ``_pg3_0`` takes another number of parameters
+    ("bind message supplies 6 parameters, but prepared statement ... requires 1": a
+    protocol violation, SQLSTATE 08P01). It also becomes the ConfigurationError naming
+    the option, not a lost connection. One server connection: the other client replaces
+    the statement there between two of the first client's publishes."""
+    reason = support.available()
+    if reason is not None:
+        pytest.skip(reason)
+    settings = {}
+    if (support.version(support.BINARY) or (0,)) >= (1, 21):
+        settings["max_prepared_statements"] = "0"
+    with support.PgBouncer(pg_server, default_pool_size=1, settings=settings) as bouncer:
+        url = bouncer.pooled_url(db_dsn)
+        options = {"pooler": "transaction", "direct_url": db_dsn}
+        options["pooler_prepared_statements"] = True
+        with connect(url, **options) as client, client.channel() as channel:
+            producer = Producer(channel)
+            queue = Queue("replaced", routing_key="replaced")
+            for n in range(6):  # the publish statement's sixth run is prepared: _pg3_0
+                producer.publish({"n": n}, routing_key="replaced", declare=[queue])
+            with psycopg.connect(url, autocommit=True, prepare_threshold=None) as other:
+                other.execute("DEALLOCATE _pg3_0")
+                other.execute("PREPARE _pg3_0 (int) AS SELECT $1")
+            with pytest.raises(ConfigurationError, match="pooler_prepared_statements") as failed:
+                producer.publish({"n": 6}, routing_key="replaced", declare=[queue])
+            assert "requires 1" in str(failed.value)
+    published = sql(db_dsn, "SELECT (message->>'n')::int FROM pgmq.q_replaced ORDER BY 1")
+    assert [r[0] for r in published] == list(range(6))
+
+
 def test_beat_refuses_a_transaction_pooler_without_direct_url(pooled_db):
     from celery import Celery
 
