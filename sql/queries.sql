@@ -691,6 +691,15 @@ FROM kombu_pgmq.routing_version v
 -- nothing was written (reload the routes and publish again), as publish_routed does.
 FROM kombu_pgmq.routing_version WHERE version = %(version)s::bigint
 
+-- name: pooler_keeps_prepared
+-- Sent prepared, through a transaction pooler with pooler_prepared_statements=True, once
+-- per connection (kombu_pgmq/_db/pooling.py check_prepared_kept): the names this
+-- statement's own text is prepared under on the server connection it runs on. PgBouncer
+-- >= 1.21 with max_prepared_statements > 0 renames each client's statements
+-- (PGBOUNCER_<n>); a pooler that passes psycopg's own names through (_pg3_<n>) does not
+-- keep them per client.
+SELECT name FROM pg_prepared_statements WHERE statement = current_query()
+
 -- name: routing_version
 -- Cheap freshness check of a cached routing table (one-row table).
 SELECT version FROM kombu_pgmq.routing_version

@@ -212,6 +212,12 @@ class Connector:
             self._stale = set()
             for name, value in self._settings.items() if not self.pooled else ():
                 conn.execute("SELECT set_config(%s, %s, false)", (name, value))
+            if self.pooled and self.prepares:
+                try:  # once per connection: a pooler that does not keep them fails here
+                    pooling.check_prepared_kept(conn, self._q["pooler_keeps_prepared"])
+                except BaseException:
+                    conn.close()
+                    raise
         except psycopg.Error as exc:
             raise translate(exc) from exc
         if self._on_notify is not None:
@@ -280,12 +286,7 @@ class Connector:
         # requires M" (that other statement, bound): the pooler does not keep each
         # client's prepared statements
         if self.pooled and self.prepares and _not_kept(exc):
-            return ConfigurationError(
-                f"{exc}: statements are prepared through the pooler (transport option "
-                "pooler_prepared_statements=True), but it does not keep them: set "
-                "max_prepared_statements > 0 in pgbouncer.ini (PgBouncer >= 1.21), or "
-                "pooler_prepared_statements=False"
-            )
+            return ConfigurationError(f"{exc}: {pooling.NOT_KEPT_FIX}")
         err = translate(exc)
         if isinstance(err, BrokerConnectionError):
             with self._lock:

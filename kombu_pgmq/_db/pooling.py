@@ -32,8 +32,14 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+import psycopg
+from psycopg.rows import dict_row
+
+from ..errors import ConfigurationError
+
 __all__ = [
     "POOLERS",
+    "check_prepared_kept",
     "is_pooled",
     "local_settings",
     "mark_pooled",
@@ -75,6 +81,48 @@ def mark_pooled(dsn: str, *, prepared: bool = False) -> None:
 def pooler_prepares(dsn: str) -> bool:
     """True when ``dsn`` reaches a transaction pooler that keeps prepared statements."""
     return dsn in _prepares
+
+
+#: Where psycopg's names for its prepared statements start (``_pg3_0``, ``_pg3_1``...).
+PSYCOPG_PREPARED_PREFIX = "_pg3_"
+
+#: What a pooler that does not keep prepared statements is told (the connector's error
+#: translation says the same for a statement that fails that way later).
+NOT_KEPT_FIX = (
+    "statements are prepared through the pooler (transport option "
+    "pooler_prepared_statements=True), but it does not keep them: set "
+    "max_prepared_statements > 0 in pgbouncer.ini (PgBouncer >= 1.21), or "
+    "pooler_prepared_statements=False"
+)
+
+
+def check_prepared_kept(conn: psycopg.Connection[Any], probe: str) -> None:
+    """Check, on a new connection, that the pooler keeps each client's prepared statements.
+
+    ``probe`` (query ``pooler_keeps_prepared``) is sent prepared and lists the names its
+    own text is prepared under on the server connection. PgBouncer >= 1.21 with
+    ``max_prepared_statements`` > 0 renames a client's statements (``PGBOUNCER_<n>``);
+    a pooler that passes psycopg's names through (``_pg3_<n>``, numbered per client)
+    may later run another client's statement of the same name instead of ours, with
+    nothing to tell (same parameters) or fail mid-stream. One round trip.
+
+    Raises:
+        ConfigurationError: the names came through unchanged (or another client's
+            statement of the same name was already there), naming the option and the fix.
+        psycopg.Error: the probe failed otherwise (the caller translates it).
+    """
+    try:
+        with conn.cursor(row_factory=dict_row) as cur:
+            names = [row["name"] for row in cur.execute(probe, prepare=True)]
+    except psycopg.errors.DuplicatePreparedStatement as exc:  # 42P05: another client's
+        raise ConfigurationError(f"{exc}: {NOT_KEPT_FIX}") from exc
+    passed = [name for name in names if name.startswith(PSYCOPG_PREPARED_PREFIX)]
+    if passed:
+        raise ConfigurationError(
+            f"the server saw psycopg's own prepared statement name {passed[0]!r} (a pooler "
+            "that keeps prepared statements renames them, PgBouncer to PGBOUNCER_<n>; or "
+            f"this is no pooler at all): {NOT_KEPT_FIX}"
+        )
 
 
 def is_pooled(dsn: str) -> bool:

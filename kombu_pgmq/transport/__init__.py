@@ -410,9 +410,11 @@ line (:mod:`kombu_pgmq._worker_checks`).
 * ``pooler_prepared_statements`` (bool, default False): with ``pooler="transaction"``,
   the pooler keeps protocol-level prepared statements (PgBouncer >= 1.21 with
   ``max_prepared_statements`` > 0, the default from 1.22): statements are then prepared
-  through it as on a direct connection, saving their parse and plan on every call. A
-  pooler that does not keep them makes the first reused statement fail with a
-  ``ConfigurationError`` naming this option.
+  through it as on a direct connection, saving their parse and plan on every call. Each
+  new connection checks it first (one statement sent prepared: PgBouncer renames a
+  client's statements, a pooler that passes psycopg's names through does not keep
+  them); a pooler that does not keep them, or no pooler, raises a ``ConfigurationError``
+  naming this option before anything is sent.
 
 PgBouncer
 =========

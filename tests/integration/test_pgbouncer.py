@@ -354,13 +354,14 @@ def test_without_the_option_nothing_is_prepared_through_the_pooler(prepared_db):
     assert _parses_and_binds(prepared_db) == (0, 0)
 
 
-def test_a_pooler_that_does_not_keep_prepared_statements_names_the_option(db_dsn, pg_server):
+def test_a_pooler_that_does_not_keep_prepared_statements_is_refused_at_connect(db_dsn, pg_server):
     """pooler_prepared_statements=True through a PgBouncer that keeps none (1.18, or
-    max_prepared_statements = 0): the first statement run again on another server
-    connection fails with a ConfigurationError that names the option and the fix, not a
-    bare 'prepared statement does not exist' (or 'already exists': another client's
-    statement of the same name on that server connection). A PgBouncer of its own: the
-    failure leaves prepared statements on its server connections."""
+    max_prepared_statements = 0): the connection's first statement, a probe sent
+    prepared, sees psycopg's own statement name on the server (a pooler that keeps them
+    renames them) and fails with a ConfigurationError naming the option and the fix,
+    before any message is sent, instead of failing mid-stream later or running another
+    client's statement of the same name. A PgBouncer of its own: the probe leaves a
+    prepared statement on its server connection."""
     reason = support.available()
     if reason is not None:
         pytest.skip(reason)
@@ -370,17 +371,40 @@ def test_a_pooler_that_does_not_keep_prepared_statements_names_the_option(db_dsn
     with support.PgBouncer(pg_server, settings=settings) as bouncer:
         options = {"pooler": "transaction", "direct_url": db_dsn}
         options["pooler_prepared_statements"] = True
-        with pytest.raises(ConfigurationError, match="pooler_prepared_statements"):
-            _work(bouncer.pooled_url(db_dsn), options, "not_kept")
+        for _ in range(2):  # on both server connections: the second meets the first's probe
+            with (
+                pytest.raises(ConfigurationError, match="pooler_prepared_statements=False"),
+                connect(bouncer.pooled_url(db_dsn), **options) as conn,
+            ):
+                publish(conn, "refused", [{"n": 1}])
+    assert sql(db_dsn, "SELECT to_regclass('pgmq.q_refused') IS NULL") == [(True,)]
+
+
+def test_the_option_on_a_direct_connection_is_refused_too(db_dsn):
+    """No pooler at all (the option says there is one that keeps prepared statements):
+    the probe sees psycopg's name, and the error says so."""
+    options = {"pooler": "transaction", "pooler_prepared_statements": True}
+    with (
+        pytest.raises(ConfigurationError, match="no pooler at all"),
+        connect(db_dsn, **options) as conn,
+    ):
+        publish(conn, "direct_refused", [{"n": 1}])
+
+
+@pytest.fixture
+def no_probe(monkeypatch):
+    """Skip the connect-time probe, to reach the failures it prevents (a pooler
+    reconfigured under running clients meets them the same way)."""
+    monkeypatch.setattr(pooling, "check_prepared_kept", lambda conn, probe: None)
 
 
 def test_prepared_statement_names_that_collide_through_the_pooler_name_the_option(
-    db_dsn, pg_server
+    db_dsn, pg_server, no_probe
 ):
-    """The same, when the statement lands on a server connection where another client
-    prepared one of the same name (psycopg names them ``_pg3_0``, ``_pg3_1``... per
-    client, at a statement's fifth run): 'already exists' also becomes the
-    ConfigurationError naming the option. One server connection, so the second client's
+    """Past the probe (``no_probe``): a statement that lands on a server connection
+    where another client prepared one of the same name (psycopg names them ``_pg3_0``,
+    ``_pg3_1``... per client, at a statement's fifth run): 'already exists' also becomes
+    the ConfigurationError naming the option. One server connection, so the second client's
     first prepared statement collides with the first client's."""
     reason = support.available()
     if reason is not None:
@@ -404,7 +428,9 @@ def test_prepared_statement_names_that_collide_through_the_pooler_name_the_optio
     assert [r[0] for r in published][:6] == list(range(6))  # the first client's, all there
 
 
-def test_a_prepared_statement_replaced_through_the_pooler_names_the_option(db_dsn, pg_server):
+def test_a_prepared_statement_replaced_through_the_pooler_names_the_option(
+    db_dsn, pg_server, no_probe
+):
     """The third face of the same mistake: the client binds its ``_pg3_0`` on a server
     connection where another client's ``_pg3_0`` takes another number of parameters
     ("bind message supplies 6 parameters, but prepared statement ... requires 1": a
