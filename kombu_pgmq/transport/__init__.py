@@ -161,7 +161,11 @@ PGMQ's clients keep working on the same queues, on the extension and on the SQL-
 install. A publish through an exchange that routes to one queue (Kombu's
 ``Producer(exchange=...)``, Celery with an explicit exchange) is the same ``send_queue``
 statement, guarded by the routing version: nothing is written if a binding changed since
-the routes were cached, and the publish is repeated with the routes reloaded. A message
+the routes were cached, and the publish is repeated with the routes reloaded. Whether a
+queue deduplicates Celery task ids (``x-deduplicate-task-id``) is known per transport
+from its declaration on any channel, else read once from the stored one, so a
+connection's second channel (which kombu's ``maybe_declare`` does not declare again)
+publishes with ``send_queue`` too. A message
 with a deduplication id, an exchange routing to several queues (``publish_routed``), a
 FIFO queue, several priority bands in one read, a publish inside the application's
 transaction and a least-privilege role

@@ -156,8 +156,6 @@ class Channel(virtual.Channel):
         #: The connection's validated transport options.
         self.options: TransportOptions = connection.options
         self._known_queues: set[str] = set()
-        #: Kombu queues this channel declared without x-deduplicate-task-id.
-        self._plain_queues: set[str] = set()
         # What this channel declared and bound, to recreate a consumed queue that was
         # dropped under it (by an operator, or reaped after a long database outage).
         self._declared: dict[str, dict[str, Any]] = {}
@@ -194,8 +192,12 @@ class Channel(virtual.Channel):
         return pgmq_queue_name(queue) in self._known_queues
 
     def plain(self, queue: str) -> bool:
-        """Whether this channel declared ``queue`` without ``x-deduplicate-task-id``."""
-        return queue in self._plain_queues
+        """Whether ``queue`` was declared without ``x-deduplicate-task-id`` (by any
+        channel of this transport, or as stored: :meth:`Topology.plain
+        <kombu_pgmq.transport.topology.Topology.plain>`), so that a Kombu connection's
+        second channel, which ``maybe_declare`` does not declare again, publishes as fast
+        as the first."""
+        return self.connection.topology.plain(queue)
 
     def forget_queue(self, queue: str) -> None:
         """``queue`` was found dropped: declare it again on next use."""
@@ -276,10 +278,7 @@ class Channel(virtual.Channel):
                 "406",
             )
         self._known_queues.add(name)
-        if info.deduplicate_task_id:
-            self._plain_queues.discard(queue)
-        else:
-            self._plain_queues.add(queue)
+        self.connection.topology.set_plain(queue, not info.deduplicate_task_id)
 
     def _passive_declare(self, queue: str, refused: errors.PermissionDenied) -> QueueInfo:
         """A role that may not declare queues (a producer) may still use one that exists:
@@ -323,7 +322,6 @@ class Channel(virtual.Channel):
     def _delete(self, queue: str, *args: Any, **kwargs: Any) -> None:
         name = pgmq_queue_name(queue)
         self._known_queues.discard(name)
-        self._plain_queues.discard(queue)
         try:
             self.pgmq.drop_queue(name, queue)  # every band with it
         except errors.PermissionDenied as exc:

@@ -34,6 +34,8 @@ class Topology:
         self._routes: Routes | None = None
         self._bands: dict[str, Bands] = {}  # Kombu queue -> priority bands, as stored
         self._limits_set: set[str] = set()  # Kombu queues given their queue_limits
+        #: Kombu queue -> declared without x-deduplicate-task-id (as stored)
+        self._plain: dict[str, bool] = {}
 
     @property
     def routes_loaded(self) -> bool:
@@ -78,10 +80,34 @@ class Topology:
             )
         self._limits_set.add(queue)
 
+    def plain(self, queue: str) -> bool:
+        """Whether Kombu queue ``queue`` was declared without ``x-deduplicate-task-id``
+        (its messages need no deduplication check unless they carry an
+        ``x-deduplication-id``). As declared by any channel of this transport, else as
+        stored (one query per queue and transport; fixed at a queue's first declaration,
+        changed only by a delete). False for a queue not declared yet (asked again next
+        time)."""
+        plain = self._plain.get(queue)
+        if plain is None:
+            info = self._broker().queue_info(queue)
+            if info is None:
+                return False
+            plain = self._plain[queue] = not info.deduplicate_task_id
+            if queue not in self._bands:  # the same row: no second query for bands()
+                name = pgmq_queue_name(queue)
+                self._bands[queue] = priorities.stored(name, info.floors, info.band_queues)
+        return plain
+
+    def set_plain(self, queue: str, plain: bool) -> None:
+        """Record whether ``queue`` was declared without ``x-deduplicate-task-id``."""
+        self._plain[queue] = plain
+
     def forget_bands(self, queue: str) -> None:
-        """Forget ``queue``'s cached bands (dropped or redeclared): read again on next use
-        (and its ``queue_limits`` set again when it is declared again)."""
+        """Forget ``queue``'s cached bands and deduplication setting (dropped or
+        redeclared): read again on next use (and its ``queue_limits`` set again when it
+        is declared again)."""
         self._bands.pop(queue, None)
+        self._plain.pop(queue, None)
         self._limits_set.discard(queue)
 
     def routes(self) -> Routes:
