@@ -30,6 +30,7 @@ from .rows import (
     Renewed,
     RoutingTable,
     Row,
+    SentRow,
     Throttle,
     VersionRow,
     receipt_handles,
@@ -196,18 +197,18 @@ class Broker(Declarations, Nowait):
             "handoff": handoff.tail(message, headers, delay_seconds),
             "commit": "off" if self.visible_before_flush else None,
         }
-        rows: list[Any] = self._fetch_direct(
-            "send_queue", queue, lambda: self._compose_send_queue(queue), params
+        rows: list[SentRow] = self._fetch_direct(
+            "send_queue", queue, lambda: self._compose_send_queue(queue), params, SentRow
         )
-        return int(self._flushed(rows)[0][0])
+        return int(self._flushed(rows)[0].msg_id)
 
-    def _flushed(self, rows: list[Any]) -> list[Any]:
+    def _flushed(self, rows: list[SentRow]) -> list[SentRow]:
         """``rows`` of statement ``send_queue``, once the publish is on disk: when it
         committed without waiting for the WAL flush (its column ``flush``: a waiting
         consumer got it), statement ``flush_commits`` waits for that flush first. A role
         that may not run it (a managed server that revoked ``pg_logical_emit_message``
         from PUBLIC) turns ``visible_before_flush`` off, with a warning naming the fix."""
-        if rows and rows[0][-1]:
+        if rows and rows[0].flush:
             try:
                 self.db.execute("flush_commits")
             except PermissionDenied as exc:
@@ -549,13 +550,14 @@ class Broker(Declarations, Nowait):
             "handoff": handoff.tail(message, headers, delay_seconds),
             "commit": "off" if self.visible_before_flush else None,
         }
-        rows: list[Any] = self._fetch_direct(
+        rows: list[SentRow] = self._fetch_direct(
             "send_routed_queue",
             queue,
             lambda: self._compose_send_queue(queue, routed=True),
             params,
+            SentRow,
         )
         rows = self._flushed(rows)
         if not rows:
             return None, []
-        return version, [int(rows[0][0])]
+        return version, [int(rows[0].msg_id)]

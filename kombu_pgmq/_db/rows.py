@@ -20,6 +20,7 @@ __all__ = [
     "RoutingRow",
     "RoutingTable",
     "Row",
+    "SentRow",
     "Throttle",
     "VersionRow",
     "receipt_handles",
@@ -165,6 +166,17 @@ class RoutingRow(NamedTuple):
     version: int
     exchanges: dict[str, str]
     bindings: list[dict[str, Any]]
+
+
+class SentRow(NamedTuple):
+    """A row of statement ``send_queue``: the message's ``msg_id``; ``notified``, what
+    the NOTIFY returned (unused); ``flush``: committed without waiting for the WAL flush
+    (``visible_before_flush``: a waiting consumer got it), to be flushed before
+    returning."""
+
+    msg_id: int
+    notified: str | None
+    flush: bool
 
 
 class VersionRow(NamedTuple):
