@@ -354,27 +354,36 @@ def test_without_the_option_nothing_is_prepared_through_the_pooler(prepared_db):
     assert _parses_and_binds(prepared_db) == (0, 0)
 
 
+@contextlib.contextmanager
+def _not_keeping(pg_server: str, db_dsn: str, **pgbouncer: Any) -> Any:
+    """A PgBouncer of its own that keeps no prepared statements (1.18, or 1.21+ with
+    ``max_prepared_statements = 0``): yields (its URL of ``db_dsn``, transport options
+    with ``pooler_prepared_statements=True``). Its own: the tests leave prepared
+    statements on its server connections."""
+    reason = support.available()
+    if reason is not None:
+        pytest.skip(reason)
+    settings = dict(pgbouncer.pop("settings", {}))
+    if (support.version(support.BINARY) or (0,)) >= (1, 21):
+        settings["max_prepared_statements"] = "0"
+    with support.PgBouncer(pg_server, settings=settings, **pgbouncer) as bouncer:
+        options = {"pooler": "transaction", "direct_url": db_dsn}
+        options["pooler_prepared_statements"] = True
+        yield bouncer.pooled_url(db_dsn), options
+
+
 def test_a_pooler_that_does_not_keep_prepared_statements_is_refused_at_connect(db_dsn, pg_server):
     """pooler_prepared_statements=True through a PgBouncer that keeps none (1.18, or
     max_prepared_statements = 0): the connection's first statement, a probe sent
     prepared, sees psycopg's own statement name on the server (a pooler that keeps them
     renames them) and fails with a ConfigurationError naming the option and the fix,
     before any message is sent, instead of failing mid-stream later or running another
-    client's statement of the same name. A PgBouncer of its own: the probe leaves a
-    prepared statement on its server connection."""
-    reason = support.available()
-    if reason is not None:
-        pytest.skip(reason)
-    settings = {"server_round_robin": "1"}
-    if (support.version(support.BINARY) or (0,)) >= (1, 21):
-        settings["max_prepared_statements"] = "0"
-    with support.PgBouncer(pg_server, settings=settings) as bouncer:
-        options = {"pooler": "transaction", "direct_url": db_dsn}
-        options["pooler_prepared_statements"] = True
+    client's statement of the same name."""
+    with _not_keeping(pg_server, db_dsn, settings={"server_round_robin": "1"}) as (url, options):
         for _ in range(2):  # on both server connections: the second meets the first's probe
             with (
                 pytest.raises(ConfigurationError, match="pooler_prepared_statements=False"),
-                connect(bouncer.pooled_url(db_dsn), **options) as conn,
+                connect(url, **options) as conn,
             ):
                 publish(conn, "refused", [{"n": 1}])
     assert sql(db_dsn, "SELECT to_regclass('pgmq.q_refused') IS NULL") == [(True,)]
@@ -406,24 +415,17 @@ def test_prepared_statement_names_that_collide_through_the_pooler_name_the_optio
     ``_pg3_1``... per client, at a statement's fifth run): 'already exists' also becomes
     the ConfigurationError naming the option. One server connection, so the second client's
     first prepared statement collides with the first client's."""
-    reason = support.available()
-    if reason is not None:
-        pytest.skip(reason)
-    settings = {}
-    if (support.version(support.BINARY) or (0,)) >= (1, 21):
-        settings["max_prepared_statements"] = "0"
-    with support.PgBouncer(pg_server, default_pool_size=1, settings=settings) as bouncer:
-        url = bouncer.pooled_url(db_dsn)
-        options = {"pooler": "transaction", "direct_url": db_dsn}
-        options["pooler_prepared_statements"] = True
-        with connect(url, **options) as first:
-            publish(first, "collide", [{"n": n} for n in range(6)])  # prepares _pg3_0
-            with (
-                connect(url, **options) as second,
-                pytest.raises(ConfigurationError, match="pooler_prepared_statements") as failed,
-            ):
-                publish(second, "collide", [{"n": n} for n in range(6, 12)])
-            assert "already exists" in str(failed.value)
+    with (
+        _not_keeping(pg_server, db_dsn, default_pool_size=1) as (url, options),
+        connect(url, **options) as first,
+    ):
+        publish(first, "collide", [{"n": n} for n in range(6)])  # prepares _pg3_0
+        with (
+            connect(url, **options) as second,
+            pytest.raises(ConfigurationError, match="pooler_prepared_statements") as failed,
+        ):
+            publish(second, "collide", [{"n": n} for n in range(6, 12)])
+        assert "already exists" in str(failed.value)
     published = sql(db_dsn, "SELECT (message->>'n')::int FROM pgmq.q_collide ORDER BY 1")
     assert [r[0] for r in published][:6] == list(range(6))  # the first client's, all there
 
@@ -437,27 +439,21 @@ def test_a_prepared_statement_replaced_through_the_pooler_names_the_option(
     protocol violation, SQLSTATE 08P01). It also becomes the ConfigurationError naming
     the option, not a lost connection. One server connection: the other client replaces
     the statement there between two of the first client's publishes."""
-    reason = support.available()
-    if reason is not None:
-        pytest.skip(reason)
-    settings = {}
-    if (support.version(support.BINARY) or (0,)) >= (1, 21):
-        settings["max_prepared_statements"] = "0"
-    with support.PgBouncer(pg_server, default_pool_size=1, settings=settings) as bouncer:
-        url = bouncer.pooled_url(db_dsn)
-        options = {"pooler": "transaction", "direct_url": db_dsn}
-        options["pooler_prepared_statements"] = True
-        with connect(url, **options) as client, client.channel() as channel:
-            producer = Producer(channel)
-            queue = Queue("replaced", routing_key="replaced")
-            for n in range(6):  # the publish statement's sixth run is prepared: _pg3_0
-                producer.publish({"n": n}, routing_key="replaced", declare=[queue])
-            with psycopg.connect(url, autocommit=True, prepare_threshold=None) as other:
-                other.execute("DEALLOCATE _pg3_0")
-                other.execute("PREPARE _pg3_0 (int) AS SELECT $1")
-            with pytest.raises(ConfigurationError, match="pooler_prepared_statements") as failed:
-                producer.publish({"n": 6}, routing_key="replaced", declare=[queue])
-            assert "requires 1" in str(failed.value)
+    with (
+        _not_keeping(pg_server, db_dsn, default_pool_size=1) as (url, options),
+        connect(url, **options) as client,
+        client.channel() as channel,
+    ):
+        producer = Producer(channel)
+        queue = Queue("replaced", routing_key="replaced")
+        for n in range(6):  # the publish statement's sixth run is prepared: _pg3_0
+            producer.publish({"n": n}, routing_key="replaced", declare=[queue])
+        with psycopg.connect(url, autocommit=True, prepare_threshold=None) as other:
+            other.execute("DEALLOCATE _pg3_0")
+            other.execute("PREPARE _pg3_0 (int) AS SELECT $1")
+        with pytest.raises(ConfigurationError, match="pooler_prepared_statements") as failed:
+            producer.publish({"n": 6}, routing_key="replaced", declare=[queue])
+        assert "requires 1" in str(failed.value)
     published = sql(db_dsn, "SELECT (message->>'n')::int FROM pgmq.q_replaced ORDER BY 1")
     assert [r[0] for r in published] == list(range(6))
 
