@@ -16,6 +16,11 @@ Kombu's ``Producer(exchange=Exchange("celery"))`` and Celery with an explicit ex
 send; each round, before the default-exchange publishes): column ``publish_exchange_per_s``
 and its ratio to the default exchange's.
 
+``--second-channel`` also measures default-exchange publishes on a second channel of the
+same connection, one that did not declare the queue (kombu's ``maybe_declare`` declares a
+queue once per connection: Celery's producer pool and any application with more than one
+channel publish this way): column ``publish_second_channel_per_s``.
+
 ``--durability-modes`` adds kombu_pgmq variants: ``durable_acks=True``; publishes with
 ``synchronous_commit=off`` (libpq ``options``); a non-durable queue (UNLOGGED tables).
 """
@@ -52,6 +57,7 @@ MODES: dict[str, tuple[dict[str, Any], bool]] = {
 
 #: --exchange: also publish through this direct exchange (Celery's default exchange name).
 EXCHANGE = False
+SECOND_CHANNEL = False
 
 
 def measure(
@@ -76,6 +82,15 @@ def measure(
                 extra["publish_exchange_per_s"] = round(messages / (time.perf_counter() - start))
             except Exception as exc:  # a transport without exchanges: say so, go on
                 extra["publish_exchange_error"] = f"{type(exc).__name__}: {exc}"
+            channel.queue_purge(queue.name)
+        if SECOND_CHANNEL:
+            with conn.channel() as second:
+                other = Producer(second)
+                start = time.perf_counter()
+                for _ in range(messages):
+                    other.publish(body, routing_key=queue.name)
+                rate = messages / (time.perf_counter() - start)
+                extra["publish_second_channel_per_s"] = round(rate)
             channel.queue_purge(queue.name)
         start = time.perf_counter()
         for _ in range(messages):
@@ -123,11 +138,15 @@ def main() -> None:
     parser.add_argument("--broker", action="append", metavar="NAME=URL")
     parser.add_argument("--repeat", type=int, default=3, help="runs per broker (median)")
     parser.add_argument("--exchange", action="store_true", help="also through exchange celery")
+    parser.add_argument(
+        "--second-channel", action="store_true", help="also on a channel that did not declare"
+    )
     parser.add_argument("--durability-modes", action="store_true")
     parser.add_argument("--json", help="write results to this file")
     args = parser.parse_args()
-    global EXCHANGE
+    global EXCHANGE, SECOND_CHANNEL
     EXCHANGE = args.exchange
+    SECOND_CHANNEL = args.second_channel
     brokers = dict(b.split("=", 1) for b in args.broker) if args.broker else dict(DEFAULT_BROKERS)
     # case name -> (url, transport options, durable queue)
     cases: dict[str, tuple[str, dict[str, Any], bool]] = {
@@ -171,6 +190,13 @@ def main() -> None:
                     ),
                     3,
                 )
+            second = [
+                r["publish_second_channel_per_s"]
+                for r in runs[name]
+                if "publish_second_channel_per_s" in r
+            ]
+            if second:
+                row["publish_second_channel_per_s"] = statistics.median(second)
             row["runs"] = runs[name]
         if name in errors:
             row["error"] = errors[name]
@@ -179,7 +205,7 @@ def main() -> None:
         results.append(row)
     print(
         f"{'broker':30} {'publish/s':>10} {'consume+ack/s':>14} {'raw pgmq.send/s':>16}"
-        f" {'exchange publish/s':>19} {'ratio':>6}"
+        f" {'exchange publish/s':>19} {'ratio':>6} {'2nd channel publish/s':>22}"
     )
     for r in results:
         if "error" in r:
@@ -189,6 +215,7 @@ def main() -> None:
             f"{r['broker']:30} {r['publish_per_s']:>10.0f} {r['consume_ack_per_s']:>14.0f} "
             f"{r.get('raw_pgmq_send_per_s', '-')!s:>16} "
             f"{r.get('publish_exchange_per_s', '-')!s:>19} {r.get('exchange_to_default', '-')!s:>6}"
+            f" {r.get('publish_second_channel_per_s', '-')!s:>22}"
         )
     if args.json:
         with open(args.json, "w") as fh:
@@ -197,6 +224,7 @@ def main() -> None:
                 "prefetch": args.prefetch,
                 "repeat": args.repeat,
                 "exchange": args.exchange,
+                "second_channel": args.second_channel,
             }
             json.dump({**meta, "host_cpus": os.cpu_count(), "results": results}, fh, indent=2)
             fh.write("\n")
