@@ -96,7 +96,9 @@ def test_a_publish_past_statement_timeout_fails_and_the_connection_stays(db_dsn)
 
 def test_a_consumer_whose_read_is_cancelled_keeps_its_connection(db_dsn, caplog):
     caplog.set_level(logging.WARNING, logger="kombu_pgmq")
-    with connect(db_dsn, polling_interval=0.5, **TIMEOUT) as conn:
+    # handover=False: the second message must be read (a waiting consumer would be
+    # handed it with its NOTIFY, no read to cancel)
+    with connect(db_dsn, polling_interval=0.5, handover=False, **TIMEOUT) as conn:
         publish(conn, "blocked", ["first"])
         got: list[Any] = []
         with Consumer(conn, [Queue("blocked")], on_message=lambda m: (got.append(m), m.ack())):
@@ -125,7 +127,7 @@ def test_in_the_event_loop_a_cancelled_read_reaches_neither_celery_nor_the_conne
     reported and the connection dropped. A cancelled read is neither: logged, retried."""
     caplog.set_level(logging.WARNING, logger="kombu_pgmq")
     loop = FakeHub()
-    with connect(db_dsn, **TIMEOUT) as conn:
+    with connect(db_dsn, handover=False, **TIMEOUT) as conn:  # read, not handed over
         publish(conn, "hubslow", ["first"])
         got: list[Any] = []
         conn.transport.register_with_event_loop(conn.connection, loop)
