@@ -60,6 +60,19 @@ def _flag(arguments: dict[str, Any], key: str) -> bool:
     return value
 
 
+def _inequivalent(queue: str, argument: str, received: Any, current: Any) -> ChannelError:
+    """The error of a declaration whose ``argument`` differs from the queue's as first
+    declared (RabbitMQ's 406 PRECONDITION_FAILED)."""
+    return ChannelError(
+        f"PRECONDITION_FAILED - inequivalent arg {argument!r} for queue {queue!r}: "
+        f"received {received!r} but current is {current!r}; declare it with the same "
+        f"{argument}, or delete the queue first (queue_delete)",
+        (50, 10),
+        "Channel.queue_declare",
+        "406",
+    )
+
+
 class QoS(virtual.QoS):
     """Prefetch bookkeeping; acks archive, rejects requeue or dead-letter in PGMQ, each
     by receipt handle (:class:`~kombu_pgmq._db.broker.Receipt`): a stale one (the lease
@@ -269,14 +282,7 @@ class Channel(virtual.Channel):
         if limits is not None:
             self.connection.topology.set_limits(queue, limits)
         if max_priority is not None and info.max_priority != max_priority:
-            raise ChannelError(
-                f"PRECONDITION_FAILED - inequivalent arg 'x-max-priority' for queue {queue!r}: "
-                f"received {max_priority} but current is {info.max_priority}; declare it "
-                "with the same x-max-priority, or delete the queue first (queue_delete)",
-                (50, 10),
-                "Channel.queue_declare",
-                "406",
-            )
+            raise _inequivalent(queue, "x-max-priority", max_priority, info.max_priority)
         self._known_queues.add(name)
         self.connection.topology.set_plain(queue, not info.deduplicate_task_id)
 
