@@ -62,7 +62,7 @@ def _flag(arguments: dict[str, Any], key: str) -> bool:
 
 def _inequivalent(queue: str, argument: str, received: Any, current: Any) -> ChannelError:
     """The error of a declaration whose ``argument`` differs from the queue's as first
-    declared (RabbitMQ's 406 PRECONDITION_FAILED)."""
+    declared (RabbitMQ's 406 PRECONDITION_FAILED, raised only for an argument given)."""
     return ChannelError(
         f"PRECONDITION_FAILED - inequivalent arg {argument!r} for queue {queue!r}: "
         f"received {received!r} but current is {current!r}; declare it with the same "
@@ -283,6 +283,12 @@ class Channel(virtual.Channel):
             self.connection.topology.set_limits(queue, limits)
         if max_priority is not None and info.max_priority != max_priority:
             raise _inequivalent(queue, "x-max-priority", max_priority, info.max_priority)
+        for argument, current in (
+            (FIFO_ARGUMENT, info.fifo_groups),
+            (DEDUPLICATE_TASK_ID_ARGUMENT, info.deduplicate_task_id),
+        ):
+            if argument in args and args[argument] != current:
+                raise _inequivalent(queue, argument, args[argument], current)
         self._known_queues.add(name)
         self.connection.topology.set_plain(queue, not info.deduplicate_task_id)
 

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import psycopg
 import pytest
 from kombu import Exchange, Producer, Queue
+from kombu.exceptions import ChannelError
 
 import kombu_pgmq
 
@@ -241,3 +242,35 @@ def test_a_second_channel_publishes_to_a_plain_queue_with_the_direct_statement(d
                 producer.publish({"n": n}, routing_key="plain_two", headers={"id": f"t{n % 2}"})
     assert direct == ["plain_two"] * 3
     assert _count(db_dsn, "plain_two") == 3  # the same task id twice: both there (plain)
+
+
+@pytest.mark.parametrize(
+    ("queue", "argument", "stored"),
+    [
+        ("refuse_dedup_on", "x-deduplicate-task-id", False),
+        ("refuse_dedup_off", "x-deduplicate-task-id", True),
+        ("refuse_fifo_on", "x-fifo-groups", False),
+    ],
+)
+def test_a_declaration_giving_another_flag_is_refused_and_sends_nothing(
+    db_dsn, queue, argument, stored
+):
+    """A queue keeps its first declaration's arguments. A declaration that gives
+    x-deduplicate-task-id or x-fifo-groups otherwise is refused as RabbitMQ refuses an
+    inequivalent argument (406), naming the argument and the fix, and its publish sends
+    nothing; one that leaves the argument out takes the stored one (fails if the
+    stored setting silently won: the declarer would believe it deduplicates or orders)."""
+    with connect(db_dsn) as conn:
+        Queue(queue, queue_arguments={argument: True} if stored else {})(
+            conn.default_channel
+        ).declare()
+    with connect(db_dsn) as conn:
+        producer = Producer(conn.default_channel)
+        with pytest.raises(ChannelError, match=rf"inequivalent arg '{argument}'.*queue_delete"):
+            producer.publish(
+                {},
+                routing_key=queue,
+                declare=[Queue(queue, queue_arguments={argument: not stored})],
+            )
+        producer.publish({}, routing_key=queue, declare=[Queue(queue)])
+    assert _count(db_dsn, queue) == 1
