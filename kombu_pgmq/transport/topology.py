@@ -52,6 +52,8 @@ class Topology:
             if info is None:  # not declared yet: ask again next time
                 return priorities.single(name)
             bands = self._bands[queue] = priorities.stored(name, info.floors, info.band_queues)
+            # the same row: no second query for plain()
+            self._plain.setdefault(queue, not info.deduplicate_task_id)
         return bands
 
     def known_bands(self, queue: str) -> Bands:

@@ -244,6 +244,36 @@ def test_a_second_channel_publishes_to_a_plain_queue_with_the_direct_statement(d
     assert _count(db_dsn, "plain_two") == 3  # the same task id twice: both there (plain)
 
 
+def test_a_priority_publish_to_a_queue_declared_elsewhere_reads_its_declaration_once(
+    db_dsn, monkeypatch
+):
+    """A connection that publishes with a priority to a queue it never declared needs the
+    stored bands and the stored deduplication setting: both come from one ``queue_info``
+    row, read once per queue and transport (fails if each cache read its own)."""
+    from kombu_pgmq._db.broker import Broker
+
+    with connect(db_dsn) as other:
+        Queue("banded_elsewhere", queue_arguments={"x-max-priority": 3})(
+            other.default_channel
+        ).declare()
+    reads = []
+    queue_info = Broker.queue_info
+
+    def counting(self, queue):
+        reads.append(queue)
+        return queue_info(self, queue)
+
+    monkeypatch.setattr(Broker, "queue_info", counting)
+    with connect(db_dsn) as conn, conn.channel() as channel:
+        producer = Producer(channel)
+        for n in range(3):
+            producer.publish({"n": n}, routing_key="banded_elsewhere", priority=3)
+        assert reads == ["banded_elsewhere"]
+        assert _count(db_dsn, "banded_elsewhere") == 0  # in band 3, none in band 0
+        got = drain(conn, "banded_elsewhere", expect=3)
+    assert sorted(m.payload["n"] for m in got) == [0, 1, 2]
+
+
 @pytest.mark.parametrize(
     ("queue", "argument", "stored"),
     [
