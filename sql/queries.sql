@@ -369,6 +369,17 @@ FROM kombu_pgmq.wait_for_handoff(%(owner)s, %(queues)s::text[], %(handoff_queues
 -- returns those it still waits on.
 SELECT queue FROM kombu_pgmq.rearm_handoff(%(owner)s, %(queues)s::text[]) AS queue
 
+-- name: visible_probe
+-- One branch of the fallback poll's probe (issue 30, seventh session): {queue_name} (a
+-- literal) if PGMQ queue table {queue_table} holds a visible message (a lapsed
+-- visibility timeout, a publish whose wake-up was missed). Branches are joined with
+-- UNION ALL, one per consumed queue, and sent on the LISTEN connection without waiting
+-- for the result: Celery's event loop goes on while the server looks, and reads only
+-- the queues named. One probe of PGMQ's vt index per queue ((SELECT clock_timestamp())
+-- bounds it, as in read_queue); nothing is locked or changed.
+SELECT {queue_name}::text AS queue
+WHERE EXISTS (SELECT 1 FROM {queue_table} WHERE vt <= (SELECT clock_timestamp()))
+
 -- name: handoff_lock
 -- The LISTEN connection's session advisory lock, held while it listens for hand-overs
 -- (migration 0023): publishers skip the slots of a connection that no longer holds it.

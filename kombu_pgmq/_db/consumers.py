@@ -7,9 +7,12 @@ named statement of ``sql/queries.sql``, sent through a
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
+
+from psycopg import sql
 
 from ..errors import KombuPgmqError
 from .connector import Connector
@@ -127,6 +130,49 @@ class Consumers:
             [owner.encode(), ("{" + ",".join(f'"{q}"' for q in queues) + "}").encode()],
             on_result=lambda rows: on_offered({str(r[0]) for r in rows}),
             on_error=on_error,
+        )
+
+    def visible_nowait(
+        self,
+        queues: Sequence[str],
+        *,
+        on_visible: Callable[[set[str]], None],
+        on_error: Callable[[KombuPgmqError], None],
+    ) -> None:
+        """Ask which of PGMQ queues ``queues`` hold a visible message (statement
+        ``visible_probe``, a branch per queue), without waiting for the answer: it is
+        read before this connection's next statement or by :meth:`Connector.free`;
+        ``on_visible`` gets the queues that do, ``on_error`` a failure (e.g.
+        :class:`~kombu_pgmq.errors.PermissionDenied`: a role without rights on PGMQ's
+        tables). Prepared once per set of queues and connection.
+
+        Raises:
+            BrokerConnectionError: the statement could not be sent.
+            StatementError: it could not be prepared (a queue table is gone).
+        """
+        branch = self.db.statement("visible_probe")
+        statement = (
+            sql.SQL(" UNION ALL ")
+            .join(
+                sql.SQL(branch).format(
+                    queue_name=sql.Literal(q), queue_table=sql.Identifier("pgmq", f"q_{q}")
+                )
+                for q in queues
+            )
+            .as_bytes(self.db.connection)
+        )
+        name = "kombu_pgmq_visible_" + hashlib.sha1(statement).hexdigest()[:16]
+
+        def failed(error: KombuPgmqError) -> None:
+            self.db.forget_prepared(name)  # a table may be gone: prepare again next time
+            on_error(error)
+
+        self.db.send_nowait(
+            name,
+            statement,
+            [],
+            on_result=lambda rows: on_visible({str(r[0]) for r in rows}),
+            on_error=failed,
         )
 
     def hold_handoff_lock(self, lock_key: int) -> None:

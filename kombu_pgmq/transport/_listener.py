@@ -36,7 +36,7 @@ from .._db.broker import Broker
 from .._db.connector import Connector
 from .._db.consumers import Consumers
 from .._db.rows import Row
-from ..errors import KombuPgmqError
+from ..errors import KombuPgmqError, PermissionDenied
 
 __all__ = ["CHANNEL_PREFIX", "Listener"]
 
@@ -71,6 +71,12 @@ class Listener:
         #: Bumped on every (re)connect of the LISTEN connection: its socket may get the
         #: number of the lost one, so an event loop must not go by the number alone.
         self.generation = 0
+        #: Queues the last :meth:`probe` found a visible message in (or all it asked
+        #: about, if it failed), for the next :meth:`collect`.
+        self._probed: set[str] = set()
+        #: False once a probe was refused (a role without rights on PGMQ's tables):
+        #: :meth:`probe` then sends nothing and the poller reads every queue.
+        self.probes = True
 
     # -- listening -----------------------------------------------------------------------
 
@@ -129,6 +135,37 @@ class Listener:
             connector.execute("round_trip")
             connector.poll_notifies()
         return self.take_handed()
+
+    def probe(self, queues: Iterable[str]) -> bool:
+        """Ask the server, without waiting, which of PGMQ queues ``queues`` hold a
+        visible message (the fallback poll in Celery's event loop; statement
+        ``visible_probe`` on the LISTEN connection, whose socket the loop watches). The
+        answer comes in a later :meth:`collect`'s ready queues (every queue asked about,
+        if the probe failed). False, sending nothing, where a probe does not apply (no
+        LISTEN connection, the last probe still unanswered, a role that may not read
+        PGMQ's tables, no queues): the caller reads the queues itself."""
+        connector = self._connector
+        names = sorted(queues)
+        if connector is None or not self.probes or not names:
+            return False
+
+        def failed(error: KombuPgmqError) -> None:
+            if isinstance(error, PermissionDenied):
+                self.probes = False
+            self._probed.update(names)
+
+        try:
+            if not connector.free():
+                return False
+            Consumers(connector).visible_nowait(
+                names, on_visible=self._probed.update, on_error=failed
+            )
+        except PermissionDenied:
+            self.probes = False
+            return False
+        except KombuPgmqError:
+            return False  # a lost connection: the next collect() finds out
+        return True
 
     def listen(self, queues: Iterable[str]) -> None:
         """LISTEN for publishes to these PGMQ queues (idempotent)."""
@@ -198,13 +235,14 @@ class Listener:
             return None
         try:
             connector.poll_notifies()
+            connector.free()  # a probe's answer, if it came (never blocks)
         except KombuPgmqError:
             self._drop()
             self._broker()
             return None
         notified, self._notified[:] = list(self._notified), []
         cut = len(CHANNEL_PREFIX)
-        ready: set[str] = set()
+        ready, self._probed = self._probed, set()
         due: dict[str, float] = {}
         for channel, payload in notified:
             if not channel.startswith(CHANNEL_PREFIX):
@@ -254,6 +292,7 @@ class Listener:
                 selector.close()
 
     def _drop(self) -> None:
+        self._probed = set()  # the caller reads every queue after a lost connection
         connector, self._connector = self._connector, None
         if connector is not None:
             connector.close()

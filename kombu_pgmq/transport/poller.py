@@ -11,9 +11,12 @@ that filled their read stay ready. A queue with a delayed message is read when i
 due (*due*: learned from ``wait_for_due`` and from NOTIFY payloads, migration 0016; a
 timer of Celery's event loop, or the wait of ``drain_events``). A fallback poll every
 ``polling_interval`` seconds marks every consumed queue ready (messages that become
-visible without a publish: a lapsed visibility timeout). In Celery's event loop, a round
-that delivers messages handed over at publish reads nothing more until the loop's next
-turn has written those tasks to the pool (:attr:`Poller.read_after_handover_seconds`).
+visible without a publish: a lapsed visibility timeout); in Celery's event loop it first
+asks the server, on the LISTEN connection and without waiting, which of them hold a
+visible message (:meth:`Listener.probe`), and reads only those when the answer comes.
+In Celery's event loop, a round that delivers messages handed over at publish reads
+nothing more until the loop's next turn has written those tasks to the pool
+(:attr:`Poller.read_after_handover_seconds`).
 
 Statements go through the transport's statement connection only (the channels'), never
 the lease or heartbeat connections.
@@ -267,11 +270,17 @@ class Poller(Recovery, DueReads):
             notified, due = collected
             for name, epoch in due.items():
                 self._due_at(name, now + epoch - self._clock_offset - time.time())
+        if collected is not None:
+            self._ready |= notified  # and the queues a fallback probe found visible
         if collected is None or now >= self._next_fallback:
             self._next_fallback = now + self.polling_interval
-            self._ready |= self.consumed()
-        else:
-            self._ready |= notified
+            # In Celery's event loop the fallback asks first, without waiting, which
+            # queues hold a visible message, and reads those when the answer comes: a
+            # read of every consumed queue here would hold up a hand-over arriving
+            # meanwhile (a slow p99, issue 30).
+            in_loop = collected is not None and self._hub is not None
+            if not (in_loop and listener.probe(self.consumed())):
+                self._ready |= self.consumed()
         for name, deadline in list(self._due.items()):
             if deadline <= now:
                 # Due: read it now; if it is found empty, wait_for runs again and tells

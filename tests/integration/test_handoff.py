@@ -370,9 +370,10 @@ def test_one_slot_per_connection_across_priority_bands(db_dsn):
 def test_in_the_event_loop_a_hand_over_round_reads_nothing_more_until_the_next_turn(db_dsn):
     """In Celery's event loop (a hub run by hand), the round that delivers a handed-over
     message neither reads another queue (here the fallback poll falls due in it, and
-    queue b has a message no publish notified) nor offers the slot again: both wait for
-    a timer after the loop's next turn, where Celery writes the task to its pool. Then b
-    is read and the slot offered again; both messages are acked, none lost."""
+    queue b has a message no publish notified) nor offers the slot again: the slot waits
+    for a timer after the loop's next turn, where Celery writes the task to its pool, and
+    the fallback only sends its probe. Then b is read (when the probe's answer comes)
+    and the slot offered again; both messages are acked, none lost."""
     import select
 
     from .helpers import FakeHub
@@ -406,7 +407,10 @@ def test_in_the_event_loop_a_hand_over_round_reads_nothing_more_until_the_next_t
             assert [r[1] for r in rows(db_dsn, "ho_turn_b")] == [0]  # not read yet
             assert slots(db_dsn, "ho_turn_a") == [0]  # not offered again yet
             assert hub.soon, "no timer for the deferred reads"
-            hub.run_once()  # the loop's next turn: the timer's round
+            hub.run_once()  # the loop's next turn: the timer's round, then the probe's answer
+            while len(got) < 2:
+                assert time.monotonic() < deadline, "b, found by the probe, was not read"
+                hub.run_once()
             assert [m.delivery_info["routing_key"] for m in got] == ["ho_turn_a", "ho_turn_b"]
             wait_for(lambda: slots(db_dsn, "ho_turn_a") == [1], 5, "the slot offered again")
             for message in got:

@@ -410,3 +410,33 @@ def test_a_role_that_may_not_write_wal_messages_still_publishes(least_privilege_
     assert len(warned) == 1, warned
     assert "GRANT EXECUTE ON FUNCTION" in warned[0]
     assert sorted(b["i"] for b in consumer.got) == [-1, 0, 1, 2]
+
+
+def test_in_the_event_loop_a_worker_without_table_rights_polls_by_reading(least_privilege_db):
+    """The fallback poll's probe (Celery's event loop) reads PGMQ's tables, which a worker
+    role may not: it is refused once, the LISTEN connection stops probing, and the
+    fallback reads every consumed queue as before, so a message no publish notified is
+    still delivered."""
+    from .helpers import FakeHub
+
+    db = least_privilege_db
+    _declare_as_worker(db)
+    got: list[Any] = []
+    with _connection(db.worker_url, polling_interval=60) as conn:
+        hub = FakeHub()
+        conn.transport.register_with_event_loop(conn.connection, hub)
+        poller = conn.transport.poller
+        with Consumer(conn, [QUEUE], on_message=lambda m: (got.append(m), m.ack())):
+            for _ in range(3):
+                hub.run_once()
+            with psycopg.connect(db.owner_url, autocommit=True) as owner:
+                owner.execute("SELECT pgmq.send('orders', '{\"n\": 7}'::jsonb)")  # no NOTIFY
+            poller._on_hub_fallback()  # what the loop's repeating timer calls
+            assert poller.listener().probes is False
+            deadline = time.monotonic() + 10
+            while not got:
+                assert time.monotonic() < deadline, "the fallback poll did not read the queue"
+                hub.run_once()
+        poller.unregister_from_event_loop()
+    assert [m.decode() for m in got] == [{"n": 7}]
+    assert _owner_count(db, "q_orders") == 0

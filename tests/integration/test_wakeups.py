@@ -301,6 +301,50 @@ def test_fallback_poll_finds_messages_that_become_visible_without_a_publish(db_d
     assert took < 5
 
 
+def test_in_the_event_loop_the_fallback_poll_probes_without_waiting_then_reads_what_it_found(
+    db_dsn,
+):
+    """In Celery's event loop (a hub run by hand) the fallback poll reads nothing itself:
+    it sends a probe on the LISTEN connection without waiting and returns, so a
+    hand-over arriving meanwhile is not held up behind reads (issue 30, a slow p99). The
+    probe's answer, when the loop sees it, makes only the queue holding a visible message
+    (one no publish notified: a lapsed visibility timeout looks the same) be read. Fails
+    on a fallback that reads every consumed queue in its own round."""
+    names = ["probe_a", "probe_b"]
+    got: list[Any] = []
+    with connect(db_dsn, polling_interval=NO_FALLBACK) as conn, conn.channel() as channel:
+        client = channel.pgmq
+        reads: list[list[str]] = []
+        read_many = client.read_many
+
+        def spy_read_many(queues, vt_seconds, qty, acks=(), **kwargs):
+            reads.append(sorted(queues))
+            return read_many(queues, vt_seconds, qty, acks, **kwargs)
+
+        client.read_many = spy_read_many
+        hub = FakeHub()
+        conn.transport.register_with_event_loop(conn.connection, hub)
+        poller = conn.transport.poller
+        consumer = Consumer(
+            channel, [Queue(n) for n in names], on_message=lambda m: (got.append(m), m.ack())
+        )
+        with consumer:
+            deadline = time.monotonic() + 10
+            while any(waiting_rows(db_dsn, n) != 1 for n in names) or hub.soon:
+                assert time.monotonic() < deadline, "the consumer never went to sleep"
+                hub.run_once()
+            sql(db_dsn, "SELECT pgmq.send('probe_b', '{\"found\": true}'::jsonb)")  # no NOTIFY
+            reads.clear()
+            poller._on_hub_fallback()  # what the loop's repeating timer calls
+            assert reads == [], "the fallback round read the queues itself"
+            while not got:
+                assert time.monotonic() < deadline, "the probe's queue was never read"
+                hub.run_once()
+            assert [m.decode() for m in got] == [{"found": True}]
+            assert reads and all(r == [pgmq_queue_name("probe_b")] for r in reads), reads
+        conn.transport.poller.unregister_from_event_loop()
+
+
 def test_durable_acks_must_be_a_bool(db_dsn):
     with pytest.raises(ConfigurationError, match=r"durable_acks='yes'.*True or False"):
         connect(db_dsn, durable_acks="yes").connect()
