@@ -197,7 +197,12 @@ waiting consumers the due time (the NOTIFY payload), and a consumer going to sle
 learns when each queue's next delayed message is due (migration 0016), so a short TTL
 after a delay is not spent waiting for a poll. A fallback poll every
 ``polling_interval`` seconds finds messages that become visible without a publish
-(visibility timeout expiry). An ack that frees a prefetch slot wakes the consumer at
+(visibility timeout expiry). In Celery's event loop that poll first asks, on the LISTEN
+connection and without waiting, which consumed queues hold a visible message (one probe
+of PGMQ's ``vt`` index per queue, statement ``visible_probe``) and reads only those when
+the answer comes, so the loop is never held up by reads of empty queues (a hand-over
+arriving meanwhile would wait behind them); a role without rights on PGMQ's tables
+reads every queue instead. An ack that frees a prefetch slot wakes the consumer at
 once.
 
 Hand-over (issue 30, migration 0023; transport option ``handover``): a consumer going to
@@ -363,8 +368,9 @@ line (:mod:`kombu_pgmq._worker_checks`).
   this long before its ETA (Celery then waits for the ETA itself; consumers are woken
   when it becomes due).
 * ``polling_interval`` (seconds, default 1): fallback poll of every consumed queue, for
-  messages that become visible without a publish (visibility timeout expiry). New and
-  due delayed messages wake consumers at once through LISTEN/NOTIFY.
+  messages that become visible without a publish (visibility timeout expiry; in
+  Celery's event loop a probe sent without waiting, then a read of the queues it
+  found). New and due delayed messages wake consumers at once through LISTEN/NOTIFY.
 * ``durable_acks`` (bool, default False): commit acks synchronously (see Durability).
 * ``confirm_publish`` (bool, default True): a publish returns once the server committed
   it. False: once its statement is sent (see Durability); py-amqp's option of the same
