@@ -253,20 +253,26 @@ def test_acks_in_the_event_loop_are_sent_at_once_not_held_for_the_next_read(db_d
     assert loop.readers == {}
 
 
+def spy_reads(client: Any) -> list[list[str]]:
+    """The PGMQ queues of each ``read_many`` round trip of ``client`` (a channel's
+    broker) from now on, in the order asked."""
+    calls: list[list[str]] = []
+    read_many = client.read_many
+
+    def spy_read_many(queues, vt_seconds, qty, acks=(), **kwargs):
+        calls.append(list(queues))
+        return read_many(queues, vt_seconds, qty, acks, **kwargs)
+
+    client.read_many = spy_read_many
+    return calls
+
+
 def test_one_round_trip_reads_several_queues_in_turn(db_dsn):
     names = ["multi_a", "multi_b", "multi_c"]
     with connect(db_dsn) as conn:
         for name in names:
             publish(conn, name, [f"{name}-{i}" for i in range(20)])
-        client = conn.default_channel.pgmq
-        calls: list[list[str]] = []
-        read_many = client.read_many
-
-        def spy_read_many(queues, vt_seconds, qty, acks=(), **kwargs):
-            calls.append(list(queues))
-            return read_many(queues, vt_seconds, qty, acks, **kwargs)
-
-        client.read_many = spy_read_many
+        calls = spy_reads(conn.default_channel.pgmq)
         got: list[Any] = []
         with Consumer(
             conn.default_channel,
@@ -313,15 +319,7 @@ def test_in_the_event_loop_the_fallback_poll_probes_without_waiting_then_reads_w
     names = ["probe_a", "probe_b"]
     got: list[Any] = []
     with connect(db_dsn, polling_interval=NO_FALLBACK) as conn, conn.channel() as channel:
-        client = channel.pgmq
-        reads: list[list[str]] = []
-        read_many = client.read_many
-
-        def spy_read_many(queues, vt_seconds, qty, acks=(), **kwargs):
-            reads.append(sorted(queues))
-            return read_many(queues, vt_seconds, qty, acks, **kwargs)
-
-        client.read_many = spy_read_many
+        reads = spy_reads(channel.pgmq)
         hub = FakeHub()
         conn.transport.register_with_event_loop(conn.connection, hub)
         poller = conn.transport.poller
