@@ -442,13 +442,15 @@ class Connector:
         *,
         on_result: Callable[[list[tuple[str | None, ...]]], None],
         on_error: Callable[[KombuPgmqError], None],
+        prepare: bool = True,
     ) -> None:
         """Send a statement and return without waiting for its result (it commits on the
         server as soon as it runs: its own transaction). ``statement`` uses PostgreSQL's
         ``$1``... placeholders, ``params`` are text values; it is prepared once per
         connection under ``name`` (plan-cached, as psycopg's own prepared statements);
-        in pooled mode it is sent unnamed instead (no prepared statement: the next
-        transaction may run on another server connection).
+        in pooled mode, or with ``prepare=False`` (a rare statement), it is sent unnamed
+        instead (no prepared statement: the next transaction may run on another server
+        connection).
 
         The result is read before this connector's next statement (or by
         :meth:`collect`): ``on_result(rows)`` gets the rows as text values,
@@ -468,7 +470,7 @@ class Connector:
                 self._collect(conn)
             with conn.lock:
                 pgconn = conn.pgconn
-                if not self.prepares:
+                if not (self.prepares and prepare):
                     pgconn.send_query_params(statement, params)
                 else:
                     self._prepare(pgconn, name, statement)

@@ -7,7 +7,6 @@ named statement of ``sql/queries.sql``, sent through a
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
@@ -144,11 +143,11 @@ class Consumers:
         read before this connection's next statement or by :meth:`Connector.free`;
         ``on_visible`` gets the queues that do, ``on_error`` a failure (e.g.
         :class:`~kombu_pgmq.errors.PermissionDenied`: a role without rights on PGMQ's
-        tables). Prepared once per set of queues and connection.
+        tables). Sent unnamed (once a fallback poll: a plan cached for each set of
+        queues would only pile up on the session).
 
         Raises:
             BrokerConnectionError: the statement could not be sent.
-            StatementError: it could not be prepared (a queue table is gone).
         """
         branch = self.db.statement("visible_probe")
         statement = (
@@ -161,18 +160,13 @@ class Consumers:
             )
             .as_bytes(self.db.connection)
         )
-        name = "kombu_pgmq_visible_" + hashlib.sha1(statement).hexdigest()[:16]
-
-        def failed(error: KombuPgmqError) -> None:
-            self.db.forget_prepared(name)  # a table may be gone: prepare again next time
-            on_error(error)
-
         self.db.send_nowait(
-            name,
+            "",
             statement,
             [],
             on_result=lambda rows: on_visible({str(r[0]) for r in rows}),
-            on_error=failed,
+            on_error=on_error,
+            prepare=False,
         )
 
     def hold_handoff_lock(self, lock_key: int) -> None:

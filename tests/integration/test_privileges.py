@@ -414,9 +414,9 @@ def test_a_role_that_may_not_write_wal_messages_still_publishes(least_privilege_
 
 def test_in_the_event_loop_a_worker_without_table_rights_polls_by_reading(least_privilege_db):
     """The fallback poll's probe (Celery's event loop) reads PGMQ's tables, which a worker
-    role may not: it is refused once, the LISTEN connection stops probing, and the
-    fallback reads every consumed queue as before, so a message no publish notified is
-    still delivered."""
+    role may not: its answer is the refusal, every consumed queue is read as before (a
+    message no publish notified is still delivered), and the LISTEN connection probes no
+    more."""
     from .helpers import FakeHub
 
     db = least_privilege_db
@@ -432,11 +432,11 @@ def test_in_the_event_loop_a_worker_without_table_rights_polls_by_reading(least_
             with psycopg.connect(db.owner_url, autocommit=True) as owner:
                 owner.execute("SELECT pgmq.send('orders', '{\"n\": 7}'::jsonb)")  # no NOTIFY
             poller._on_hub_fallback()  # what the loop's repeating timer calls
-            assert poller.listener().probes is False
             deadline = time.monotonic() + 10
             while not got:
                 assert time.monotonic() < deadline, "the fallback poll did not read the queue"
                 hub.run_once()
+            assert poller.listener().probes is False  # refused once: no probe from now on
         poller.unregister_from_event_loop()
     assert [m.decode() for m in got] == [{"n": 7}]
     assert _owner_count(db, "q_orders") == 0
