@@ -7,6 +7,7 @@ named statement of ``sql/queries.sql``, sent through a
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
@@ -50,6 +51,23 @@ class _Wait(NamedTuple):
 class _DeadTuples(NamedTuple):
     relname: str
     n_dead_tup: int
+
+
+@functools.lru_cache(maxsize=64)
+def _visible_probe(branch: str, queues: tuple[str, ...]) -> bytes:
+    """Statement ``visible_probe`` (text ``branch``) for PGMQ queues ``queues``: a branch
+    per queue, UNION ALL (composed once per set of queues: the fallback poll's probe
+    goes out every ``polling_interval`` with the same set)."""
+    return (
+        sql.SQL(" UNION ALL ")
+        .join(
+            sql.SQL(branch).format(
+                queue_name=sql.Literal(q), queue_table=sql.Identifier("pgmq", f"q_{q}")
+            )
+            for q in queues
+        )
+        .as_bytes(None)
+    )
 
 
 class Consumers:
@@ -149,20 +167,9 @@ class Consumers:
         Raises:
             BrokerConnectionError: the statement could not be sent.
         """
-        branch = self.db.statement("visible_probe")
-        statement = (
-            sql.SQL(" UNION ALL ")
-            .join(
-                sql.SQL(branch).format(
-                    queue_name=sql.Literal(q), queue_table=sql.Identifier("pgmq", f"q_{q}")
-                )
-                for q in queues
-            )
-            .as_bytes(self.db.connection)
-        )
         self.db.send_nowait(
             "",
-            statement,
+            _visible_probe(self.db.statement("visible_probe"), tuple(queues)),
             [],
             on_result=lambda rows: on_visible({str(r[0]) for r in rows}),
             on_error=on_error,
