@@ -281,6 +281,10 @@ class Poller(Recovery, DueReads):
             in_loop = collected is not None and self._hub is not None
             if not (in_loop and listener.probe(self.consumed())):
                 self._ready |= self.consumed()
+            elif (broker := self.transport.broker_if_connected()) is not None:
+                # No read now: collect a result sent without waiting instead (never
+                # blocks), so acks whose statement failed are kept and sent again.
+                broker.db.free()
         for name, deadline in list(self._due.items()):
             if deadline <= now:
                 # Due: read it now; if it is found empty, wait_for runs again and tells
