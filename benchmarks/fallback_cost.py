@@ -30,54 +30,18 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from kombu import Connection, Consumer, Queue
 
 import kombu_pgmq  # noqa: F401  (registers the postgresql:// transport)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))  # tests.integration.helpers: the hub run by hand
 
-from brokers import ensure_database, pg_dsn
+from brokers import ensure_database, pg_dsn  # noqa: E402
 
-
-class Hub:
-    """The part of kombu's Hub the transport uses, run by hand."""
-
-    def __init__(self) -> None:
-        self.readers: dict[int, Any] = {}
-        self.soon: list[Any] = []
-
-    def add_reader(self, fd: int, callback: Any, *args: Any) -> None:
-        self.readers[fd] = (callback, args)
-
-    def remove_reader(self, fd: int) -> None:
-        self.readers.pop(fd, None)
-
-    def call_soon(self, callback: Any, *args: Any) -> None:
-        self.soon.append((callback, args))
-
-    def call_later(self, seconds: float, callback: Any, *args: Any) -> None:
-        self.soon.append((callback, args))
-
-    def call_repeatedly(self, seconds: float, callback: Any, *args: Any) -> Any:
-        class Entry:
-            def cancel(self) -> None:
-                pass
-
-        return Entry()
-
-    def run_once(self, timeout: float) -> bool:
-        """Run what is due; True if a reader fired."""
-        soon, self.soon = self.soon, []
-        for callback, args in soon:
-            callback(*args)
-        ready, _, _ = select.select(list(self.readers), [], [], timeout)
-        for fd in ready:
-            if fd in self.readers:
-                callback, args = self.readers[fd]
-                callback(*args)
-        return bool(ready)
+from tests.integration.helpers import FakeHub  # noqa: E402
 
 
 def pct(values: list[float], q: float) -> float:
@@ -96,7 +60,7 @@ def main() -> None:
     ensure_database(pg_dsn(args.url) or args.url)
     times: dict[str, list[float]] = {"read": [], "probe": [], "answer": []}
     with Connection(args.url, transport_options={"polling_interval": 3600}) as conn:
-        hub = Hub()
+        hub = FakeHub()
         conn.transport.register_with_event_loop(conn.connection, hub)
         poller = conn.transport.poller
         consumers = []

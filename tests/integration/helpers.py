@@ -91,14 +91,16 @@ class FakeHub:
 
         return Entry()
 
-    def run_once(self) -> None:
+    def run_once(self, timeout: float = 0.2) -> None:
+        """Run the callbacks due, then those of the readers ready within ``timeout``
+        seconds."""
         import select
 
         soon, self.soon = self.soon, []
         for callback, args in soon:
             callback(*args)
         if self.readers:
-            ready, _, _ = select.select(list(self.readers), [], [], 0.2)
+            ready, _, _ = select.select(list(self.readers), [], [], timeout)
             for fd in ready:
                 if fd in self.readers:
                     callback, args = self.readers[fd]
