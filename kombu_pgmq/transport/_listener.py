@@ -43,6 +43,13 @@ __all__ = ["CHANNEL_PREFIX", "Listener"]
 #: NOTIFY channel of a PGMQ queue: CHANNEL_PREFIX + pgmq name (at most 58 characters).
 CHANNEL_PREFIX = "kombu_pgmq."
 
+#: ``lock_timeout`` of the LISTEN connection: its fallback probe (:meth:`Listener.probe`)
+#: gives up on a queue table another session holds exclusively (DROP, TRUNCATE, ALTER)
+#: instead of holding back the notifications (hand-overs) the connection would read
+#: meanwhile; the poller then reads those queues itself. Nothing else it runs waits for
+#: a lock (LISTEN, its own advisory lock key).
+PROBE_LOCK_TIMEOUT = "100ms"
+
 
 class Listener:
     """The LISTEN connection and wake pipe of one consuming Kombu connection.
@@ -90,7 +97,12 @@ class Listener:
         if connector is None:
             if self._dsn is None:
                 raise RuntimeError("no LISTEN connection: the listener polls")
-            connector = Connector(self._dsn, on_notify=self._on_notify, role="listener")
+            connector = Connector(
+                self._dsn,
+                settings={"lock_timeout": PROBE_LOCK_TIMEOUT},
+                on_notify=self._on_notify,
+                role="listener",
+            )
             try:
                 consumers = Consumers(connector)
                 consumers.listen(CHANNEL_PREFIX + q for q in sorted(self._queues))
@@ -160,9 +172,6 @@ class Listener:
             Consumers(connector).visible_nowait(
                 names, on_visible=self._probed.update, on_error=failed
             )
-        except PermissionDenied:
-            self.probes = False
-            return False
         except KombuPgmqError:
             return False  # a lost connection: the next collect() finds out
         return True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import select
 import threading
 import time
 from typing import Any
@@ -341,6 +342,49 @@ def test_in_the_event_loop_the_fallback_poll_probes_without_waiting_then_reads_w
             assert [m.decode() for m in got] == [{"found": True}]
             assert reads and all(r == [pgmq_queue_name("probe_b")] for r in reads), reads
         conn.transport.poller.unregister_from_event_loop()
+
+
+def test_the_fallback_probe_gives_up_on_a_table_locked_exclusively(db_dsn):
+    """The probe runs on the LISTEN connection, which must not sit behind a lock (its
+    hand-over notifications would wait): with a consumed queue's table held by an ACCESS
+    EXCLUSIVE lock (DROP, TRUNCATE, ALTER in an open transaction), its answer is the
+    lock timeout well before the lock goes, and every probed queue is marked to be read
+    (as the fallback did before the probe). Fails without the connection's
+    lock_timeout: the answer comes only when the lock is released."""
+    hold_seconds = 3.0  # the LISTEN connection's lock_timeout: 0.1 s
+    with connect(db_dsn, polling_interval=NO_FALLBACK) as conn, conn.channel() as channel:
+        hub = FakeHub()
+        conn.transport.register_with_event_loop(conn.connection, hub)
+        poller = conn.transport.poller
+        with Consumer(channel, [Queue("probe_locked")], on_message=lambda m: m.ack()):
+            deadline = time.monotonic() + 10
+            while waiting_rows(db_dsn, "probe_locked") != 1 or hub.soon:
+                assert time.monotonic() < deadline, "the consumer never went to sleep"
+                hub.run_once()
+            locked = threading.Event()
+
+            def hold_lock() -> None:
+                with psycopg.connect(db_dsn) as locker:
+                    locker.execute(f"LOCK TABLE {table('probe_locked')} IN ACCESS EXCLUSIVE MODE")
+                    locked.set()
+                    time.sleep(hold_seconds)
+
+            holder = threading.Thread(target=hold_lock)
+            holder.start()
+            try:
+                assert locked.wait(10)
+                listener = poller.listener()
+                started = time.monotonic()
+                assert listener.probe(poller.consumed())
+                readable = select.select([listener.fileno()], [], [], hold_seconds)[0]
+                answered = time.monotonic() - started
+                ready, _ = listener.collect()
+            finally:
+                holder.join()
+            assert readable, "no answer while the lock was held"
+            assert answered < hold_seconds / 2, answered
+            assert ready == {pgmq_queue_name("probe_locked")}  # read it, as before the probe
+        poller.unregister_from_event_loop()
 
 
 def test_durable_acks_must_be_a_bool(db_dsn):
