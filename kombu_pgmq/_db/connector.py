@@ -436,19 +436,18 @@ class Connector:
 
     def send_nowait(
         self,
-        name: str,
+        name: str | None,
         statement: bytes,
         params: Sequence[bytes | None],
         *,
         on_result: Callable[[list[tuple[str | None, ...]]], None],
         on_error: Callable[[KombuPgmqError], None],
-        prepare: bool = True,
     ) -> None:
         """Send a statement and return without waiting for its result (it commits on the
         server as soon as it runs: its own transaction). ``statement`` uses PostgreSQL's
         ``$1``... placeholders, ``params`` are text values; it is prepared once per
         connection under ``name`` (plan-cached, as psycopg's own prepared statements);
-        in pooled mode, or with ``prepare=False`` (a rare statement), it is sent unnamed
+        in pooled mode, or with ``name`` None (a rare statement), it is sent unnamed
         instead (no prepared statement: the next transaction may run on another server
         connection).
 
@@ -470,7 +469,7 @@ class Connector:
                 self._collect(conn)
             with conn.lock:
                 pgconn = conn.pgconn
-                if not (self.prepares and prepare):
+                if name is None or not self.prepares:
                     pgconn.send_query_params(statement, params)
                 else:
                     self._prepare(pgconn, name, statement)

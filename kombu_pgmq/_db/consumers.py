@@ -168,12 +168,11 @@ class Consumers:
             BrokerConnectionError: the statement could not be sent.
         """
         self.db.send_nowait(
-            "",
+            None,
             _visible_probe(self.db.statement("visible_probe"), tuple(queues)),
             [],
             on_result=lambda rows: on_visible({str(r[0]) for r in rows}),
             on_error=on_error,
-            prepare=False,
         )
 
     def hold_handoff_lock(self, lock_key: int) -> None:

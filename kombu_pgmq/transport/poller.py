@@ -279,8 +279,9 @@ class Poller(Recovery, DueReads):
             # read of every consumed queue here would hold up a hand-over arriving
             # meanwhile (a slow p99, issue 30).
             in_loop = collected is not None and self._hub is not None
-            if not (in_loop and listener.probe(self.consumed())):
-                self._ready |= self.consumed()
+            consumed = self.consumed()
+            if not (in_loop and listener.probe(consumed)):
+                self._ready |= consumed
             elif (broker := self.transport.broker_if_connected()) is not None:
                 # No read now: collect a result sent without waiting instead (never
                 # blocks), so acks whose statement failed are kept and sent again.
