@@ -29,7 +29,10 @@ append ``kind,value,ts`` lines to a per-run file with ``O_APPEND``), then:
    ``--latency-tasks`` tasks sent ``--interval-ms`` apart with ``apply_async``; each
    records ``task start - sent timestamp`` (its argument). p50/p90/p99/max in ms, and
    the slowest samples with the second of the round they were sent in (``slowest``;
-   printed with ``-v``): a periodic cause shows as one offset modulo its period.
+   printed with ``-v``): a periodic cause shows as one offset modulo its period. Each
+   sample is also split where the worker's main process received the task (Celery's
+   ``task_received`` signal): ``to_worker_ms`` (publish, broker, wake-up) and
+   ``in_worker_ms`` (Celery hands it to a pool process), printed with ``-v``.
 2. backlog: worker stopped, queue purged, one ``ping`` then ``--backlog`` noop tasks
    published with no worker running; a worker is started; rate = backlog / (last noop
    done - ping start), i.e. from worker ready to the last task done. ``--backlog-rounds``
@@ -246,6 +249,13 @@ def run_latency(app, name, url, options, workdir: Path, n: int, interval_s: floa
     finally:
         code = worker.stop()
     in_order = [(ts - float(value)) * 1000 for kind, value, ts in rows if kind == "lat"]
+    # split at the worker's main process (celery_bench_app's task_received line)
+    received = {value: ts for kind, value, ts in rows if kind == "rx"}
+    split = [
+        ((received[value] - float(value)) * 1000, (ts - received[value]) * 1000)
+        for kind, value, ts in rows
+        if kind == "lat" and value in received
+    ]
     # seconds into the round each task was sent, sample order (where in the round the slow
     # ones are: a periodic cause shows as the same offset modulo its period)
     sent_s = [float(value) - wall0 for kind, value, ts in rows if kind == "lat"]
@@ -259,6 +269,9 @@ def run_latency(app, name, url, options, workdir: Path, n: int, interval_s: floa
         "worker_exit_code": code,
         "samples_ms": [round(x, 3) for x in in_order],  # in completion order
         "sent_s": [round(x, 4) for x in sent_s],  # seconds into the round, same order
+        # sent -> received by the worker's main process, received -> task start
+        "to_worker_ms": [round(a, 3) for a, _ in split],
+        "in_worker_ms": [round(b, 3) for _, b in split],
     }
 
 
@@ -296,6 +309,11 @@ def pool_latency(runs: list[dict]) -> dict:
         **percentiles(samples),
         "round_p50_ms": [r["p50_ms"] for r in ok],
         "round_p99_ms": [r["p99_ms"] for r in ok],
+        **{
+            part: percentiles(values)
+            for part in ("to_worker_ms", "in_worker_ms")
+            if (values := [x for r in ok for x in r.get(part) or []])
+        },
         "slowest": [{"ms": ms, "round": i, "sent_s": sent} for ms, i, sent in slow[:WORST_SAMPLES]],
         "errors": [r["error"] for r in runs if "error" in r],
     }
@@ -560,6 +578,19 @@ def run(args: argparse.Namespace, brokers: dict[str, str], options: dict[str, An
             slow = (res.get("latency") or {}).get("slowest") or []
             shown = ", ".join(f"{s['ms']:.1f} ms at {s['sent_s']:.2f} s" for s in slow)
             print(f"slowest {name}: {shown}")
+        for name, res in results.items():  # where the time goes
+            lat = res.get("latency") or {}
+            parts = [
+                f"{label} "
+                + " / ".join(f"{lat[part][k]:.2f}" for k in ("p50_ms", "p90_ms", "p99_ms"))
+                for part, label in (
+                    ("to_worker_ms", "sent->received"),
+                    ("in_worker_ms", "received->started"),
+                )
+                if part in lat
+            ]
+            if parts:
+                print(f"split {name} (p50 / p90 / p99 ms): " + "; ".join(parts))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"environment": env, "results": results}, indent=2) + "\n")

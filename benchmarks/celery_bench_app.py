@@ -20,6 +20,11 @@ Tasks
     ``bench.ping()``: line ``ping,0,<start>`` (warm-up; marks the worker ready).
     ``bench.latency(sent_ts)``: line ``lat,<sent_ts>,<start>``.
     ``bench.noop(i)``: line ``noop,<i>,<done>`` (written when the task body ends).
+
+Signal
+    ``task_received`` of a ``bench.latency`` task, in the worker's main process (the
+    message decoded, the request made, before it goes to the pool): line
+    ``rx,<sent_ts>,<now>``. ``celery_bench.py`` splits each latency sample there.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import time
 from typing import Any
 
 from celery import Celery
+from celery.signals import task_received
 
 import kombu_pgmq  # noqa: F401  (registers postgresql:// with kombu)
 
@@ -81,6 +87,13 @@ def create_app(broker_url: str, transport_options: dict[str, Any] | None = None)
         _record("noop", i, time.time())
 
     return app
+
+
+@task_received.connect
+def _on_received(request: Any = None, **_: Any) -> None:
+    """``rx,<sent_ts>,<now>`` for a latency task received by the worker's main process."""
+    if request is not None and request.name == "bench.latency":
+        _record("rx", repr(request.args[0]), time.time())
 
 
 app = create_app(
