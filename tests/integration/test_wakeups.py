@@ -387,6 +387,48 @@ def test_the_fallback_probe_gives_up_on_a_table_locked_exclusively(db_dsn):
         poller.unregister_from_event_loop()
 
 
+def test_a_listen_connection_killed_with_its_probe_in_flight_loses_nothing(db_dsn):
+    """The fallback probe is in flight on the LISTEN connection (waiting for a lock on
+    the queue's table) when its server process is terminated: the loop connects again
+    and reads every consumed queue, so the visible message nobody notified is delivered
+    once, and the new connection hears the next publish. Fails if a probe lost with its
+    connection left the queues unread (the next fallback is a minute away)."""
+    got: list[Any] = []
+    with connect(db_dsn, polling_interval=NO_FALLBACK) as conn, conn.channel() as channel:
+        hub = FakeHub()
+        conn.transport.register_with_event_loop(conn.connection, hub)
+        poller = conn.transport.poller
+        consumer = Consumer(
+            channel, [Queue("probe_killed")], on_message=lambda m: (got.append(m), m.ack())
+        )
+        with consumer:
+            deadline = time.monotonic() + 20
+            while waiting_rows(db_dsn, "probe_killed") != 1 or hub.soon:
+                assert time.monotonic() < deadline, "the consumer never went to sleep"
+                hub.run_once()
+            sql(db_dsn, "SELECT pgmq.send('probe_killed', '{\"n\": 1}'::jsonb)")  # no NOTIFY
+            listener = poller.listener()
+            pid = listener._connector.backend_pid
+            with psycopg.connect(db_dsn) as locker:  # the probe waits for this lock
+                locker.execute(f"LOCK TABLE {table('probe_killed')} IN ACCESS EXCLUSIVE MODE")
+                poller._on_hub_fallback()  # sends the probe, does not wait for it
+                # well within the probe's lock_timeout (0.1 s): no answer was sent
+                locker.execute("SELECT pg_terminate_backend(%s)", (pid,))
+            while not got:
+                assert time.monotonic() < deadline, "the visible message was never read"
+                hub.run_once(timeout=0.2)
+            with connect(db_dsn) as producer:
+                publish(producer, "probe_killed", [{"n": 2}])
+            while len(got) < 2:
+                assert time.monotonic() < deadline, "the new LISTEN connection heard nothing"
+                hub.run_once(timeout=0.2)
+            for _ in range(5):  # nothing more arrives: each message once
+                hub.run_once(timeout=0.1)
+            assert poller.listener()._connector.backend_pid != pid  # connected again
+        poller.unregister_from_event_loop()
+    assert [m.decode() for m in got] == [{"n": 1}, {"n": 2}]
+
+
 def test_durable_acks_must_be_a_bool(db_dsn):
     with pytest.raises(ConfigurationError, match=r"durable_acks='yes'.*True or False"):
         connect(db_dsn, durable_acks="yes").connect()
