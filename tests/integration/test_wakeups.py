@@ -32,6 +32,14 @@ def waiting_rows(db_dsn: str, queue: str) -> int:
     )[0][0]
 
 
+def run_until_asleep(db_dsn: str, hub: FakeHub, queues: list[str], deadline: float) -> None:
+    """Run ``hub`` until the consumer sleeps on each of ``queues`` (one waiting row
+    each) and nothing is due soon; fail at ``deadline`` (monotonic seconds)."""
+    while any(waiting_rows(db_dsn, q) != 1 for q in queues) or hub.soon:
+        assert time.monotonic() < deadline, "the consumer never went to sleep"
+        hub.run_once()
+
+
 def drain_until(conn: Connection, got: list[Any], n: int, timeout: float) -> float:
     """drain_events until ``got`` holds ``n`` messages; return the seconds it took."""
     start = time.monotonic()
@@ -329,9 +337,7 @@ def test_in_the_event_loop_the_fallback_poll_probes_without_waiting_then_reads_w
         )
         with consumer:
             deadline = time.monotonic() + 10
-            while any(waiting_rows(db_dsn, n) != 1 for n in names) or hub.soon:
-                assert time.monotonic() < deadline, "the consumer never went to sleep"
-                hub.run_once()
+            run_until_asleep(db_dsn, hub, names, deadline)
             sql(db_dsn, "SELECT pgmq.send('probe_b', '{\"found\": true}'::jsonb)")  # no NOTIFY
             reads.clear()
             poller._on_hub_fallback()  # what the loop's repeating timer calls
@@ -358,9 +364,7 @@ def test_the_fallback_probe_gives_up_on_a_table_locked_exclusively(db_dsn):
         poller = conn.transport.poller
         with Consumer(channel, [Queue("probe_locked")], on_message=lambda m: m.ack()):
             deadline = time.monotonic() + 10
-            while waiting_rows(db_dsn, "probe_locked") != 1 or hub.soon:
-                assert time.monotonic() < deadline, "the consumer never went to sleep"
-                hub.run_once()
+            run_until_asleep(db_dsn, hub, ["probe_locked"], deadline)
             locked = threading.Event()
 
             def hold_lock() -> None:
@@ -403,9 +407,7 @@ def test_a_listen_connection_killed_with_its_probe_in_flight_loses_nothing(db_ds
         )
         with consumer:
             deadline = time.monotonic() + 20
-            while waiting_rows(db_dsn, "probe_killed") != 1 or hub.soon:
-                assert time.monotonic() < deadline, "the consumer never went to sleep"
-                hub.run_once()
+            run_until_asleep(db_dsn, hub, ["probe_killed"], deadline)
             sql(db_dsn, "SELECT pgmq.send('probe_killed', '{\"n\": 1}'::jsonb)")  # no NOTIFY
             listener = poller.listener()
             pid = listener._connector.backend_pid
