@@ -1067,3 +1067,20 @@ SELECT queue, concurrency, rate, rate_per_second, burst, limit_key, key_concurre
        keys_at_limit, throttled_concurrency, throttled_rate, throttled_keys, updated_at,
        updated_by
 FROM kombu_pgmq.limits_info(%(queue)s)
+
+-- name: hold_slots
+-- Hold concurrency slots for deliveries of one PGMQ queue whose tasks run on after their
+-- ack (migration 0024), before the ack; returns the msg_ids held (none: the queue has no
+-- concurrency limit, or the deliveries are stale).
+SELECT msg_id FROM kombu_pgmq.hold_slots(%(queue)s, %(msg_ids)s::bigint[],
+                                          %(read_cts)s::integer[], %(hold_seconds)s::integer)
+  AS h(msg_id)
+
+-- name: renew_slots
+-- Push held slots to now + hold_seconds; returns the (queue, msg_id) still held.
+SELECT queue, msg_id
+FROM kombu_pgmq.renew_slots(%(queues)s::text[], %(msg_ids)s::bigint[], %(hold_seconds)s::integer)
+
+-- name: release_slots
+-- Release held slots (their tasks finished) and wake consumers waiting on their queues.
+SELECT kombu_pgmq.release_slots(%(queues)s::text[], %(msg_ids)s::bigint[]) AS released

@@ -1,11 +1,12 @@
-"""The limits store: fleet-wide concurrency and rate limits of queues (migration 0021,
-:mod:`kombu_pgmq.limits`), as named statements of ``sql/queries.sql`` sent through a
+"""The limits store: fleet-wide concurrency and rate limits of queues
+(:mod:`kombu_pgmq.limits`) and the concurrency slots of tasks running after their ack, as
+named statements of ``sql/queries.sql`` sent through a
 :class:`~kombu_pgmq._db.connector.Connector`."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any, NamedTuple
 
@@ -75,3 +76,42 @@ class LimitStore:
     def info(self, queue: str | None = None) -> list[LimitInfo]:
         """Every limited queue (or only ``queue``) with its limits and their use now."""
         return self.db.fetch("limits_info", {"queue": queue}, LimitInfo)
+
+    # -- slots held by tasks running after their ack --------------------------------------
+
+    def hold_slots(
+        self, queue: str, deliveries: Sequence[tuple[int, int]], hold_seconds: int
+    ) -> frozenset[int]:
+        """Hold a concurrency slot for each delivery ``(msg_id, read_ct)`` of PGMQ queue
+        ``queue`` whose task runs on after its message is acked, for ``hold_seconds``
+        (renewed by :meth:`renew_slots`): send it before the ack. Returns the msg_ids
+        held; none when the queue has no concurrency or key concurrency limit (or the
+        deliveries are stale). Commits without waiting for the WAL flush."""
+        params = {
+            "queue": queue,
+            "msg_ids": [m for m, _ in deliveries],
+            "read_cts": [c for _, c in deliveries],
+            "hold_seconds": hold_seconds,
+        }
+        rows: list[Any] = self.db.fetch("hold_slots", params, synchronous=False)
+        return frozenset(int(r[0]) for r in rows)
+
+    def renew_slots(
+        self, slots: Sequence[tuple[str, int]], hold_seconds: int
+    ) -> frozenset[tuple[str, int]]:
+        """Push held slots ``(PGMQ queue, msg_id)`` to now + ``hold_seconds``; returns those
+        still held (the others were released, or their queue dropped)."""
+        params = {
+            "queues": [q for q, _ in slots],
+            "msg_ids": [m for _, m in slots],
+            "hold_seconds": hold_seconds,
+        }
+        rows: list[Any] = self.db.fetch("renew_slots", params, synchronous=False)
+        return frozenset((r[0], int(r[1])) for r in rows)
+
+    def release_slots(self, slots: Sequence[tuple[str, int]]) -> int:
+        """Release held slots ``(PGMQ queue, msg_id)`` (their tasks finished) and wake the
+        consumers waiting on their queues; returns how many were still held."""
+        params = {"queues": [q for q, _ in slots], "msg_ids": [m for _, m in slots]}
+        rows: list[Any] = self.db.fetch("release_slots", params, synchronous=False)
+        return int(rows[0][0]) if rows else 0
