@@ -24,7 +24,6 @@ process when ``result_backend`` is kombu_pgmq's, stopped on ``worker_shutdown``.
 from __future__ import annotations
 
 import importlib
-import logging
 import sys
 from typing import Any
 
@@ -34,6 +33,7 @@ from .errors import ConfigurationError
 __all__ = [
     "check_transport_options",
     "connect",
+    "release_task_slots",
     "start_result_expiry",
     "stop_result_expiry",
 ]
@@ -59,6 +59,18 @@ def connect() -> None:
     signals.worker_shutdown.connect(
         stop_result_expiry, weak=False, dispatch_uid="kombu_pgmq.stop_result_expiry"
     )
+    signals.task_postrun.connect(
+        release_task_slots, weak=False, dispatch_uid="kombu_pgmq.release_task_slots"
+    )
+
+
+def release_task_slots(task_id: str | None = None, **_: Any) -> None:
+    """``task_postrun`` receiver, in the process that ran the task: free the concurrency
+    slot its early ack left held (:mod:`kombu_pgmq.transport._slots`), when this process
+    is the worker's own (threads, gevent, solo pools; a prefork child holds none)."""
+    slots = sys.modules.get("kombu_pgmq.transport._slots")
+    if slots is not None and task_id:
+        slots.release_task(task_id)
 
 
 def _uses_our_backend(app: Any) -> bool:
@@ -106,29 +118,6 @@ def check_transport_options(conf: Any = None, **_: Any) -> None:
     from .transport.options import TransportOptions  # the transport package, only now
 
     try:
-        options = TransportOptions.parse(conf.broker_transport_options or {})
+        TransportOptions.parse(conf.broker_transport_options or {})
     except ConfigurationError as exc:
         raise SystemExit(f"kombu_pgmq: broker_transport_options: {exc}") from None
-    _warn_early_acks(options.queue_limits, bool(conf.task_acks_late))
-
-
-def _warn_early_acks(queue_limits: Any, acks_late: bool) -> None:
-    """A concurrency limit counts messages delivered and not settled: with Celery's
-    default early ack (``task_acks_late = False``) a task's message is acked when the task
-    starts, so the limit caps messages waiting in workers, not running tasks. Warned once
-    at worker start (tasks may set ``acks_late`` themselves: not an error)."""
-    if acks_late:
-        return
-    counted = sorted(
-        queue
-        for queue, limits in queue_limits.items()
-        if limits.get("concurrency") or limits.get("key_concurrency")
-    )
-    if counted:
-        logging.getLogger("kombu_pgmq").warning(
-            "queue_limits: the concurrency limits of %s count messages delivered and not "
-            "acked; with task_acks_late=False Celery acks a task when it starts, so they cap "
-            "tasks waiting in workers, not running ones: set task_acks_late=True (or "
-            "acks_late=True on those tasks)",
-            ", ".join(map(repr, counted)),
-        )

@@ -1,14 +1,16 @@
-"""Fleet-wide concurrency and rate limits per queue and per key (migration 0021).
+"""Fleet-wide concurrency and rate limits per queue and per key.
 
 Limits are enforced where messages are delivered: in the read statement of every worker,
 so ten workers with a queue limited to ``100/s`` deliver 100 messages a second between
 them (Celery's ``rate_limit`` is per worker: celery/celery#5732), and a concurrency limit
 holds across the fleet (Celery has none). What a limit counts:
 
-* ``concurrency``: messages of the queue delivered and not yet settled whose lease is live
-  (visibility timeout in the future). Prefetched messages count: a worker is never handed
-  a message it may not start. A killed worker's messages stop counting when their
-  visibility timeout passes.
+* ``concurrency``: tasks of the queue delivered and not yet finished: messages delivered
+  and not settled whose lease is live (visibility timeout in the future), and tasks a
+  Celery worker still runs after acking their message (Celery's default early ack: the
+  worker holds the task's slot until it finishes, :mod:`kombu_pgmq.transport._slots`).
+  Prefetched messages count: a worker is never handed a message it may not start. A
+  killed worker's messages and slots stop counting when their visibility timeout passes.
 * ``rate``: a token bucket, ``"100/s"``, ``"6000/m"``, ``"50/h"`` (Celery's ``rate_limit``
   format; a bare number is per second), holding at most ``burst`` tokens (default: the
   tokens of 0.1 s, at least 1). Each delivery takes one.
@@ -17,7 +19,7 @@ holds across the fleet (Celery has none). What a limit counts:
   ``apply_async(headers={"x-limit-key": "customer-42"})``; ``limit_key="task"`` keys
   Celery tasks by task name). Messages without it have no key limit.
 * FIFO queues (``x-fifo-groups``) are the concurrency-1 case: key ``x-group-id``, one
-  message per group at a time, in publish order.
+  task per group at a time, in publish order.
 
 Set them with the transport option ``queue_limits`` (applied each time a worker declares
 the queue), ``kombu-pgmq queue limit NAME``, or SQL:

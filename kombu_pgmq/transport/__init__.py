@@ -287,13 +287,15 @@ Deduplication: a message with an ``x-deduplication-id`` header (or, on a queue d
 with ``x-deduplicate-task-id``, a Celery task id) is enqueued once per queue within
 ``deduplication_window`` seconds. FIFO groups: on a queue declared with
 ``x-fifo-groups`` (no priorities), messages with the same ``x-group-id`` header are
-delivered one at a time in publish order, the next once the previous is acked (use
-``task_acks_late``); different groups in parallel. A queue keeps the arguments of its
-first declaration: a declaration giving ``x-max-priority``, ``x-fifo-groups`` or
-``x-deduplicate-task-id`` otherwise raises ``ChannelError`` (406 PRECONDITION_FAILED, as
-RabbitMQ); one that leaves them out takes the stored ones.
-Fleet-wide limits (:mod:`kombu_pgmq.limits`): a queue's concurrency (messages delivered
-and not settled, across every worker) and rate (a token bucket, ``"100/s"``), and the
+delivered one at a time in publish order, the next once the previous task finished
+(whatever its ack mode, as for concurrency limits below); different groups in parallel.
+A queue keeps the arguments of its first declaration: a declaration giving
+``x-max-priority``, ``x-fifo-groups`` or ``x-deduplicate-task-id`` otherwise raises
+``ChannelError`` (406 PRECONDITION_FAILED, as RabbitMQ); one that leaves them out takes
+the stored ones.
+Fleet-wide limits (:mod:`kombu_pgmq.limits`): a queue's concurrency (tasks delivered and
+not finished, across every worker: with Celery's default early ack a worker holds a
+task's slot from the ack until the task ends) and rate (a token bucket, ``"100/s"``), and the
 same per key (header ``x-limit-key``, or the task name), are enforced in the read: a
 worker is never handed a message it may not start. FIFO groups are the key limit of
 concurrency 1.

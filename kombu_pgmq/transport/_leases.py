@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 from .._db.broker import Broker, Receipt
 from .._stats import STATS
 from ._service import Service
+from ._slots import Slots
 
 logger = logging.getLogger(__name__)
 
@@ -131,12 +132,16 @@ class LeaseKeeper(Service):
         #: timeout back into the future right after.
         self.lock = threading.Lock()
         self.statements = 0
+        #: Concurrency slots of tasks running after their ack, renewed with the leases
+        #: on this connection (:mod:`._slots`).
+        self.slots = Slots(lambda: self.connector, lambda: self.lock)
 
     def after_fork(self) -> None:
         forked = self._pid != os.getpid()
         super().after_fork()
         if forked:
             self.lock = threading.Lock()  # may have been held by the parent's thread
+        self.slots.after_fork()
 
     def round(self) -> None:
         self.renew()
@@ -151,9 +156,11 @@ class LeaseKeeper(Service):
         """
         with self.lock:
             held = [h for h in self._holdings() if (h.queue, h.msg_id) not in self._lost]
+            slots = self.slots.renew(self.connector) if self.slots else 0
             if not held:
                 self._forget_settled()
-                self.release()  # nothing to renew: no idle connection held for it
+                if not slots:
+                    self.release()  # nothing to renew: no idle connection held for it
                 return Renewal(0, [], 0)
             by_vt: dict[int, list[Held]] = defaultdict(list)
             for h in held:

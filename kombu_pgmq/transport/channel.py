@@ -19,6 +19,7 @@ from .._db.broker import Broker, QueueInfo
 from .._naming import pgmq_queue_name
 from .._stats import STATS
 from ._interfaces import TransportView
+from ._slots import running_request
 from .acks import warn_stale
 from .options import TransportOptions
 from .publisher import Publisher
@@ -91,6 +92,14 @@ class QoS(virtual.QoS):
         held = receipt(message.delivery_info)
         STATS.acks += 1
         transport = self.channel.connection
+        if held.queue in self.channel.pgmq.limited:
+            # Celery's early ack of a task that runs on: its concurrency slot outlives the
+            # ack (held before it, released when the task finishes; see _slots)
+            request = running_request(message)
+            if request is not None:
+                transport.leases.slots.hold(
+                    held.queue, held.msg_id, held.read_ct, request, self.channel.reader.vt_seconds
+                )
         if transport.poller.defers_acks:
             super().ack(delivery_tag)
             transport.poller.defer_ack(held)

@@ -499,6 +499,9 @@ class Poller(Recovery, DueReads):
         loop.add_reader(listener.wake_fileno, self._on_hub_event)
         self._watch_listener(listener)
         self._hub_timer = loop.call_repeatedly(self.polling_interval, self._on_hub_fallback)
+        # the pool's results (prefork, solo) are handled in the loop: a task that finished
+        # frees its concurrency slot at the loop's next turn
+        loop.on_tick.add(self.transport.leases.slots.release_finished)
         loop.call_soon(self._on_hub_event)
 
     def _watch_listener(self, listener: Listener) -> None:
@@ -545,6 +548,7 @@ class Poller(Recovery, DueReads):
             with contextlib.suppress(Exception):  # the loop may be closing too
                 hub.remove_reader(fd)
         self._hub_fds = []
+        hub.on_tick.discard(self.transport.leases.slots.release_finished)
         if self._hub_timer is not None:
             self._hub_timer.cancel()
             self._hub_timer = None

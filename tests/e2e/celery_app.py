@@ -232,8 +232,7 @@ def create_app(env: Mapping[str, str] = os.environ) -> Celery:
                 (self.request.id, entry, os.getpid()),
             )
 
-    @app.task(shared=False, name="e2e.fifo_step", bind=True, acks_late=True)
-    def fifo_step(self: Any, group: str, seq: int, seconds: float = 0.03) -> None:
+    def record_fifo_step(group: str, seq: int, seconds: float) -> None:
         """Record (group, seq) with its start and end (table ``e2e_fifo``): the test checks
         that a group's steps never overlap and run in order."""
         with psycopg.connect(broker_url, autocommit=True, application_name="kpt_e2e_task") as c:
@@ -245,21 +244,29 @@ def create_app(env: Mapping[str, str] = os.environ) -> Celery:
                 (group, seq, os.getpid(), started),
             )
 
-    @app.task(shared=False, name="e2e.limited_run", bind=True, acks_late=True, ignore_result=True)
-    def limited_run(
-        self: Any, label: str, seconds: float = 0.0, rerun_seconds: float | None = None
+    @app.task(shared=False, name="e2e.fifo_step", bind=True, acks_late=True)
+    def fifo_step(self: Any, group: str, seq: int, seconds: float = 0.03) -> None:
+        """:func:`record_fifo_step`, acked once it ended."""
+        record_fifo_step(group, seq, seconds)
+
+    @app.task(shared=False, name="e2e.fifo_step_early", bind=True)
+    def fifo_step_early(self: Any, group: str, seq: int, seconds: float = 0.03) -> None:
+        """:func:`record_fifo_step` with Celery's default early ack."""
+        record_fifo_step(group, seq, seconds)
+
+    def record_limited_run(
+        task_id: str, label: str, seconds: float, rerun_seconds: float | None
     ) -> None:
         """Record the run in ``e2e_limit_runs`` (start: the wall clock when the body
         starts), sleep *seconds* (a redelivered task id's later runs: *rerun_seconds* if
-        given), record its end. ``acks_late``: the message stays in flight (and counts
-        toward its queue's limits) until the body has ended."""
+        given), record its end."""
         started = time.time()
         with psycopg.connect(broker_url, autocommit=True, application_name="kpt_e2e_task") as c:
             row = c.execute(
                 "INSERT INTO e2e_limit_runs (task_id, label, pid, started_at)"
                 " VALUES (%s, %s, %s, to_timestamp(%s))"
                 " RETURNING id, (SELECT count(*) FROM e2e_limit_runs WHERE task_id = %s)",
-                (self.request.id, label, os.getpid(), started, self.request.id),
+                (task_id, label, os.getpid(), started, task_id),
             ).fetchone()
             assert row is not None
             rerun = int(row[1]) > 0
@@ -268,6 +275,22 @@ def create_app(env: Mapping[str, str] = os.environ) -> Celery:
                 "UPDATE e2e_limit_runs SET finished_at = to_timestamp(%s) WHERE id = %s",
                 (time.time(), row[0]),
             )
+
+    @app.task(shared=False, name="e2e.limited_run", bind=True, acks_late=True, ignore_result=True)
+    def limited_run(
+        self: Any, label: str, seconds: float = 0.0, rerun_seconds: float | None = None
+    ) -> None:
+        """:func:`record_limited_run` with ``acks_late``: the message stays in flight (and
+        counts toward its queue's limits) until the body has ended."""
+        record_limited_run(self.request.id, label, seconds, rerun_seconds)
+
+    @app.task(shared=False, name="e2e.limited_run_early", bind=True, ignore_result=True)
+    def limited_run_early(
+        self: Any, label: str, seconds: float = 0.0, rerun_seconds: float | None = None
+    ) -> None:
+        """:func:`record_limited_run` with Celery's default early ack: the message is
+        acked when the task starts (its concurrency slot is held until it finishes)."""
+        record_limited_run(self.request.id, label, seconds, rerun_seconds)
 
     @app.task(shared=False, name="e2e.xsum")
     def xsum(numbers: list[float]) -> float:

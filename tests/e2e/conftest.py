@@ -80,8 +80,8 @@ def start_worker(
     request: pytest.FixtureRequest, tmp_path: Path, e2e_env: dict[str, str], app: Celery
 ) -> Iterator[Callable[..., Worker]]:
     """``start_worker(wait=True, *, extra_args=(), without=DEFAULT_WITHOUT, own_queue=True,
-    queues=("celery",), concurrency=2, **env_overrides) -> Worker`` (keywords as
-    :class:`Worker`'s); every worker is stopped at teardown."""
+    queues=("celery",), concurrency=2, pool="prefork", **env_overrides) -> Worker``
+    (keywords as :class:`Worker`'s); every worker is stopped at teardown."""
     workers: list[Worker] = []
     reported = request.node.stash.setdefault(_WORKERS_KEY, [])
 
@@ -93,6 +93,7 @@ def start_worker(
         own_queue: bool = True,
         queues: Sequence[str] = ("celery",),
         concurrency: int = 2,
+        pool: str = "prefork",
         **env_overrides: str,
     ) -> Worker:
         name = f"w{len(workers) + 1}_{uuid.uuid4().hex[:6]}"
@@ -105,6 +106,7 @@ def start_worker(
             own_queue=own_queue,
             queues=queues,
             concurrency=concurrency,
+            pool=pool,
         )
         workers.append(worker)
         reported.append(worker)

@@ -1,12 +1,15 @@
 """FIFO groups with real workers (issue 15, item 4): 2 workers x 4 processes consume a
 queue declared with ``x-fifo-groups``; 4 groups x 12 steps, published interleaved with
 Celery's ``headers={"x-group-id": ...}``: each group's steps run one at a time in publish
-order, and different groups run at the same time (``acks_late`` tasks: the next step of a
-group is delivered once the previous one is acked)."""
+order, and different groups run at the same time, with ``acks_late`` tasks (the next step
+of a group is delivered once the previous one is acked) and with Celery's default early
+acks (once the previous one's task finished: its slot is held past the ack)."""
 
 from __future__ import annotations
 
 from itertools import pairwise
+
+import pytest
 
 from tests.e2e import celery_app
 from tests.e2e.helpers import wait_for
@@ -21,14 +24,15 @@ CREATE TABLE e2e_fifo (
 """
 
 
-def test_groups_run_in_order_one_step_at_a_time_and_in_parallel(start_worker, db, e2e_env):
+@pytest.mark.parametrize("task", ["e2e.fifo_step", "e2e.fifo_step_early"])
+def test_groups_run_in_order_one_step_at_a_time_and_in_parallel(task, start_worker, db, e2e_env):
     db.execute(DDL)
     env = {"KPT_FIFO_QUEUE": "1", "KPT_POLLING_INTERVAL": "0.5"}
     for _ in range(2):
         start_worker(queues=("celery", "fifo"), concurrency=4, **env)
     app = celery_app.create_app({**e2e_env, **env})
     try:
-        step = app.tasks["e2e.fifo_step"]
+        step = app.tasks[task]
         for seq in range(STEPS):
             for group in GROUPS:
                 step.apply_async((group, seq), queue="fifo", headers={"x-group-id": group})

@@ -6,9 +6,8 @@ flight until its body has ended) records the wall-clock start and end of its bod
 
 A body runs inside its message's flight (read before it starts, acked after it ends), so
 at most N messages in flight implies at most N bodies at once: the checks on overlapping
-bodies below hold whatever the machine's load. (With Celery's default early ack, a message
-is settled when its task starts: a concurrency limit then bounds messages read and not yet
-started, not running tasks; measured: 11 bodies at once under concurrency 3.)
+bodies below hold whatever the machine's load. Celery's default early ack (the slot held
+from the ack until the task ends): tests/e2e/test_limits_early_ack.py.
 """
 
 from __future__ import annotations
@@ -84,9 +83,11 @@ def publish(
     *,
     headers: dict[str, str] | None = None,
     rerun_seconds: float | None = None,
+    task_name: str = TASK,
 ) -> list[str]:
-    """Send ``count`` ``e2e.limited_run`` tasks to queue ``celery``; their ids."""
-    task = app.tasks[TASK]
+    """Send ``count`` ``task_name`` tasks (``e2e.limited_run`` or
+    ``e2e.limited_run_early``) to queue ``celery``; their ids."""
+    task = app.tasks[task_name]
     return [
         task.apply_async((label, seconds, rerun_seconds), queue=QUEUE, headers=headers or {}).id
         for _ in range(count)

@@ -71,6 +71,7 @@ class FakeHub:
     def __init__(self) -> None:
         self.readers: dict[int, Any] = {}
         self.soon: list[Any] = []
+        self.on_tick: set[Any] = set()  # called at every turn, as kombu's Hub does
 
     def add_reader(self, fd: int, callback: Any, *args: Any) -> None:
         self.readers[fd] = (callback, args)
@@ -96,6 +97,8 @@ class FakeHub:
         seconds."""
         import select
 
+        for tick in list(self.on_tick):
+            tick()
         soon, self.soon = self.soon, []
         for callback, args in soon:
             callback(*args)

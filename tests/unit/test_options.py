@@ -185,26 +185,6 @@ def test_a_celery_worker_stops_at_start_with_one_line():
     check_transport_options(conf=_celery_conf("redis://h/0", {"fanout_prefix": True}))
 
 
-def test_a_worker_with_concurrency_limits_and_early_acks_is_warned(caplog):
-    """A concurrency limit counts messages not acked: with Celery's early acks it caps
-    tasks waiting in workers, not running ones (the e2e limits tests use acks_late)."""
-    from kombu_pgmq._worker_checks import check_transport_options
-
-    url = "postgresql://u@db.example/app"
-    limits = {"queue_limits": {"api": {"concurrency": 3}, "mail": {"rate": "5/s"}}}
-    with caplog.at_level("WARNING", logger="kombu_pgmq"):
-        check_transport_options(conf=_celery_conf(url, limits))
-    assert ["concurrency limits of 'api'" in r.getMessage() for r in caplog.records] == [True]
-    assert "task_acks_late=True" in caplog.records[0].getMessage()
-    caplog.clear()
-    conf = _celery_conf(url, limits)
-    conf.task_acks_late = True
-    with caplog.at_level("WARNING", logger="kombu_pgmq"):
-        check_transport_options(conf=conf)
-        check_transport_options(conf=_celery_conf(url, {"queue_limits": {"m": {"rate": "1/s"}}}))
-    assert caplog.records == []
-
-
 def test_pooler_takes_none_session_or_transaction():
     assert TransportOptions.parse({}).pooler is None
     assert TransportOptions.parse({"pooler": "session"}).pooler is None  # nothing special
