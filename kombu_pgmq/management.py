@@ -287,12 +287,14 @@ class TaskLocation:
 class CancelResult:
     """What :meth:`Management.cancel_task` did: ``cancelled`` messages (queue, msg_id)
     were removed and archived (reason ``cancelled``); ``in_flight`` ones were already
-    delivered, and ``revoked`` tells whether the workers were told to revoke the task."""
+    delivered; ``revoked`` tells whether the workers were told to revoke the task
+    (``terminated``: and to terminate it if it runs)."""
 
     task_id: str
     cancelled: tuple[tuple[str, int], ...]
     in_flight: tuple[TaskLocation, ...]
     revoked: bool
+    terminated: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -300,6 +302,7 @@ class CancelResult:
             "cancelled": [{"queue": q, "msg_id": m} for q, m in self.cancelled],
             "in_flight": [loc.as_dict() for loc in self.in_flight],
             "revoked": self.revoked,
+            "terminated": self.terminated,
         }
 
 
@@ -555,12 +558,15 @@ class Management:
         terminate: bool = False,
         control_exchange: str = "celery",
     ) -> CancelResult:
-        """Cancel Celery task ``task_id``: its messages no consumer holds are removed and
-        archived with reason ``cancelled`` (a durable revoke). If a message is already
-        delivered and ``revoke``, the task is revoked as ``celery control revoke`` does
-        (``terminate``: the running task is killed too): a ``revoke`` broadcast on Celery's
-        remote-control exchange (``control_exchange``, Celery's ``control_exchange``
-        setting), which every worker keeps in memory (and its ``--statedb``).
+        """Cancel Celery task ``task_id``, queued, delayed or running: its messages no
+        consumer holds are removed and archived with reason ``cancelled``, and with
+        ``revoke`` the task is revoked on every worker as ``celery control revoke`` does
+        (``terminate``: a running task is killed too, as ``revoke --terminate``): a
+        ``revoke`` broadcast on Celery's remote-control exchange (``control_exchange``,
+        Celery's ``control_exchange`` setting), which every worker keeps in memory (and
+        its ``--statedb``). The broadcast goes whether or not a message of the task is
+        left: a running task whose message was acked when it started (Celery's default
+        early ack) has none.
 
         The revocation is recorded in the database too (:mod:`kombu_pgmq.revocations`):
         workers started later refuse the task, and kombu_pgmq's result backend reports it
@@ -571,15 +577,14 @@ class Management:
         in_flight = tuple(
             loc for loc in self.find_task(task_id, archives=False) if loc.state == "in_flight"
         )
-        revoked = False
-        if in_flight and revoke:
+        if revoke:
             self._broadcast_revoke(task_id, terminate, control_exchange)
-            revoked = True
         return CancelResult(
             task_id=task_id,
             cancelled=tuple((q, m) for q, _pgmq, m in cancelled),
             in_flight=in_flight,
-            revoked=revoked,
+            revoked=revoke,
+            terminated=revoke and terminate,
         )
 
     def _broadcast_revoke(self, task_id: str, terminate: bool, control_exchange: str) -> None:

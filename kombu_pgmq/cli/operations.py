@@ -301,7 +301,7 @@ def task_find(url: str | None, task_id: str, no_archive: bool, as_json: bool) ->
     "cancel",
     epilog=_examples(
         "kombu-pgmq task cancel 0b5c4a9e-8f7f-4a55-9d4c-0a3f1c0e2b11",
-        "kombu-pgmq task cancel 0b5c4a9e-8f7f-4a55-9d4c-0a3f1c0e2b11 --no-revoke",
+        "kombu-pgmq task cancel 0b5c4a9e-8f7f-4a55-9d4c-0a3f1c0e2b11 --terminate",
     ),
 )
 @url_option
@@ -309,20 +309,21 @@ def task_find(url: str | None, task_id: str, no_archive: bool, as_json: bool) ->
 @click.option(
     "--no-revoke",
     is_flag=True,
-    help="Do not ask the workers (Celery's revoke) to skip a task already delivered.",
+    help="Do not ask the running workers (Celery's revoke) to skip or stop the task.",
 )
 @click.option(
     "--terminate",
     is_flag=True,
-    help="With the revoke: also terminate a running task (Celery's revoke --terminate).",
+    help="Also terminate the task if it runs (Celery's revoke --terminate, SIGTERM).",
 )
 @json_option
 def task_cancel(
     url: str | None, task_id: str, no_revoke: bool, terminate: bool, as_json: bool
 ) -> None:
-    """Cancel TASK_ID: a queued or delayed message is removed and archived with reason
-    'cancelled' (durable: no worker will receive it, even after restarts); one already
-    delivered to a worker is revoked through Celery's remote control."""
+    """Cancel TASK_ID, queued, delayed or running: a queued or delayed message is removed
+    and archived with reason 'cancelled', and the task is revoked on every worker as
+    'celery control revoke' does (--terminate: a running task is killed too). The
+    revocation is recorded in the database: workers started later refuse the task too."""
 
     def run(resolved: str) -> Any:
         with Management(resolved) as management:
@@ -335,12 +336,22 @@ def task_cancel(
     for queue, msg_id in result.cancelled:
         click.echo(f"cancelled {task_id}: message {msg_id} of {queue} archived (reason cancelled)")
     for loc in result.in_flight:
-        how = "revoked (Celery's remote control)" if result.revoked else "not revoked (--no-revoke)"
-        click.echo(f"{task_id} is being processed from {loc.queue} (message {loc.msg_id}): {how}")
+        click.echo(f"{task_id} is delivered to a worker from {loc.queue} (message {loc.msg_id})")
     if not result.cancelled and not result.in_flight:
-        _fail(
-            f"task {task_id} is not queued in this database (see 'kombu-pgmq task find "
-            f"{task_id}': it may have run already)"
+        click.echo(
+            f"{task_id} is in no queue of this database: running (its message acked when it "
+            f"started), finished, or unknown (see 'kombu-pgmq task find {task_id}')"
+        )
+    if result.revoked:
+        what = "revoked and terminated if it runs" if result.terminated else "revoked"
+        click.echo(
+            f"{task_id} {what}: sent to every worker (Celery's remote control) and recorded "
+            "(workers started later refuse it too)"
+        )
+    else:
+        click.echo(
+            f"{task_id} recorded as revoked (workers started later refuse it); running "
+            "workers were not told (--no-revoke)"
         )
 
 

@@ -106,9 +106,10 @@ def test_pause_resume_and_task_find_cancel(db_dsn: str) -> None:
     assert cancelled.exit_code == 0 and "archived (reason cancelled)" in cancelled.stdout
     found = lines(invoke("task", "find", task_id, "--url", db_dsn, "--json"))
     assert [(f["state"], f["reason"]) for f in found] == [("archived", "cancelled")]
-    assert_one_error_line(
-        invoke("task", "cancel", task_id, "--url", db_dsn), "not queued", "task find"
-    )
+    again = invoke("task", "cancel", task_id, "--url", db_dsn)  # queued no more: revoked
+    assert again.exit_code == 0, again.output
+    assert "in no queue of this database" in again.stdout and "task find" in again.stdout
+    assert f"{task_id} revoked: sent to every worker" in again.stdout
     assert_one_error_line(
         invoke("task", "find", "no-such-task", "--url", db_dsn), "no-such-task", "no queue"
     )
