@@ -128,7 +128,9 @@ class Binding:
             # No prepared statements: the application reaches its database through a
             # transaction pooler, so does kombu_pgmq's own connection to it.
             mark_pooled(self.dsn)
-        self.publisher = Broker(ExternalConnector(connection))
+        #: The application's connection as a connector: statements run in its transaction.
+        self.external = ExternalConnector(connection)
+        self.publisher = Broker(self.external)
         self._database: Any = None
         self._same: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
         self._same_broker: dict[str, bool] = {}
@@ -217,22 +219,28 @@ class Binding:
             ConfigurationError: another database.
             BrokerConnectionError: the broker cannot be reached.
         """
-        same = self._same_broker.get(broker_dsn)
-        broker: Any = None
-        if same is None:
-            mine = self.database()
-            same = _broker_database(broker_dsn) == mine
-            if not same:
-                broker = _broker_database(broker_dsn, fresh=True)
-                same = broker == mine
-            self._same_broker[broker_dsn] = same
-        if not same:
+        if not self.in_database_of(broker_dsn):
             self._refuse(
                 broker_dsn,
-                broker,
+                _broker_database(broker_dsn),
                 source,
                 "or name the task's broker with using(conn, broker_url=...)",
             )
+
+    def in_database_of(self, dsn: str) -> bool:
+        """Whether the application's connection is to the database libpq string ``dsn``
+        names (looked up once per ``dsn`` and process, on a short connection of its own,
+        and again if it seems to differ: the server may have restarted since).
+
+        Raises:
+            BrokerConnectionError: that database cannot be reached.
+        """
+        same = self._same_broker.get(dsn)
+        if same is None:
+            mine = self.database()
+            same = _broker_database(dsn) == mine or _broker_database(dsn, fresh=True) == mine
+            self._same_broker[dsn] = same
+        return same
 
     def _refuse(self, broker_dsn: str, broker: Any, source: str, fix: str) -> None:
         theirs = f"database {broker[0]!r} " if broker is not None else ""

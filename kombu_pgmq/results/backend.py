@@ -88,6 +88,7 @@ from .. import errors
 from .._db.connector import Connector
 from .._db.pooling import mark_pooled, warn_polling_once
 from .._db.results import ResultStore
+from ..transport._binding import current_binding
 from . import chords
 from ._shared import SharedConnector, shared_connector
 from .consumer import ResultConsumer
@@ -240,6 +241,21 @@ class ResultBackend(AsyncBackendMixin, BaseKeyValueStoreBackend):
         return conninfo.make_dsn(params)
 
     @property
+    def publish_store(self) -> ResultStore:
+        """The store of what a publish writes here (a chord's row and size, a saved group):
+        inside ``with kombu_pgmq.using(conn):`` with ``conn`` on this backend's database,
+        the application's connection, so it commits or rolls back with the publish's
+        messages; else :attr:`store`.
+
+        Raises:
+            BrokerConnectionError: the server cannot be reached.
+        """
+        binding = current_binding()
+        if binding is None or not binding.in_database_of(self.dsn):
+            return self.store
+        return ResultStore(binding.external)
+
+    @property
     def store(self) -> ResultStore:
         """The statements' store: the app's one result connection to the database in this
         process, shared by its backend instances, one per thread or greenlet
@@ -350,7 +366,7 @@ class ResultBackend(AsyncBackendMixin, BaseKeyValueStoreBackend):
         # Its own function: a producer role (the client applying a chord) may store
         # saved groups, not task results.
         meta = self._encoded(self.encode({"result": result.as_tuple()}))
-        self.store.save_group(self.get_key_for_group(group_id), meta, self.expires or None)
+        self.publish_store.save_group(self.get_key_for_group(group_id), meta, self.expires or None)
         return result
 
     def _revoked_meta(self, task_id: str) -> dict[str, Any]:
@@ -467,10 +483,10 @@ class ResultBackend(AsyncBackendMixin, BaseKeyValueStoreBackend):
         chords.apply_chord(self, header_result_args)
 
     def set_chord_size(self, group_id: str, chord_size: int) -> None:
-        self.store.chord_size(group_id, chord_size, 0, self.chord_expires or None)
+        self.publish_store.chord_size(group_id, chord_size, 0, self.chord_expires or None)
 
     def add_to_chord(self, group_id: str, result: Any) -> None:
-        self.store.chord_size(group_id, None, 1, self.chord_expires or None)
+        self.publish_store.chord_size(group_id, None, 1, self.chord_expires or None)
 
     def on_chord_part_return(self, request: Any, state: str, result: Any, **kwargs: Any) -> None:
         chords.on_chord_part_return(self, request, state, result)

@@ -52,6 +52,8 @@ class ChordBackend(Protocol):
 
     @property
     def store(self) -> ResultStore: ...
+    @property
+    def publish_store(self) -> ResultStore: ...
 
     def same_database_as_broker(self) -> bool: ...
     def ensure_chords_allowed(self) -> None: ...
@@ -72,7 +74,7 @@ def apply_chord(backend: ChordBackend, header_result_args: Any) -> None:
     """Record a new run of the chord; save a header that holds groups (nested results)."""
     backend.ensure_chords_allowed()
     group_id = header_result_args[0]
-    store = backend.store
+    store = backend.publish_store
     store.chord_start(group_id, backend.chord_expires or None)
     if not isinstance(header_result_args[1], _regen):
         header_result = backend.app.GroupResult(*header_result_args)

@@ -217,3 +217,24 @@ def test_chord_callback_runs_once_with_every_result_when_workers_are_killed_mid_
     assert total > distinct, "no header task ran twice: the kills missed"
     print(f"chord of {size}: {total - distinct} header task runs repeated after 3 kills")
     _assert_no_chord_unlock(db, everyone)
+
+
+def test_a_chord_in_the_applications_transaction_commits_or_rolls_back_with_it(
+    start_worker: Callable[..., Worker], app: Celery, db: psycopg.Connection, db_dsn: str
+) -> None:
+    """A chord published inside ``with kombu_pgmq.using(conn):`` in a transaction that
+    rolls back leaves no chord row and no message; in one that commits, it runs to its
+    callback."""
+    import kombu_pgmq
+
+    start_worker()
+    add, xsum = app.tasks["e2e.add"], app.tasks["e2e.xsum"]
+    with psycopg.connect(db_dsn) as pg:
+        with pg.transaction(force_rollback=True), kombu_pgmq.using(pg):
+            chord([add.s(i, i) for i in range(3)])(xsum.s())
+        assert db.execute(
+            "SELECT (SELECT count(*) FROM kombu_pgmq.chords) + (SELECT count(*) FROM pgmq.q_celery)"
+        ).fetchone() == (0,)
+        with pg.transaction(), kombu_pgmq.using(pg):
+            chorded = chord([add.s(i, i) for i in range(3)])(xsum.s())
+    assert chorded.get(timeout=RESULT_TIMEOUT_S) == 6

@@ -729,6 +729,44 @@ def test_a_failed_header_part_fails_the_callback_with_chord_error(apps):
     assert ids[1] in str(result.result) and "header broke" in str(result.result)
 
 
+@pytest.mark.parametrize("commit", [False, True])
+def test_a_chord_published_in_the_applications_transaction_commits_or_rolls_back_with_it(
+    apps, db_dsn, commit
+):
+    """A chord and a saved group inside ``with using(conn):``: the chord's row, the saved
+    group and the header messages are written in the application's transaction, seen by
+    nobody before the commit, and gone with a rollback."""
+    from celery import chord
+
+    import kombu_pgmq
+
+    app = apps()
+    header = [app.signature("t.part", (i,)) for i in range(3)]
+    callback = app.signature("t.callback")
+
+    def written() -> tuple[int, int, int]:
+        return sql(
+            db_dsn,
+            "SELECT (SELECT count(*) FROM kombu_pgmq.chords),"
+            " (SELECT count(*) FROM kombu_pgmq.results WHERE key LIKE 'celery-taskset-meta-%%'),"
+            " (SELECT count(*) FROM pgmq.q_celery)",
+        )[0]
+
+    with (
+        psycopg.connect(db_dsn) as pg,
+        pg.transaction(force_rollback=not commit),
+        kombu_pgmq.using(pg),
+    ):
+        result = chord(header)(callback)
+        app.GroupResult(new_id(), [app.AsyncResult(new_id())]).save()
+        assert written() == (0, 0, 0)  # nothing is seen before the commit
+        inside = pg.execute(
+            "SELECT count(*) FROM kombu_pgmq.chords WHERE group_id = %s", (result.parent.id,)
+        ).fetchone()
+        assert inside == (1,)
+    assert written() == ((1, 1, 3) if commit else (0, 0, 0))
+
+
 # -- least privilege -----------------------------------------------------------------------------
 
 
