@@ -34,12 +34,13 @@ SELECT kombu_pgmq.publish(%(queue)s, %(message)s::jsonb, %(headers)s::jsonb,
 -- {routed}: empty, or statement routed_guard (a routed publish, issue 30: nothing is
 -- locked, claimed, written or notified unless the routing version is still the caller's).
 -- {handed_columns}/{handed_values}: send_handed_columns/_values, or nothing for PGMQ < 1.11.
--- %(commit)s 'off' (transport option visible_before_flush), NULL: a publish that a waiting
+-- %(commit)s 'off' (transport option visible_before_flush): a publish that a waiting
 -- consumer gets now (handed over, or woken: not delayed and the queue has a waiting row)
 -- commits without waiting for the WAL flush, so its NOTIFY leaves at once, and says so in
--- column flush: the caller then waits for the flush with statement flush_commits. A
+-- column flush: the caller then waits for the flush with statement flush_commits; a
 -- publish nobody waits for commits as the session does (one round trip, no second
--- transaction).
+-- transaction). 'async' (confirm_publish=False): every publish commits without waiting
+-- for the WAL flush, and nobody waits for it (flush false). NULL: as the session does.
 WITH locked AS (
     SELECT pg_advisory_xact_lock_shared(1802530161, hashtext(%(queue)s))
     {routed}
@@ -71,7 +72,9 @@ SELECT s.msg_id,
                                       'YYYY-MM-DD"T"HH24:MI:SS.US')
                            || chr(30) || %(handoff)s)::text
        END AS notified,
-       CASE WHEN %(commit)s::text = 'off'
+       CASE WHEN %(commit)s::text = 'async'  -- set_config returns 'off', never NULL
+            THEN set_config('synchronous_commit', 'off', true) IS NULL
+            WHEN %(commit)s::text = 'off'
                  AND (h.channel IS NOT NULL
                       OR (%(delay_seconds)s::integer <= 0
                           AND EXISTS (SELECT 1 FROM kombu_pgmq.waiting w

@@ -67,6 +67,7 @@ class BatchedPublisher(Broker):
         *,
         deduplication_window: float = 300.0,
         deduplicated: bool = True,
+        flush: bool = True,
     ) -> int | None:
         self._record([queue], message, headers, delay_seconds, deduplication_window)
         return 0
@@ -81,6 +82,7 @@ class BatchedPublisher(Broker):
         delay_seconds: int = 0,
         deduplication_window: float = 300.0,
         deduplicated: bool = True,
+        flush: bool = True,
     ) -> tuple[int | None, list[int | None]]:
         if self._version is not None and version != self._version:
             self.flush()  # routes of another version: what was recorded goes first

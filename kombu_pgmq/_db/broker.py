@@ -85,10 +85,14 @@ class Broker(Declarations, Nowait):
         *,
         deduplication_window: float = 300.0,
         deduplicated: bool = True,
+        flush: bool = True,
     ) -> int | None:
         """Publish one message (``message``/``headers`` are JSON text); return its msg_id,
         or None when it carries a deduplication id already used within
         ``deduplication_window`` seconds (nothing was sent).
+
+        ``flush=False``: commit without waiting for the WAL flush (transport option
+        ``confirm_publish=False``; a server crash may forget it).
 
         ``deduplicated=False``: the caller knows the message has no deduplication id
         (no ``x-deduplication-id`` header, the queue has no ``x-deduplicate-task-id``);
@@ -101,7 +105,7 @@ class Broker(Declarations, Nowait):
         """
         if not deduplicated and self.direct_writes:
             try:
-                return self._send_queue(queue, message, headers, max(delay_seconds, 0))
+                return self._send_queue(queue, message, headers, max(delay_seconds, 0), flush)
             except PermissionDenied:
                 # a least-privilege role publishes through kombu_pgmq.publish from now on
                 self.direct_writes = False
@@ -112,8 +116,8 @@ class Broker(Declarations, Nowait):
             "delay_seconds": max(delay_seconds, 0),
             "deduplication_window": deduplication_window,
         }
-        msg_id = self.db.scalar("send", params)
-        return None if msg_id is None else int(msg_id)
+        rows: list[Any] = self.db.fetch("send", params, synchronous=flush)
+        return None if not rows or rows[0][0] is None else int(rows[0][0])
 
     def read(self, queue: str, vt_seconds: int, qty: int) -> Reads:
         """Deliver up to ``qty`` visible messages, invisible for ``vt_seconds`` afterwards
@@ -188,14 +192,24 @@ class Broker(Declarations, Nowait):
             limited.difference_update(gone)
             self.keyed.difference_update(gone)
 
-    def _send_queue(self, queue: str, message: str, headers: str, delay_seconds: int) -> int:
+    def _commit_mode(self, flush: bool) -> str | None:
+        """Statement ``send_queue``'s ``commit`` parameter: ``"async"`` without the WAL
+        flush (``confirm_publish=False``), ``"off"`` with ``visible_before_flush``, else
+        None (the session's ``synchronous_commit``)."""
+        if not flush:
+            return "async"
+        return "off" if self.visible_before_flush else None
+
+    def _send_queue(
+        self, queue: str, message: str, headers: str, delay_seconds: int, flush: bool = True
+    ) -> int:
         params = {
             "queue": queue,
             "message": message,
             "headers": headers,
             "delay_seconds": delay_seconds,
             "handoff": handoff.tail(message, headers, delay_seconds),
-            "commit": "off" if self.visible_before_flush else None,
+            "commit": self._commit_mode(flush),
         }
         rows: list[SentRow] = self._fetch_direct(
             "send_queue", queue, lambda: self._compose_send_queue(queue), params, SentRow
@@ -506,11 +520,13 @@ class Broker(Declarations, Nowait):
         delay_seconds: int = 0,
         deduplication_window: float = 300.0,
         deduplicated: bool = True,
+        flush: bool = True,
     ) -> tuple[int | None, list[int | None]]:
         """Send one message to several PGMQ queues in one statement, if the routing version
         is still ``version``. Returns ``(current_version, msg_ids)``; when the versions
         differ nothing was sent (``current_version`` None: it moved, to a version not
-        read). ``delay_seconds > 0``: visible only after that long.
+        read). ``delay_seconds > 0``: visible only after that long. ``flush=False``: as
+        for :meth:`send`.
 
         ``deduplicated=False``: the caller knows the message has no deduplication id in
         any of ``queues``; to one queue, on the transport's own connection, it is then
@@ -522,7 +538,9 @@ class Broker(Declarations, Nowait):
         """
         if not deduplicated and self.direct_writes and len(queues) == 1:
             try:
-                return self._send_routed_queue(queues[0], message, headers, version, delay_seconds)
+                return self._send_routed_queue(
+                    queues[0], message, headers, version, delay_seconds, flush
+                )
             except PermissionDenied:
                 # a least-privilege role publishes through kombu_pgmq.publish_routed
                 self.direct_writes = False
@@ -534,11 +552,17 @@ class Broker(Declarations, Nowait):
             "delay_seconds": delay_seconds,
             "deduplication_window": deduplication_window,
         }
-        row = self.db.fetch("send_routed", params, VersionRow)[0]
+        row = self.db.fetch("send_routed", params, VersionRow, synchronous=flush)[0]
         return int(row.version), list(row.msg_ids)
 
     def _send_routed_queue(
-        self, queue: str, message: str, headers: str, version: int, delay_seconds: int
+        self,
+        queue: str,
+        message: str,
+        headers: str,
+        version: int,
+        delay_seconds: int,
+        flush: bool = True,
     ) -> tuple[int | None, list[int | None]]:
         """:meth:`send_routed` to one queue: statement ``send_queue`` + ``routed_guard``."""
         params = {
@@ -548,7 +572,7 @@ class Broker(Declarations, Nowait):
             "delay_seconds": max(delay_seconds, 0),
             "version": version,
             "handoff": handoff.tail(message, headers, delay_seconds),
-            "commit": "off" if self.visible_before_flush else None,
+            "commit": self._commit_mode(flush),
         }
         rows: list[SentRow] = self._fetch_direct(
             "send_routed_queue",

@@ -108,11 +108,13 @@ class Nowait:
     ) -> bool:
         """Publish one message without deduplication (statement ``send_queue``, prepared
         on this connection) and return without waiting for the server: the statement
-        commits on its own as soon as it arrives. ``on_error`` gets a failure when the
-        result is read, before this connection's next statement (the message may then
-        not be in the queue: publish it again). Returns False, sending nothing, where
-        this path does not apply (an application's connection, a least-privilege role,
-        found now or by an earlier failure): the caller publishes with :meth:`send`.
+        commits on its own as soon as it arrives, without waiting for the WAL flush
+        (``confirm_publish=False``: a server crash may forget it). ``on_error`` gets a
+        failure when the result is read, before this connection's next statement (the
+        message may then not be in the queue: publish it again). Returns False, sending
+        nothing, where this path does not apply (an application's connection, a
+        least-privilege role, found now or by an earlier failure): the caller publishes
+        with :meth:`send`.
 
         Raises:
             BrokerConnectionError: the statement could not be sent.
@@ -146,7 +148,7 @@ class Nowait:
                     message.encode("utf-8", "surrogatepass"),
                     headers.encode("utf-8", "surrogatepass"),
                     None if handed is None else handed.encode("utf-8", "surrogatepass"),
-                    None,  # commit: the session's synchronous_commit
+                    b"async",  # commit: without waiting for the WAL flush
                 ],
                 on_result=_ignore,
                 on_error=failed,

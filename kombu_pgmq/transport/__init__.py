@@ -126,23 +126,22 @@ Durability
   batch of acks).
 * Opt-in trade-offs, with the failure each one risks:
 
-  - ``confirm_publish=False``: a publish to the default exchange (Celery's
-    ``apply_async``) returns once its statement is sent, without waiting for the
-    server; the server's answer is read before the connection's next statement (one
-    publish in flight). The statement still commits durably on the server, and it
-    runs even if the publishing process exits right after (``os._exit``: tested). A
-    publish the server refuses (its queue table dropped, a connection lost before the
-    answer came) is published again, confirmed, at the next publish or when the
-    channel closes: at least once (a lost answer may hide a written row: then twice).
-    What it risks: a PostgreSQL crash before the commit loses a publish that already
-    returned; a refused last publish of a process that exits without closing its
-    connection is lost; a server-side ``client_connection_check_interval`` may cancel
-    a statement whose client is gone. Deduplicated publishes, publishes through an
-    exchange and publishes in the application's transaction are always confirmed.
-  - ``connection_options={"options": "-c synchronous_commit=off"}`` on a *producer's*
-    connection: publishes stop waiting for the WAL flush; a server crash loses the
-    publishes of the last ~600 ms (the messages are gone, not duplicated). The database
-    stays consistent.
+  - ``confirm_publish=False``: a publish commits without waiting for its WAL flush
+    (``synchronous_commit = off`` for its transaction), as RabbitMQ without publisher
+    confirms or Redis without ``appendfsync always``. What it risks: a server crash
+    (PostgreSQL or the machine) forgets the publishes of the last moments before it, at
+    most three times ``wal_writer_delay`` (600 ms at PostgreSQL's default of 200 ms;
+    ``benchmarks/README.md`` measures it); a publish that returned may then be lost. The
+    database stays consistent: a forgotten publish is gone, not half-written. A publish
+    to the default exchange (Celery's ``apply_async``) also returns once its statement is
+    sent, without waiting for the server's answer, which is read before the
+    connection's next statement (one publish in flight); a publish the server refuses
+    (its queue table dropped, a connection lost before the answer came) is published
+    again, confirmed, at the next publish or when the channel closes (at least once: a
+    lost answer may hide a written row, then twice); a refused last publish of a process
+    that exits without closing its connection is lost. Deduplicated publishes and
+    publishes through an exchange wait for the server's answer (not for the flush);
+    publishes in the application's transaction commit with it, as it says.
   - Non-durable queues (``Queue(..., durable=False)``): UNLOGGED tables, no WAL at all.
     Any unclean server stop empties them, and they are not replicated to standbys.
     Celery's reply and event queues are declared this way.
@@ -375,8 +374,10 @@ line (:mod:`kombu_pgmq._worker_checks`).
   found). New and due delayed messages wake consumers at once through LISTEN/NOTIFY.
 * ``durable_acks`` (bool, default False): commit acks synchronously (see Durability).
 * ``confirm_publish`` (bool, default True): a publish returns once the server committed
-  it. False: once its statement is sent (see Durability); py-amqp's option of the same
-  name, where False is the default.
+  it and its commit is on disk. False: it commits without waiting for the WAL flush, and
+  a direct publish returns once its statement is sent (see Durability: a server crash
+  forgets the last ~600 ms of publishes); py-amqp's option of the same name, where False
+  is the default.
 * ``handover`` (bool, default True): a consumer waiting on a queue offers a hand-over
   slot, so a publish gives it the message in its wake-up instead of waking it to read
   (see Wake-ups). False: it is woken and reads, as before migration 0023.

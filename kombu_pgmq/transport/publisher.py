@@ -306,7 +306,8 @@ class Publisher(ChannelPart):
                 queue for queue, _ in targets
             )
             try:
-                version, msg_ids = transport.publisher().send_routed(
+                publisher = transport.publisher()
+                version, msg_ids = publisher.send_routed(
                     names,
                     body,
                     headers,
@@ -314,6 +315,7 @@ class Publisher(ChannelPart):
                     delay_seconds=delay,
                     deduplication_window=self.options.deduplication_window,
                     deduplicated=not plain,
+                    flush=self.options.confirm_publish or publisher is not self.pgmq,
                 )
             except errors.QueueNotFound as exc:
                 # A bound queue was dropped meanwhile (its bindings normally go with it):
@@ -384,12 +386,25 @@ class Publisher(ChannelPart):
             self.channel.declare_queue(queue)
             if priority:
                 name = self.connection.topology.bands(queue).queue_for(priority)
-        unconfirmed = not confirm and plain and publisher is self.pgmq
-        if unconfirmed and self._send_unconfirmed(queue, name, body, headers, priority, delay):
+        # in the application's transaction, its commit is the application's
+        own = publisher is self.pgmq
+        if (
+            not confirm
+            and plain
+            and own
+            and self._send_unconfirmed(queue, name, body, headers, priority, delay)
+        ):
             return
+        flush = confirm or not own
         try:
             msg_id = publisher.send(
-                name, body, headers, delay, deduplication_window=window, deduplicated=not plain
+                name,
+                body,
+                headers,
+                delay,
+                deduplication_window=window,
+                deduplicated=not plain,
+                flush=flush,
             )
         except errors.QueueNotFound:
             # Dropped by another process (or never declared): AMQP would drop the
@@ -398,7 +413,9 @@ class Publisher(ChannelPart):
             self.channel.declare_queue(queue)
             if priority:
                 name = self.connection.topology.bands(queue).queue_for(priority)
-            msg_id = publisher.send(name, body, headers, delay, deduplication_window=window)
+            msg_id = publisher.send(
+                name, body, headers, delay, deduplication_window=window, flush=flush
+            )
         if msg_id is None:
             _log_duplicates([name])
 

@@ -153,3 +153,59 @@ def test_a_publish_nobody_waits_for_commits_once(server_url):
                     wal = _publish_records(admin, start, "strict", i)
                     assert not wal["flush_commits"], (options, i)
                     assert _flushed_past(admin, flushed, wal["commit_end"]), (options, i)
+
+
+def test_unconfirmed_publishes_commit_without_their_wal_flush_and_a_crash_forgets_them(
+    server, server_url
+):
+    """``confirm_publish=False``: a direct publish (sent without waiting), a deduplicated
+    one and one routed through an exchange (both answered) each commit without waiting for
+    the WAL flush (``synchronous_commit = off`` for that transaction): WAL is left
+    unflushed when the publish returns, and a server crash within the WAL writer's delay
+    forgets them (here 10 s; PostgreSQL's default ``wal_writer_delay`` is 200 ms, and an
+    asynchronous commit is flushed within three times that); published confirmed, the same
+    messages leave nothing unflushed and survive the crash."""
+    from kombu import Exchange
+
+    exchange = Exchange("unflushed_ex", type="direct")
+    queue = Queue("unflushed", exchange=exchange, routing_key="unflushed")
+    sends: list[dict[str, Any]] = [
+        {"routing_key": "unflushed"},
+        {"routing_key": "unflushed", "headers": {"x-deduplication-id": "d"}},
+        {"routing_key": "unflushed", "exchange": exchange},
+    ]
+
+    def publish_all(confirm: bool) -> list[bool]:
+        """Publish each of ``sends`` after a synchronous commit (a probe row) flushed the
+        WAL, and whether WAL was left unflushed after each; then all of them again, with
+        no commit of anyone else after them (left in the queue for a crash)."""
+        unflushed = []
+        with (
+            psycopg.connect(server_url, autocommit=True) as admin,
+            connect(server_url, confirm_publish=confirm) as conn,
+        ):
+            admin.execute("CREATE TABLE IF NOT EXISTS flush_probe (id int)")
+            producer = Producer(conn.channel())
+            producer.publish({"i": -1}, routing_key="unflushed", declare=[queue])
+            for i, how in enumerate(sends):
+                admin.execute("INSERT INTO flush_probe VALUES (%s)", (i,))  # flushes the WAL
+                headers = {**how.get("headers", {}), "x-deduplication-id": f"{confirm}{i}"}
+                producer.publish({"i": i}, **{**how, "headers": headers})
+                conn.transport.broker().db.collect()  # the answer of one sent without waiting
+                flushed, inserted = _lsn(admin, "flush"), _lsn(admin, "insert")
+                unflushed.append(not _flushed_past(admin, flushed, inserted))
+            admin.execute(f"DELETE FROM {table('unflushed')}")  # a synchronous commit
+            for i, how in enumerate(sends):
+                headers = {**how.get("headers", {}), "x-deduplication-id": f"{confirm}again{i}"}
+                producer.publish({"i": i}, **{**how, "headers": headers})
+            conn.transport.broker().db.collect()
+        return unflushed
+
+    assert publish_all(confirm=False) == [True, True, True]
+    server.crash()
+    server.start_again()
+    assert sql(server_url, f"SELECT count(*) FROM {table('unflushed')}") == [(0,)]
+    assert publish_all(confirm=True) == [False, False, False]
+    server.crash()
+    server.start_again()
+    assert sql(server_url, f"SELECT count(*) FROM {table('unflushed')}") == [(3,)]
