@@ -340,8 +340,8 @@ Transport Options
 
 Unknown names are refused with the closest known one
 (:class:`~kombu_pgmq.errors.ConfigurationError`: ``unknown transport option
-'visibilty_timeout': did you mean 'visibility_timeout'?``), except those kombu reads
-itself from the same dict
+'visibilty_timeout': did you mean 'visibility_timeout'? (kombu_pgmq's options: ...)``),
+except those kombu reads itself from the same dict
 (:data:`~kombu_pgmq.transport.options.KOMBU_OPTIONS`: ``body_encoding``,
 ``deadletter_queue``, its connect retries and a publish's retry policy). A bad value
 (wrong type, out of range, NaN or infinite) names the option, the value, what is expected
