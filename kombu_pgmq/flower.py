@@ -24,7 +24,10 @@ delivered (Celery countdown/ETA, ``x-delay``), so Messages = Unacked + Ready + D
 ``broker.html`` for kombu_pgmq brokers only (if a Flower release changes that page so
 the column cannot be placed, the page is Flower's, without it). ``/api/queues/length``
 returns the same keys (``messages``, ``messages_unacknowledged``, ``messages_ready``,
-``delayed``, ``consumers``). Needs ``pip install 'kombu-pgmq-transport[flower]'``.
+``delayed``, ``consumers``). Flower 2 serves its API, ``/api/queues/length`` included,
+only with authentication (``--basic_auth``, ``--auth``) or with
+``FLOWER_UNAUTHENTICATED_API=true`` in its environment; otherwise it answers 401 (its
+pages do not need that). Needs ``pip install 'kombu-pgmq-transport[flower]'``.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ Chromium (Debian's ``chromium`` and ``chromium-driver``, driven by Selenium) ope
 Broker page and finds the queue with its message counts (Messages = Unacked + Ready +
 Delayed, each in its column); ``/api/queues/length`` answers
 the same. Without the module, Flower answers "'postgresql' broker is not supported".
+Without ``FLOWER_UNAUTHENTICATED_API`` (and no authentication), Flower refuses its API with
+401 and the text docs/guides/operations.md quotes, while the Broker page still shows.
 
 The screenshot goes to ``$KOMBU_PGMQ_SCREENSHOTS/flower_broker.png`` when that variable
 is set (``docs/`` holds the README's copy), else to the test's temporary directory.
@@ -39,6 +41,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+#: Flower 2's answer (status 401) to an API call when it runs without authentication and
+#: without FLOWER_UNAUTHENTICATED_API (flower/api/__init__.py).
+UNAUTHENTICATED_API_REFUSED = (
+    "FLOWER_UNAUTHENTICATED_API environment variable is required to enable API without "
+    "authentication"
+)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -54,7 +64,11 @@ def _get(url: str) -> tuple[int, str]:
 
 
 class Flower:
-    def __init__(self, env: dict[str, str], log: Path, *, patched: bool = True) -> None:
+    def __init__(
+        self, env: dict[str, str], log: Path, *, patched: bool = True, open_api: bool = True
+    ) -> None:
+        """``open_api``: ``FLOWER_UNAUTHENTICATED_API=true`` in Flower's environment (Flower
+        2 answers its API with 401 without it or authentication)."""
         self.port = _free_port()
         module = "kombu_pgmq.flower" if patched else "celery"
         self.log = log
@@ -72,7 +86,10 @@ class Flower:
                     "--conf=/dev/null",
                 ],
                 cwd=REPO_ROOT,
-                env={**env, "FLOWER_UNAUTHENTICATED_API": "true"},
+                env={
+                    **{k: v for k, v in env.items() if k != "FLOWER_UNAUTHENTICATED_API"},
+                    **({"FLOWER_UNAUTHENTICATED_API": "true"} if open_api else {}),
+                },
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -158,6 +175,21 @@ def test_flower_broker_page_shows_our_queues(start_worker, app, db_dsn, e2e_env,
         assert status == 404 and "'postgresql' broker is not supported" in body
     finally:
         unpatched.stop()
+
+    # docs/guides/operations.md: the API needs FLOWER_UNAUTHENTICATED_API (or auth); the
+    # Broker page does not.
+    closed = Flower(e2e_env, tmp_path / "flower_closed_api.log", open_api=False)
+    try:
+        status, body = _get(closed.url + "/api/queues/length")
+        assert (status, body) == (401, UNAUTHENTICATED_API_REFUSED), (status, body)
+        status, body = _get(closed.url + "/broker")
+        assert status == 200 and "celery" in body, (status, body)
+    finally:
+        closed.stop()
+    docs = (REPO_ROOT / "docs" / "guides" / "operations.md").read_text(encoding="utf-8")
+    assert " ".join(UNAUTHENTICATED_API_REFUSED.split()) in " ".join(docs.split()), (
+        "docs/guides/operations.md quotes Flower's answer word for word"
+    )
 
     flower = Flower(e2e_env, tmp_path / "flower.log")
     try:
