@@ -11,6 +11,8 @@ from typing import Any
 
 from click.testing import Result
 
+from tests.support.doc_samples import check_sample
+
 from .helpers import connect, drain, publish, sql
 from .test_cli import assert_one_error_line
 from .test_cli_operations import invoke, lines
@@ -27,6 +29,16 @@ def shown(db_dsn: str, queue: str) -> dict[str, Any]:
 
 def queue_rows(url: str) -> dict[str, dict[str, Any]]:
     return {r["queue"]: r for r in lines(invoke("queues", "--url", url, "--json"))}
+
+
+def test_the_output_the_docs_show(db_dsn: str) -> None:
+    """docs/limits.md shows this output (tests/support/doc_samples.py)."""
+    with connect(db_dsn) as conn:
+        publish(conn, "emails", [1])
+    command = ["queue", "limit", "emails", "--concurrency", "20", "--rate", "100/s"]
+    result = invoke(*command, "--url", db_dsn)
+    assert result.exit_code == 0, result.output
+    check_sample("queue_limit", f"$ kombu-pgmq {' '.join(command)}\n{result.stdout}")
 
 
 def test_set_change_show_and_clear(db_dsn: str) -> None:

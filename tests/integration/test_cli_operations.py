@@ -28,6 +28,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 from kombu_pgmq import cli
+from tests.support.doc_samples import check_sample
 
 from .helpers import connect, publish
 from .test_cli import REPO_ROOT, assert_one_error_line
@@ -76,6 +77,37 @@ def test_queues_and_messages_as_json_and_tables(db_dsn: str) -> None:
     )
     assert_one_error_line(
         invoke("messages", "cli_nothing", "--url", db_dsn), "cli_nothing", "kombu-pgmq queues"
+    )
+
+
+def test_the_queues_table_the_docs_show(db_dsn: str) -> None:
+    """docs/guides/operations.md shows this output (tests/support/doc_samples.py): a paused
+    queue with limits, acked and dead-lettered messages, one in flight, two delayed."""
+    with connect(db_dsn) as conn:
+        publish(conn, "emails", list(range(20)))
+        publish(conn, "orders", list(range(9)))
+        publish(conn, "orders", [10, 11], headers={"x-delay": 3600})
+        channel = conn.channel()
+        for _ in range(6):
+            channel.basic_get("emails").ack()
+        for _ in range(2):
+            channel.basic_get("emails").reject(requeue=False)
+        for _ in range(5):
+            channel.basic_get("orders").ack()
+        held = channel.basic_get("orders")  # in flight while the table is read
+        assert held is not None
+        for command in (
+            ["queue", "limit", "emails", "--concurrency", "20", "--rate", "100/s"],
+            ["queue", "pause", "emails"],
+        ):
+            assert invoke(*command, "--url", db_dsn).exit_code == 0
+        table = invoke("queues", "--url", db_dsn)
+    assert table.exit_code == 0, table.output
+    comment = "# --all adds Celery's pidbox/reply queues"
+    check_sample(
+        "queues",
+        f"$ kombu-pgmq queues {comment:>52}\n{table.stdout}",
+        masks=[(r"[━─]+", "━")],  # rules as wide as their column
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from uuid import uuid4
 
 import pytest
 from kombu import Producer, Queue
@@ -14,6 +15,7 @@ from kombu_pgmq._priorities import band_queue_name
 from kombu_pgmq.dlq import DeadLetterQueue
 from kombu_pgmq.errors import ConfigurationError, QueueNotFound
 from kombu_pgmq.retention import prune_archives
+from tests.support.doc_samples import check_sample
 
 from .helpers import connect, drain, publish, sql, table
 
@@ -162,6 +164,32 @@ def test_cli_list_replay_purge(letters):
     assert refused.returncode == 1 and "--all" in refused.stderr
     purged = _cli("dlq", "purge", "--url", letters, "--all", "--yes")
     assert purged.returncode == 0 and "purged 2" in purged.stdout
+
+
+def test_the_cli_output_the_docs_show(db_dsn):
+    """docs/guides/long-tasks.md shows this output (tests/support/doc_samples.py): a task
+    rejected without requeue, and one delivered three times without an ack (its read_ct,
+    set here) that the next read moves (max_deliveries=3)."""
+    with connect(db_dsn, max_deliveries=3) as conn:
+        _dead_letter(conn, "emails", ["hi"], headers={"task": "mail.send", "id": str(uuid4())})
+        publish(conn, "celery", [[1]], headers={"task": "etl.explode", "id": str(uuid4())})
+        sql(db_dsn, f"UPDATE {table('celery')} SET read_ct = 3")
+        assert drain(conn, "celery", expect=1, timeout=2) == []
+    sample = []
+    for command, comment in (
+        (["dlq", "list"], ""),
+        (["dlq", "replay", "--task", "etl.explode"], "# or --id 2, --queue celery, --all"),
+        (["dlq", "purge", "--reason", "rejected", "--yes"], ""),
+    ):
+        done = _cli(*command, "--url", db_dsn)
+        assert done.returncode == 0, done.stderr
+        line = f"$ kombu-pgmq {' '.join(command)}"
+        sample += [f"{line:<47} {comment}".rstrip(), done.stdout.rstrip("\n")]
+    check_sample(
+        "dlq",
+        "\n".join(sample),
+        masks=[(r"\b[0-9a-f]{8}(?:-[0-9a-f]{4}){3}-[0-9a-f]{12}\b", "<uuid>"), (r"[━─]+", "━")],
+    )
 
 
 def test_prune_archives_in_batches(db_dsn):
