@@ -1,5 +1,6 @@
 """Checks a ``celery worker`` runs before it starts, when its broker is kombu_pgmq's
-(and, at ``worker_init``, the durable revocations it loads: :mod:`kombu_pgmq.revocations`).
+(and, at ``worker_init`` or ``worker_ready``, the durable revocations it loads:
+:mod:`kombu_pgmq.revocations`).
 
 Celery creates the transport inside ``app.Worker(...)`` (to ask whether it can run an
 event loop), before its logging is set up and outside any error handler: a
@@ -48,10 +49,13 @@ def connect() -> None:
     signals.celeryd_init.connect(
         check_transport_options, weak=False, dispatch_uid="kombu_pgmq.check_transport_options"
     )
-    from .revocations import load_into_worker
+    from .revocations import load_into_worker, load_when_ready
 
     signals.worker_init.connect(
         load_into_worker, weak=False, dispatch_uid="kombu_pgmq.load_revocations"
+    )
+    signals.worker_ready.connect(
+        load_when_ready, weak=False, dispatch_uid="kombu_pgmq.load_revocations_when_ready"
     )
     signals.worker_ready.connect(
         start_result_expiry, weak=False, dispatch_uid="kombu_pgmq.start_result_expiry"

@@ -158,6 +158,8 @@ def _run(url: str | None, action: Callable[[str], T]) -> T:
         _fail(exc)
     try:
         return action(resolved)
+    except errors.ConnectionRejected as exc:  # the message names the fix
+        _fail(exc)
     except errors.BrokerConnectionError as exc:
         _fail(
             f"{exc} (URL {redact(resolved)}): check the URL given by --url (else "

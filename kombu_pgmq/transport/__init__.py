@@ -309,6 +309,14 @@ kombu_pgmq's SQL reads (``task``, ``id``, ``x-deduplication-id``, ``x-group-id``
 ``x-delay`` that is not finite or beyond 2**31 - 1 seconds, or an ETA that far away, is a
 :class:`~kombu_pgmq.errors.ConfigurationError` at publish.
 
+A connection the server turns down (the database or the role does not exist, a wrong or
+missing password, no ``pg_hba.conf`` entry, a role that may not log in or connect) is a
+:class:`~kombu_pgmq.errors.ConnectionRejected` naming the database or the role and the
+fix (``createdb``, ``createuser``, where the password goes); a connection error still,
+so Celery's worker retries it (``consumer: Cannot connect to ...: PostgreSQL refused the
+connection: database "app" does not exist on db:5432: create it (createdb -h db -p 5432
+-U app app) ...``) and the CLI prints it as its one ``error:`` line.
+
 Failover: a read-only server (``25006``, a standby after a failover) and a server
 shutting down (``57P01``-``57P03``) are connection errors (kombu reconnects). A statement
 the server cancels (``57014``: ``statement_timeout``, ``pg_cancel_backend``) is not: it

@@ -12,6 +12,7 @@ import getpass
 import json
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import click
@@ -238,6 +239,18 @@ def test_unreachable_database_is_one_line_naming_the_fix(command: list[str]) -> 
     )
     from_env = invoke(*command, env={"KOMBU_PGMQ_URL": UNREACHABLE})
     assert_one_error_line(from_env, UNREACHABLE, "check the URL")
+
+
+@pytest.mark.parametrize(
+    "command", [["queues"], ["schema", "status"], ["dlq", "list"]], ids=" ".join
+)
+def test_a_missing_database_is_one_line_naming_createdb(pg_server: str, command: list[str]) -> None:
+    """The server answered and refused: the message names the database and createdb,
+    not "check that the server is running" (it is)."""
+    name = f"kpt_missing_{uuid.uuid4().hex[:12]}"  # never created
+    result = invoke(*command, "--url", pgserver.database_url(pg_server, name))
+    assert_one_error_line(result, f'database "{name}" does not exist', "(createdb ")
+    assert "server is running" not in result.stderr
 
 
 @pytest.mark.parametrize(
