@@ -4,7 +4,9 @@ results, the beat scheduler, metrics, embedded PostgreSQL, Spark server).
 The commands that talk to the database take ``--url`` (default: ``$KOMBU_PGMQ_URL``, then
 ``$DATABASE_URL``, then the embedded PostgreSQL of :mod:`kombu_pgmq.embedded` if it is
 running) and ``--embedded`` (the embedded PostgreSQL, started if needed: nothing else
-starts it); each names the database it reads on stderr (``database: ...``, no password)::
+starts it); each names the database it reads on stderr (``database: ...``, no password).
+``--url``, ``--embedded`` and ``--json`` go before the command or after it
+(``kombu-pgmq --url URL queues`` is ``kombu-pgmq queues --url URL``)::
 
     kombu-pgmq schema install [--url URL]     # PGMQ + kombu_pgmq's migrations (idempotent)
     kombu-pgmq schema status  [--url URL]     # what is installed; installs nothing

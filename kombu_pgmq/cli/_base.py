@@ -174,15 +174,111 @@ def _examples(*lines: str) -> str:
     return "\b\nExamples:\n" + "\n".join(f"  {line}" for line in lines)
 
 
-class _Group(click.Group):
-    """A command group that prints any kombu_pgmq error as one ``error:`` line (exit 1)
-    instead of a traceback."""
+#: Options that go anywhere on the command line: before the command, between a group and
+#: its command, or after the command (``kombu-pgmq --url URL queues`` is ``kombu-pgmq
+#: queues --url URL``). Each is the option of that name of the command that runs; one
+#: given twice takes the later value; a command without it refuses it (usage error).
+GLOBAL_OPTIONS = ("--url", "--embedded", "--json")
+_GIVEN = "kombu_pgmq.global_options"  # key of ctx.meta: {option: value} given so far
+_RELAY_HELP = {
+    "--url": "The command's --url, given before the command.",
+    "--embedded": "The command's --embedded, given before the command.",
+    "--json": "The command's --json, given before the command.",
+}
+
+
+def _global_name(param: click.Parameter) -> str | None:
+    """The global option ``param`` answers to (``--url``...), or None."""
+    return next((opt for opt in getattr(param, "opts", ()) if opt in GLOBAL_OPTIONS), None)
+
+
+def _relay(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    """Callback of a group's global option: remember it for the command that runs."""
+    name = _global_name(param)
+    if name is not None and ctx.get_parameter_source(param.name or "") == (
+        ParameterSource.COMMANDLINE
+    ):
+        ctx.meta.setdefault(_GIVEN, {})[name] = value
+    return value
+
+
+class _RelayOption(click.Option):
+    """A global option given to a group, passed on to the command that runs."""
+
+
+def _relay_options(existing: list[click.Parameter]) -> list[click.Parameter]:
+    """The global options a group lacks, as :class:`_RelayOption` (not passed to it)."""
+    have = {opt for param in existing for opt in getattr(param, "opts", ())}
+    return [
+        _RelayOption(
+            [name],
+            is_flag=name != "--url",
+            metavar="URL" if name == "--url" else None,
+            expose_value=False,
+            callback=_relay,
+            help=_RELAY_HELP[name],
+        )
+        for name in GLOBAL_OPTIONS
+        if name not in have
+    ]
+
+
+def _share_global_options(ctx: click.Context) -> None:
+    """Remember the global options given to ``ctx``'s command itself (for the commands
+    after it), and give it those given before it and not to it (click's own processing
+    of the value: type, callback; the source becomes the command line)."""
+    given: dict[str, Any] = ctx.meta.setdefault(_GIVEN, {})
+    for param in ctx.command.params:
+        name = _global_name(param)
+        if name is None or isinstance(param, _RelayOption) or not param.name:
+            continue
+        if ctx.get_parameter_source(param.name) == ParameterSource.COMMANDLINE:
+            if param.expose_value:
+                given[name] = ctx.params[param.name]
+        elif name in given:
+            ctx.set_parameter_source(param.name, ParameterSource.COMMANDLINE)
+            value = param.process_value(ctx, given[name])
+            if param.expose_value:
+                ctx.params[param.name] = value
+
+
+class _Command(click.Command):
+    """A command that takes the global options given before it (:data:`GLOBAL_OPTIONS`)
+    and refuses those it has not."""
 
     def invoke(self, ctx: click.Context) -> Any:
+        _share_global_options(ctx)
+        have = {_global_name(param) for param in self.params}
+        for name in ctx.meta.get(_GIVEN, {}):
+            if name not in have:
+                raise click.UsageError(
+                    f"{name} does not apply to '{ctx.command_path}' (its options: "
+                    f"'{ctx.command_path} --help')",
+                    ctx,
+                )
+        return super().invoke(ctx)
+
+
+class _Group(click.Group):
+    """A command group that prints any kombu_pgmq error as one ``error:`` line (exit 1)
+    instead of a traceback, and takes the global options (:data:`GLOBAL_OPTIONS`) for
+    the command that runs. Its commands and groups are of these classes too."""
+
+    command_class = _Command
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.params.extend(_relay_options(self.params))
+
+    def invoke(self, ctx: click.Context) -> Any:
+        _share_global_options(ctx)
         try:
             return super().invoke(ctx)
         except errors.KombuPgmqError as exc:
             _fail(exc)
+
+
+_Group.group_class = _Group
 
 
 @click.group(

@@ -100,14 +100,12 @@ def results(ctx: click.Context, url: str | None, as_json: bool) -> None:
 @results.command("expire", epilog=_examples("kombu-pgmq results expire --batch-size 1000"))
 @url_option
 @click.option("--batch-size", default=5000, show_default=True, help="Rows per statement.")
-@click.pass_context
-def results_expire(ctx: click.Context, url: str | None, batch_size: int) -> None:
+def results_expire(url: str | None, batch_size: int) -> None:
     """Delete every expired result now (what the workers' sweep does on its own)."""
-    parent = ctx.parent.params.get("url") if ctx.parent is not None else None
 
     def expire(resolved: str) -> int:
         with Management(resolved) as management:
             return management.expire_results(batch_size)
 
-    deleted = _run(url or parent, expire)
+    deleted = _run(url, expire)
     click.echo(f"{deleted} expired results deleted")
