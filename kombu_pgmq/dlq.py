@@ -320,5 +320,5 @@ class _Where(NamedTuple):
         if not all and self == (None, None, None, None):
             raise errors.ConfigurationError(
                 f"dlq {action}: say which dead letters (ids, queue, reason or task), or "
-                "all=True (--all) for every one"
+                "all=True for every one"
             )

@@ -26,7 +26,13 @@ def archive() -> None:
 @url_option
 @click.option("--older-than", required=True, help="Age: seconds, or with s/m/h/d/w (e.g. 7d).")
 @click.option("--queue", "queues", multiple=True, help="Kombu queue (default: every queue).")
-@click.option("--batch-size", default=5000, show_default=True, help="Rows per transaction.")
+@click.option(
+    "--batch-size",
+    default=5000,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Rows per transaction.",
+)
 def archive_prune(
     url: str | None, older_than: str, queues: tuple[str, ...], batch_size: int
 ) -> None:

@@ -51,6 +51,16 @@ def _where(options: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _require_filter(action: str, everything: bool, where: dict[str, Any]) -> None:
+    """Refuse an unfiltered replay or purge without ``--all`` (a usage error, before
+    asking for confirmation or connecting)."""
+    if not everything and not any(_where(where).values()):
+        raise click.UsageError(
+            f"say which dead letters to {action}: --id N, --queue Q, --reason R or --task T, "
+            "or --all for every one"
+        )
+
+
 def _with_dlq(url: str | None, dlq_name: str, action: Callable[[DeadLetterQueue], T]) -> T:
     """Run ``action`` on the dead-letter queue; an error is printed (exit status 1)."""
 
@@ -113,7 +123,9 @@ def _table(letters: list[DeadLetterInfo], dlq_name: str) -> Table:
     ),
 )
 @_filters
-@click.option("--limit", default=50, show_default=True, help="Most rows shown.")
+@click.option(
+    "--limit", default=50, show_default=True, type=click.IntRange(min=1), help="Most rows shown."
+)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 def dlq_list(url: str | None, dlq_name: str, limit: int, as_json: bool, **where: Any) -> None:
     """List dead letters: original queue, task, reason, deliveries."""
@@ -155,7 +167,9 @@ def dlq_list(url: str | None, dlq_name: str, limit: int, as_json: bool, **where:
 @_filters
 @click.option("--all", "everything", is_flag=True, help="Every dead letter.")
 def dlq_replay(url: str | None, dlq_name: str, everything: bool, **where: Any) -> None:
-    """Send dead letters back to their original queues (atomically, per batch)."""
+    """Send dead letters back to their original queues (atomically, per batch): those
+    the filters match, or every one with --all."""
+    _require_filter("replay", everything, where)
     result = _with_dlq(url, dlq_name, lambda dead: dead.replay(**_where(where), all=everything))
     console = Console()
     if not result.replayed:
@@ -180,7 +194,8 @@ def dlq_replay(url: str | None, dlq_name: str, everything: bool, **where: Any) -
 @click.option("--all", "everything", is_flag=True, help="Every dead letter.")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 def dlq_purge(url: str | None, dlq_name: str, everything: bool, yes: bool, **where: Any) -> None:
-    """Delete dead letters for good."""
+    """Delete dead letters for good: those the filters match, or every one with --all."""
+    _require_filter("purge", everything, where)
     if not yes:
         click.confirm(f"delete the matching dead letters of {dlq_name} for good?", abort=True)
     n = _with_dlq(url, dlq_name, lambda dead: dead.purge(**_where(where), all=everything))

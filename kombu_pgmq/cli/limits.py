@@ -14,10 +14,10 @@ from typing import Any
 
 import click
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, StatementError
 from ..limits import validate_limits
 from ..management import LimitInfo, Management
-from ._base import _examples, url_option
+from ._base import _examples, _fail, url_option
 from ._limit_text import FIFO_KEY, describe, limits_json
 from .operations import _with_management, json_option, queue_group
 
@@ -31,6 +31,22 @@ OPTIONS = {
     "key_burst": "--key-burst",
     "limit_key": "--limit-key",
 }
+
+
+def _tokens(_ctx: click.Context, _param: click.Parameter, value: float | None) -> float | None:
+    """A burst option's value: 0 (the default burst) or at least 1 token."""
+    if value is not None and value != 0 and value < 1:
+        raise click.BadParameter(f"{value:g}: give 1 token or more (0: the default burst)")
+    return value
+
+
+def _header(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+    """``--limit-key``: a header name, or ``task``."""
+    if value is not None and not value.strip():
+        raise click.BadParameter(
+            "give a header name (x-limit-key, the default) or 'task' (Celery's task name)"
+        )
+    return value
 
 
 def checked_limits(queue: str, given: dict[str, Any], *, clear: bool) -> dict[str, Any]:
@@ -49,9 +65,13 @@ def checked_limits(queue: str, given: dict[str, Any], *, clear: bool) -> dict[st
             raise click.BadParameter(str(exc), param_hint=OPTIONS[name]) from None
     try:
         return validate_limits(queue, limits, complete=clear)
-    except ConfigurationError as exc:
+    except ConfigurationError:
+        burst = "--key-burst" if limits.get("key_burst") and not limits.get("burst") else "--burst"
+        rate = "--key-rate" if burst == "--key-burst" else "--rate"
+        why = "--clear removes the rate" if clear else f"{rate} 0 removes the rate"
         raise click.UsageError(
-            f"{exc}: give --rate with --burst (--key-rate with --key-burst)"
+            f"{burst} needs {rate} (a burst is the size of a rate's token bucket; {why}): "
+            f"give {rate} with {burst}"
         ) from None
 
 
@@ -71,7 +91,7 @@ def checked_limits(queue: str, given: dict[str, Any], *, clear: bool) -> dict[st
 @click.argument("queue")
 @click.option(
     "--concurrency",
-    type=int,
+    type=click.IntRange(min=0),
     metavar="N",
     help="Messages of QUEUE delivered and not yet settled, across every worker (prefetched "
     "ones count). 0 removes it.",
@@ -85,21 +105,29 @@ def checked_limits(queue: str, given: dict[str, Any], *, clear: bool) -> dict[st
 @click.option(
     "--burst",
     type=float,
+    callback=_tokens,
     metavar="TOKENS",
     help="Most deliveries at once after a pause (the token bucket's size; default the "
     "tokens of 0.1 s, at least 1). 0: the default.",
 )
 @click.option(
     "--key-concurrency",
-    type=int,
+    type=click.IntRange(min=0),
     metavar="N",
     help="Messages in flight per key (the header named by --limit-key). 0 removes it.",
 )
 @click.option("--key-rate", metavar="RATE", help="Deliveries per key (as --rate). 0 removes it.")
-@click.option("--key-burst", type=float, metavar="TOKENS", help="Burst per key (as --burst).")
+@click.option(
+    "--key-burst",
+    type=float,
+    callback=_tokens,
+    metavar="TOKENS",
+    help="Burst per key (as --burst).",
+)
 @click.option(
     "--limit-key",
     metavar="HEADER",
+    callback=_header,
     help="The message header that holds the key (default x-limit-key, set with "
     "apply_async(headers={'x-limit-key': ...})); 'task': Celery's task name.",
 )
@@ -144,7 +172,17 @@ def queue_limit(
         return
 
     def change(management: Management) -> LimitInfo | None:
-        return management.set_limits(queue, limits, replace=clear)
+        try:
+            return management.set_limits(queue, limits, replace=clear)
+        except StatementError as exc:
+            if "needs its rate" not in str(exc):
+                raise
+            key = limits.get("key_burst") is not None and limits.get("burst") is None
+            burst, rate = ("--key-burst", "--key-rate") if key else ("--burst", "--rate")
+            _fail(  # the stored limits have no rate for the burst given
+                f"queue {queue} has no {'per-key ' if key else ''}rate limit for {burst} to "
+                f"size: give {rate} with {burst}"
+            )
 
     info = _with_management(url, change)
     if as_json:

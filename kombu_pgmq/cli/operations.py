@@ -381,7 +381,11 @@ PASSWORD_ENV = "KOMBU_PGMQ_METRICS_PASSWORD"
 @url_option
 @dlq_option
 @click.option(
-    "--port", default=9808, show_default=True, help="TCP port of /metrics (0: a free one)."
+    "--port",
+    default=9808,
+    show_default=True,
+    type=click.IntRange(0, 65535),
+    help="TCP port of /metrics (0: a free one).",
 )
 @click.option(
     "--host",

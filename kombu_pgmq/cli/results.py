@@ -99,7 +99,13 @@ def results(ctx: click.Context, url: str | None, as_json: bool) -> None:
 
 @results.command("expire", epilog=_examples("kombu-pgmq results expire --batch-size 1000"))
 @url_option
-@click.option("--batch-size", default=5000, show_default=True, help="Rows per statement.")
+@click.option(
+    "--batch-size",
+    default=5000,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Rows per statement.",
+)
 def results_expire(url: str | None, batch_size: int) -> None:
     """Delete every expired result now (what the workers' sweep does on its own)."""
 

@@ -116,18 +116,28 @@ def test_bad_values_name_the_option(db_dsn: str) -> None:
     for options, option, fragment in (
         (["--rate", "5/x"], "--rate", "is not a rate"),
         (["--key-rate", "fast"], "--key-rate", "is not a rate"),
-        (["--concurrency", "-1"], "--concurrency", "expected an int >= 1"),
-        (["--key-concurrency", "-3"], "--key-concurrency", "expected an int >= 1"),
-        (["--burst", "0.5"], "--burst", "tokens >= 1"),
-        (["--limit-key", " "], "--limit-key", "header name"),
+        (["--concurrency", "-1"], "'--concurrency'", "-1 is not in the range x>=0"),
+        (["--key-concurrency", "-3"], "'--key-concurrency'", "-3 is not in the range x>=0"),
+        (["--burst", "0.5"], "'--burst'", "give 1 token or more (0: the default burst)"),
+        (["--key-burst", "0.2"], "'--key-burst'", "give 1 token or more"),
+        (["--limit-key", " "], "'--limit-key'", "header name"),
     ):
         result = limit(db_dsn, "lim_bad", *options)
         assert result.exit_code == 2, (options, result.output)
         assert f"Invalid value for {option}" in result.stderr and fragment in result.stderr
+        assert "=" not in result.stderr.replace(">=", "").replace("<=", ""), result.stderr
     result = limit(db_dsn, "lim_bad", "--clear", "--burst", "5")
-    assert result.exit_code == 2 and "give --rate with --burst" in result.stderr
-    # a burst without a stored rate: the server refuses, one line
-    assert_one_error_line(limit(db_dsn, "lim_bad", "--burst", "5"), "needs its rate")
+    assert result.exit_code == 2 and "--burst needs --rate" in result.stderr
+    assert "give --rate with --burst" in result.stderr
+    # a burst without a stored rate: the server refuses, one line in flags
+    assert_one_error_line(
+        limit(db_dsn, "lim_bad", "--burst", "5"),
+        "queue lim_bad has no rate limit for --burst to size: give --rate with --burst",
+    )
+    assert_one_error_line(
+        limit(db_dsn, "lim_bad", "--key-burst", "5"),
+        "has no per-key rate limit for --key-burst to size: give --key-rate with --key-burst",
+    )
     assert shown(db_dsn, "lim_bad")["limited"] is False
 
 
