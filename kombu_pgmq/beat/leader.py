@@ -48,6 +48,12 @@ def identity() -> str:
 class Leader:
     """One beat process's side of the election (see the module docstring).
 
+    Log levels (logger ``kombu_pgmq.beat.leader``), as Celery's own: the normal course at
+    INFO (this process leads now, after whom; it follows a leader; the database answers
+    again), what an operator should look at as WARNING (this process lost the lead, or
+    deposed a leader that stopped its heartbeat; the database cannot be reached; an
+    election round failed).
+
     Arguments:
         dsn: libpq connection string of the schedule's database.
         takeover_seconds: longest time without a working leader (seconds, > 1).
@@ -101,15 +107,17 @@ class Leader:
             logger.warning("beat: election round failed (%s); trying again", exc)
             return False
         if self._failing:
-            logger.warning("beat: the database answers again")
+            logger.info("beat: the database answers again")
             self._failing = False
         self.last = result
         gained = result.leader and (not self.is_leader or self.epoch != result.epoch)
         if result.leader and gained:
-            logger.warning(
-                "beat: %s leads now (epoch %s): this process sends the periodic tasks",
+            before = self._seen_leader if self._seen_leader != self.me else None
+            logger.info(
+                "beat: %s leads now (epoch %s%s): this process sends the periodic tasks",
                 self.me,
                 result.epoch,
+                f", after {before}" if before else "",
             )
         elif not result.leader:
             if self.is_leader:
