@@ -40,7 +40,7 @@ from ..errors import ConfigurationError
 from ..schema import ensure_schema
 from .entries import to_stored, validate_queue
 
-__all__ = ["PeriodicTask", "PeriodicTasks", "Tick", "UnknownPeriodicTask"]
+__all__ = ["PeriodicTask", "PeriodicTasks", "Tick", "UnknownPeriodicTask", "load_app"]
 
 #: One stored periodic task (schedule and options as JSON values).
 PeriodicTask = StoredEntry
@@ -50,6 +50,40 @@ Tick = StoredTick
 
 class UnknownPeriodicTask(ConfigurationError, LookupError):
     """No periodic task has that name."""
+
+
+def load_app(name: str) -> Any:
+    """The Celery app ``name`` names, found as ``celery -A name`` finds it (a module with
+    an ``app`` or ``celery`` attribute, or ``module:attribute``; the current directory is
+    searched first), its task modules imported (``imports``, ``include``): what
+    ``PeriodicTasks(app=...)`` checks task names against.
+
+    Raises:
+        ConfigurationError: it cannot be found, or importing it (or its task modules)
+            raised (the message says which and what to give).
+    """
+    from celery.app.utils import find_app
+
+    try:
+        app = find_app(name)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigurationError(
+            f"cannot find the Celery app {name!r} ({type(exc).__name__}: {exc}): give the "
+            "module that holds it (proj, proj.celery or proj.celery:app), from the "
+            "directory that holds that module, as for celery -A"
+        ) from None
+    except Exception as exc:  # raised by the user's module as it was imported
+        raise ConfigurationError(
+            f"importing the Celery app {name!r} raised {type(exc).__name__}: {exc}"
+        ) from None
+    try:
+        app.loader.import_default_modules()
+    except Exception as exc:  # the app's imports or include
+        raise ConfigurationError(
+            f"importing the task modules of {name!r} (its imports or include) raised "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
+    return app
 
 
 class PeriodicTasks:
@@ -62,10 +96,17 @@ class PeriodicTasks:
             are checked against it.
         check_queues: refuse options naming a queue that exists neither in the app's
             ``task_queues`` nor in the broker (default True).
+        check_tasks: refuse a task name ``app`` does not register, when it registers
+            tasks (default True; False: e.g. a task of workers deployed later).
     """
 
     def __init__(
-        self, url: str | None = None, *, app: Any = None, check_queues: bool = True
+        self,
+        url: str | None = None,
+        *,
+        app: Any = None,
+        check_queues: bool = True,
+        check_tasks: bool = True,
     ) -> None:
         if url is None:
             if app is None:
@@ -79,6 +120,7 @@ class PeriodicTasks:
             self.dsn = conninfo.to_dsn(url)
         self.app = app
         self.check_queues = check_queues
+        self.check_tasks = check_tasks
         self._db = Connector(self.dsn, role="beat-api")
         self._store = BeatStore(self._db)
         self._installed = False
@@ -129,7 +171,7 @@ class PeriodicTasks:
         """
         row = to_stored(
             name, task, schedule, args=args, kwargs=kwargs, options=options,
-            enabled=enabled, catch_up=catch_up, app=self.app,
+            enabled=enabled, catch_up=catch_up, app=self.app, known_task=self.check_tasks,
         )  # fmt: skip
         self._check_queue(row)
         from ..errors import StatementError
@@ -176,6 +218,7 @@ class PeriodicTasks:
             enabled=changes.get("enabled", current.enabled),
             catch_up=changes.get("catch_up", current.catch_up),
             app=self.app,
+            known_task=self.check_tasks,
         )
         if "options" in changes:
             self._check_queue(row)

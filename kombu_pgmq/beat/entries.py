@@ -9,6 +9,7 @@ neither in ``task_queues`` nor in the broker, options or arguments that are not 
 
 from __future__ import annotations
 
+import difflib
 import json
 import uuid
 from collections.abc import Mapping
@@ -25,10 +26,21 @@ from .._naming import pgmq_queue_name
 from ..errors import ConfigurationError
 from .schedules import CATCH_UP, from_row, latest_due, next_due, to_row
 
-__all__ = ["LoadedEntry", "check_task", "queue_of", "tick_task_id", "to_stored"]
+__all__ = [
+    "LoadedEntry",
+    "UnregisteredTask",
+    "check_task",
+    "queue_of",
+    "tick_task_id",
+    "to_stored",
+]
 
 #: Entry options that are kombu_pgmq's, never passed to ``apply_async``.
 OWN_OPTIONS = ("catch_up",)
+
+
+class UnregisteredTask(ConfigurationError):
+    """A periodic task names a task its Celery app does not register."""
 
 
 def _json(value: Any, what: str, name: str) -> Any:
@@ -73,15 +85,18 @@ def check_task(app: Any, task: str, name: str) -> None:
     app that imports no task module sends by name, as ``celery beat`` does).
 
     Raises:
-        ConfigurationError: ``task`` is not registered in ``app``.
+        UnregisteredTask: ``task`` is not registered in ``app`` (a ConfigurationError).
     """
     if app is None:
         return
-    if task not in app.tasks and any(not t.startswith("celery.") for t in app.tasks):
-        raise ConfigurationError(
-            f"periodic task {name!r}: task {task!r} is not registered in app {app.main!r} "
-            "(misspelled, or its module is not imported: add it to the app's imports or "
-            "include)"
+    known = [t for t in app.tasks if not t.startswith("celery.")]
+    if task not in app.tasks and known:
+        close = difflib.get_close_matches(task, known, n=1)
+        hint = f": did you mean {close[0]!r}?" if close else ""
+        raise UnregisteredTask(
+            f"periodic task {name!r}: task {task!r} is not registered in app {app.main!r}"
+            f"{hint} (misspelled, or its module is not imported: add it to the app's imports "
+            "or include)"
         )
 
 
@@ -96,10 +111,12 @@ def to_stored(
     enabled: bool = True,
     catch_up: str = "once",
     app: Any = None,
+    known_task: bool = True,
 ) -> dict[str, Any]:
     """The row of one entry (``name``, ``task``, ``schedule_kind``, ``schedule``,
     ``args``, ``kwargs``, ``options``, ``enabled``, ``catch_up``). ``schedule``: seconds,
     a timedelta, a Celery schedule, or a crontab expression string (``"*/5 * * * *"``).
+    ``known_task``: refuse a task ``app`` does not register (:func:`check_task`).
 
     Raises:
         ConfigurationError: see the module docstring.
@@ -110,7 +127,8 @@ def to_stored(
         raise ConfigurationError(
             f"periodic task {name!r}: task {task!r}: give the task's registered name"
         )
-    check_task(app, task, name)
+    if known_task:
+        check_task(app, task, name)
     if isinstance(schedule, str):
         try:
             schedule = crontab.from_string(schedule)

@@ -26,7 +26,8 @@ starts it); each names the database it reads on stderr (``database: ...``, no pa
     kombu-pgmq results expire [--batch-size 5000]   # delete expired results now
     kombu-pgmq beat list [--json]             # periodic tasks: schedule, last/next run, leader
     kombu-pgmq beat add NAME TASK (--every S | --cron 'm h dom mon dow' [--tz Z] |
-        --solar EVENT LAT LON) [--args JSON] [--kwargs JSON] [--queue Q] [--replace] ...
+        --solar EVENT LAT LON) [--args JSON] [--kwargs JSON] [--queue Q] [--replace]
+        [-A APP | --force] ...                # TASK checked: the app's or running workers'
     kombu-pgmq beat remove|enable|disable|run-now NAME
     kombu-pgmq beat history [NAME] [--limit 50] [--json]   # ticks sent, newest first
     kombu-pgmq beat leader [--json]           # which beat leads; exit 1 when none does

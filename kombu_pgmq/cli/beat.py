@@ -14,6 +14,7 @@ database without the beat tables), 2 on bad usage; ``leader`` exits 1 when no be
 
 from __future__ import annotations
 
+import difflib
 import json
 from collections.abc import Callable, Mapping
 from datetime import datetime
@@ -23,6 +24,7 @@ import click
 from rich.table import Table
 
 from .. import errors
+from .._control import BUILTIN_PREFIX, registered_tasks
 from ..management import Management
 from ._base import _console, _examples, _fail, _Group, _run, _when, main, url_option
 
@@ -98,10 +100,14 @@ def _with_tasks(
     *,
     check_queues: bool = False,
     install: bool = False,
+    app: Any = None,
+    check_tasks: bool = True,
+    before: Callable[[str], None] | None = None,
 ) -> T:
     """Run ``action`` with :class:`~kombu_pgmq.beat.PeriodicTasks` on ``--url``'s
-    database. ``install``: install the schema if missing (``add``, as the API does);
-    else a database without the beat tables is an error naming the fix."""
+    database (``app``: checked against that Celery app). ``install``: install the schema
+    if missing (``add``, as the API does); else a database without the beat tables is an
+    error naming the fix. ``before``: called with the database's URL first."""
 
     def run(resolved: str) -> T:
         if not install:
@@ -114,10 +120,61 @@ def _with_tasks(
                 f"changing periodic tasks needs Celery ({exc}): pip install "
                 "'kombu-pgmq-transport[celery]'"
             ) from None
-        with PeriodicTasks(resolved, check_queues=check_queues) as tasks:
+        if before is not None:
+            before(resolved)
+        with PeriodicTasks(
+            resolved, app=app, check_queues=check_queues, check_tasks=check_tasks
+        ) as tasks:
             return action(tasks)
 
     return _run(url, run)
+
+
+#: Longest wait for the running workers' answers to ``beat add``'s task check (seconds;
+#: it ends as soon as every running worker answered).
+REGISTERED_TIMEOUT_S = 3.0
+
+
+def _load_app(name: str) -> Any:
+    """The Celery app ``name`` names (:func:`kombu_pgmq.beat.api.load_app`).
+
+    Raises:
+        click.BadParameter: it cannot be loaded (the message says why and what to give).
+    """
+    try:
+        from ..beat.api import load_app
+    except ImportError as exc:
+        raise click.BadParameter(
+            f"needs Celery ({exc}): pip install 'kombu-pgmq-transport[celery]'",
+            param_hint="'-A' / '--app'",
+        ) from None
+    try:
+        return load_app(name)
+    except errors.ConfigurationError as exc:
+        raise click.BadParameter(str(exc), param_hint="'-A' / '--app'") from None
+
+
+def _check_running_workers(resolved: str, task: str) -> str | None:
+    """Refuse ``task`` when the workers running on ``resolved``'s broker answer and none
+    registers it (exit status 1); the warning to print once it is added when no worker
+    answers (not checked), else None."""
+    registered = registered_tasks(resolved, timeout=REGISTERED_TIMEOUT_S)
+    if not registered:
+        return (
+            f"no worker runs on this database: task {task!r} is not checked (-A APP "
+            "checks it against your Celery app)"
+        )
+    if any(task in names for names in registered.values()):
+        return None
+    known = sorted(set().union(*registered.values()))
+    close = difflib.get_close_matches(task, known, n=1)
+    workers = ", ".join(sorted(registered))
+    _fail(
+        f"task {task!r} is not registered by any running worker ({workers})"
+        f"{f': did you mean {close[0]!r}?' if close else ''}: check the name, or give "
+        "--force to add it anyway (a task of workers not deployed yet); -A APP checks it "
+        "against your Celery app instead"
+    )
 
 
 @main.group(
@@ -249,6 +306,7 @@ def _schedule(
         "kombu-pgmq beat add report app.tasks.report --cron '0 7 * * 1-5' --tz Europe/Paris \\",
         '    --kwargs \'{"format": "pdf"}\' --queue reports --expires 3600',
         "kombu-pgmq beat add blinds app.tasks.open_blinds --solar sunrise 48.85 2.35",
+        "kombu-pgmq beat add -A proj cleanup app.tasks.cleanup --every 300",
     ),
 )
 @url_option
@@ -285,6 +343,21 @@ def _schedule(
     is_flag=True,
     help="Accept a --queue no worker has declared yet (the ticks wait in it).",
 )
+@click.option(
+    "-A",
+    "--app",
+    "app_name",
+    metavar="APP",
+    help="Your Celery app, as for celery -A (proj, proj.celery:app): TASK must be one "
+    "it registers, and its schedule database is the default --url. Without it, TASK "
+    "must be registered by a worker running on the database, when one runs.",
+)
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Add TASK even if the running workers (or --app) do not register it, e.g. a task "
+    "of workers not deployed yet.",
+)
 def beat_add(
     url: str | None,
     name: str,
@@ -303,10 +376,22 @@ def beat_add(
     catch_up: str,
     replace: bool,
     no_check_queue: bool,
+    app_name: str | None,
+    force: bool,
 ) -> None:
     """Add periodic task NAME sending TASK (its registered name) on a schedule: exactly
     one of --every, --cron or --solar. It first runs one period after it is added (a
-    crontab: at its next matching time); the leading beat sees it at once."""
+    crontab: at its next matching time); the leading beat sees it at once.
+
+    TASK is checked first, as a worker would receive it: with --app, it must be a task
+    that app registers; else, when workers run on the database, one of them must
+    register it (asked as celery inspect registered does); with none running it is added
+    with a warning. --force adds it unchecked."""
+    app = _load_app(app_name) if app_name else None
+    if app is not None and url is None:  # neither --url nor $KOMBU_PGMQ_URL
+        from ..beat.settings import database_url
+
+        url = database_url(app)
     args = _json_value("--args", args_json, list, "'[1, 2]'") or []
     kwargs = _json_value("--kwargs", kwargs_json, dict, "'{\"x\": 1}'") or {}
     options = _json_value("--options", options_json, dict, "'{\"countdown\": 5}'") or {}
@@ -315,21 +400,49 @@ def beat_add(
             options[key] = value
 
     def add(tasks: PeriodicTasks) -> Any:
+        from ..beat.entries import UnregisteredTask
+
         schedule = _schedule(name, every, cron, tz, solar)
         try:
             return tasks.add(
                 name, task, schedule, args=args, kwargs=kwargs, options=options,
                 enabled=not disabled, catch_up=catch_up, replace=replace,
             )  # fmt: skip
+        except UnregisteredTask as exc:
+            _fail(f"{exc}; or give --force to add it anyway")
         except errors.ConfigurationError as exc:
             if not replace and "exists already" in str(exc):
                 _fail(f"periodic task {name!r} exists already: give --replace to replace it")
             raise
 
-    entry = _with_tasks(url, add, check_queues=not no_check_queue, install=True)
+    warnings: list[str] = []  # printed once the entry is added
+
+    def check(resolved: str) -> None:
+        if force or task.startswith(BUILTIN_PREFIX):
+            return
+        if app is None:
+            warning = _check_running_workers(resolved, task)
+            warnings.extend([warning] if warning else [])
+        elif not [t for t in app.tasks if not t.startswith(BUILTIN_PREFIX)]:
+            warnings.append(
+                f"app {app.main!r} registers no task (are its task modules imported? its "
+                f"imports or include): task {task!r} is not checked"
+            )
+
+    entry = _with_tasks(
+        url,
+        add,
+        check_queues=not no_check_queue,
+        install=True,
+        app=app,
+        check_tasks=not force,
+        before=check,
+    )
     state = "" if entry.enabled else ", disabled"
     what = schedule_text(entry.schedule_kind, entry.schedule)
     click.echo(f"{'replaced' if replace else 'added'} {name!r}: {task} {what}{state}")
+    for warning in warnings:
+        click.echo(f"warning: {warning}", err=True)
 
 
 def _unknown(name: str) -> str:
