@@ -176,15 +176,17 @@ def test_the_cli_output_the_docs_show(db_dsn):
         sql(db_dsn, f"UPDATE {table('celery')} SET read_ct = 3")
         assert drain(conn, "celery", expect=1, timeout=2) == []
     sample = []
-    for command, comment in (
-        (["dlq", "list"], ""),
-        (["dlq", "replay", "--task", "etl.explode"], "# or --id 2, --queue celery, --all"),
-        (["dlq", "purge", "--reason", "rejected", "--yes"], ""),
+    for command, comment, code in (
+        (["dlq", "list"], "", 0),
+        (["dlq", "replay", "--task", "etl.explode"], "# or --id 2, --queue celery, --all", 0),
+        (["dlq", "purge", "--reason", "rejected", "--yes"], "", 0),
+        (["dlq", "purge"], "# no filter: refused, nothing asked", 2),
     ):
         done = _cli(*command, "--url", db_dsn)
-        assert done.returncode == 0, done.stderr
+        assert done.returncode == code, done.stderr
         line = f"$ kombu-pgmq {' '.join(command)}"
-        sample += [f"{line:<47} {comment}".rstrip(), done.stdout.rstrip("\n")]
+        shown = done.stdout if code == 0 else done.stderr.strip().splitlines()[-1]
+        sample += [f"{line:<47} {comment}".rstrip(), shown.rstrip("\n")]
     check_sample(
         "dlq",
         "\n".join(sample),
