@@ -1,5 +1,7 @@
 import json
 import pickle
+import random
+import string
 
 import pytest
 
@@ -64,7 +66,15 @@ def test_binary_bodies_roundtrip_exactly(body):
 
 @pytest.mark.parametrize(
     "body",
-    ['{"x": "a\\u0000b"}', '{"x": NaN}', "[Infinity]"],
+    [
+        '{"x": "a\\u0000b"}',
+        '{"x": NaN}',
+        "[Infinity]",
+        '{"a": ["NaN", -Infinity]}',
+        '["\\\\", NaN]',
+        '["x\\"", {"Infinity": NaN}]',
+        '{"x": NaN',
+    ],
 )
 def test_json_jsonb_cannot_hold_falls_back_to_base64(body):
     stored, back = roundtrip(kombu_message(body))
@@ -150,8 +160,13 @@ def test_headers_jsonb_cannot_hold_round_trip_exactly(value):
 
 @pytest.mark.parametrize(
     "body",
-    ['["BANaNa", "Infinity and beyond"]', '{"path": "C:\\\\u0000dir"}', '{"x": "\\"NaN\\""}'],
-    ids=["nan-in-strings", "escaped-backslash", "escaped-quote"],
+    [
+        '["BANaNa", "Infinity and beyond"]',
+        '{"path": "C:\\\\u0000dir"}',
+        '{"x": "\\"NaN\\""}',
+        '{"NaN": "\\\\\\"NaN", "-Infinity": [1e308]}',
+    ],
+    ids=["nan-in-strings", "escaped-backslash", "escaped-quote", "keys-and-escapes"],
 )
 def test_json_that_only_looks_unsafe_is_stored_as_json(body):
     """Issue 25, item 2: the text NaN/Infinity inside a string, or an escaped backslash
@@ -159,6 +174,18 @@ def test_json_that_only_looks_unsafe_is_stored_as_json(body):
     stored, back = roundtrip(kombu_message(body))
     assert stored == body
     assert json.loads(back["body"]) == json.loads(body)
+
+
+def test_a_large_body_whose_strings_hold_nan_is_stored_as_json():
+    """A task argument of random text (base64 of a file, identifiers) holds "NaN" and
+    "Infinity" inside its strings many times over: still JSON, stored as the text sent."""
+    rng = random.Random(42)
+    text = "".join(rng.choices(string.ascii_letters + string.digits, k=3_000_000))
+    text += "NaN Infinity"
+    body = json.dumps([[text, {"blob": text[::-1]}], {}, {"callbacks": None}])
+    stored, back = roundtrip(kombu_message(body))
+    assert stored == body
+    assert back["body"] == body
 
 
 @pytest.mark.parametrize("header", ["x-deduplication-id", "x-group-id", "task", "id"])
