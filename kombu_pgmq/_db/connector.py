@@ -325,6 +325,7 @@ class Connector:
         row: RowFactory[T] | type[T] | None = None,
         *,
         synchronous: bool | None = True,
+        binary: bool = False,
     ) -> list[T]:
         """Run a statement; return its rows, each built by column name.
 
@@ -333,6 +334,8 @@ class Connector:
         commit does not wait for the WAL flush (a server crash may forget the statement's
         effect: only for reads and acks, which are then delivered again); None: the
         statement sets ``synchronous_commit`` itself (``set_config(..., true)``).
+        ``binary``: the rows come in PostgreSQL's binary format (a ``bytea`` column as
+        its bytes, not twice as many hex digits to decode).
         """
         factory: Any = row
         if isinstance(row, type):
@@ -349,10 +352,10 @@ class Connector:
             if local and conn.info.transaction_status == pq.TransactionStatus.IDLE:
                 with conn.transaction(), cur:  # the settings hold for this transaction only
                     conn.execute(*local_settings(local))
-                    cur.execute(self._query(query), params)
+                    cur.execute(self._query(query), params, binary=binary)
                     return cur.fetchall() if cur.description is not None else []
             with cur:
-                cur.execute(self._query(query), params)
+                cur.execute(self._query(query), params, binary=binary)
                 return cur.fetchall() if cur.description is not None else []
         except psycopg.Error as exc:
             raise self._fail(exc) from exc

@@ -112,9 +112,8 @@ class ResultStore:
     def get(self, keys: Sequence[str], task_ids: Sequence[str | None]) -> dict[str, bytes | None]:
         """``{key: meta}`` of the keys stored; a task key without a result whose task is
         revoked maps to None (report REVOKED); other keys are left out."""
-        rows = self.db.fetch(
-            "results_get", {"keys": list(keys), "task_ids": list(task_ids)}, _Stored
-        )
+        params = {"keys": list(keys), "task_ids": list(task_ids)}
+        rows = self.db.fetch("results_get", params, _Stored, binary=True)
         return {r.key: (None if r.revoked else bytes(r.meta or b"")) for r in rows}
 
     def delete(self, keys: Sequence[str]) -> int:
@@ -178,7 +177,7 @@ class ResultStore:
 
     def chord_results(self, group_id: str) -> list[PartResult]:
         """The counted header results in header order."""
-        rows = self.db.fetch("chord_results", {"group_id": group_id}, PartResult)
+        rows = self.db.fetch("chord_results", {"group_id": group_id}, PartResult, binary=True)
         return [r._replace(result=bytes(r.result)) for r in rows]
 
     def chord_done(self, group_id: str, expires_seconds: float | None) -> None:
