@@ -132,6 +132,11 @@ class Connector:
             transaction, no ``synchronous_commit`` toggling.
         role: what the connection is for (``"listener"``): appended to the connection
             string's ``application_name`` as ``:<role>`` (None: left as it is).
+        lz4: the session compresses the values it writes that PostgreSQL compresses
+            (TOAST: messages and results over about 2 kB) with lz4 instead of pglz, when
+            the server was built with lz4 and its configuration names no method
+            (statement ``toast_compression_lz4``; not through a transaction pooler). For
+            connections that write large values.
 
     Raises:
         ConfigurationError: ``on_notify`` in pooled mode (LISTEN needs a direct
@@ -146,9 +151,11 @@ class Connector:
         on_notify: Callable[[str, str], None] | None = None,
         pooled: bool | None = None,
         role: str | None = None,
+        lz4: bool = False,
     ) -> None:
         self._dsn = dsn
         self.role = role
+        self._lz4 = lz4
         #: Through a transaction pooler (see :mod:`kombu_pgmq._db.pooling`).
         self.pooled = is_pooled(dsn) if pooled is None else pooled
         #: Statements are prepared: a direct connection, or a pooler that keeps them.
@@ -212,6 +219,8 @@ class Connector:
             self._stale = set()
             for name, value in self._settings.items() if not self.pooled else ():
                 conn.execute("SELECT set_config(%s, %s, false)", (name, value))
+            if self._lz4 and not self.pooled:
+                conn.execute(self._q["toast_compression_lz4"])
             if self.pooled and self.prepares:
                 try:  # once per connection: a pooler that does not keep them fails here
                     pooling.check_prepared_kept(conn, self._q["pooler_keeps_prepared"])

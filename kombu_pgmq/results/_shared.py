@@ -85,7 +85,7 @@ def shared_connector(app: Any, dsn: str, install_schema: bool) -> SharedConnecto
     with _SHARED_LOCK:
         db = _SHARED.get(app, {}).get(key)
         if db is None or db.closed:
-            db = SharedConnector(dsn, role="results")
+            db = SharedConnector(dsn, role="results", lz4=True)
             try:
                 if install_schema:
                     ensure_schema(db, dsn)

@@ -406,7 +406,9 @@ line (:mod:`kombu_pgmq._worker_checks`).
   marks its consumers live and runs the reaper of abandoned queues.
 * ``max_message_bytes`` (bytes, default 67108864 = 64 MiB): largest message a publish
   sends (body and headers as stored); a larger one raises ``ConfigurationError`` before
-  anything is sent (jsonb's limit is 255 MiB).
+  anything is sent (jsonb's limit is 255 MiB). A message over about 2 kB is compressed
+  by PostgreSQL (TOAST): with lz4 on the transport's connection when the server has it
+  and its configuration names no ``default_toast_compression``.
 * ``consumer_stale_after`` (seconds, default 30): a consumer without a heartbeat for this
   long counts as gone (its process died); its ``auto_delete`` queues are dropped. At most
   86400 (a day).

@@ -213,7 +213,7 @@ class Transport(virtual.Transport):
             # connection to that database: no connection of its own, no reaper run.
             connector = self._statements = self.binding.statements()
         if connector is None:
-            connector = Connector(self.dsn, role="statements")
+            connector = Connector(self.dsn, role="statements", lz4=True)
             try:
                 connector.connection  # noqa: B018 - connect now: errors surface here
                 if self.options.install_schema:
