@@ -34,6 +34,8 @@ Environment
     ``KPT_BEAT_TAKEOVER_SECONDS`` (seconds, optional, default 6): ``beat_takeover_seconds``.
     ``KPT_QUEUE_LIMITS`` (JSON object ``{queue: {limit: value}}``, optional): transport
     option ``queue_limits`` (fleet-wide limits, set when a worker declares the queue).
+    ``KPT_ACCEPT_PICKLE`` (optional): ``accept_content`` also takes pickle (a task sent
+    with ``serializer="pickle"`` runs; its result is JSON as every other).
 """
 
 from __future__ import annotations
@@ -187,6 +189,8 @@ def create_app(env: Mapping[str, str] = os.environ) -> Celery:
         )
     if env.get("KPT_TRACK_STARTED"):
         app.conf.task_track_started = True
+    if env.get("KPT_ACCEPT_PICKLE"):
+        app.conf.accept_content = ["json", "pickle"]
     if env.get("KPT_MAX_PRIORITY"):
         arguments = {"x-max-priority": int(env["KPT_MAX_PRIORITY"])}
         app.conf.task_queues = [
@@ -216,6 +220,10 @@ def create_app(env: Mapping[str, str] = os.environ) -> Celery:
     @app.task(shared=False, name="e2e.add")
     def add(x: float, y: float) -> float:
         return x + y
+
+    @app.task(shared=False, name="e2e.echo")
+    def echo(value: Any) -> Any:
+        return value
 
     @app.task(shared=False, name="e2e.record", bind=True)
     def record(self: Any, label: str) -> str:
