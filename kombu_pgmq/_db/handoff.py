@@ -39,7 +39,10 @@ def tail(message: str, headers: str | None, delay_seconds: int) -> str | None:
     if delay_seconds > 0:
         return None
     head = headers or ""
-    if len(message) + len(head) > MAX_TAIL_BYTES // 4:  # a character: at most 4 bytes
+    chars = len(message) + len(head)
+    if chars > MAX_TAIL_BYTES:  # a character: at least one byte
+        return None
+    if chars > MAX_TAIL_BYTES // 4:  # a character: at most 4 bytes
         size = len(message.encode("utf-8", "surrogatepass")) + len(head.encode("utf-8"))
         if size > MAX_TAIL_BYTES:
             return None

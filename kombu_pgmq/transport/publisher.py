@@ -39,7 +39,9 @@ def _check_size(queue: str, body: str, headers: str, limit: int) -> None:
     """
     if len(body) + len(headers) <= limit // 4:  # a character is at most 4 bytes in UTF-8
         return
-    size = len(body.encode("utf-8", "surrogatepass")) + len(headers.encode("utf-8"))
+    # ASCII text (isascii() reads a flag: no scan) is one byte a character
+    size = len(body) if body.isascii() else len(body.encode("utf-8", "surrogatepass"))
+    size += len(headers) if headers.isascii() else len(headers.encode("utf-8"))
     if size > limit:
         raise errors.ConfigurationError(
             f"message to {queue!r} is {size} bytes as stored, over the transport option "
