@@ -34,6 +34,8 @@ events from the task log, :mod:`large_payloads_app`):
 
 Per target and size: the median of each time over the rounds, and every round's values.
 An error (a payload over a limit) is recorded for that size and target, with its message.
+At the end the archive of the PostgreSQL queue is pruned (an acked message stays there:
+tens of MB each).
 """
 
 from __future__ import annotations
@@ -67,6 +69,8 @@ import large_payloads_app  # noqa: E402
 from brokers import dist_version, ensure_database, git_describe, pg_dsn, pg_version  # noqa: E402
 from celery.exceptions import TimeoutError as CeleryTimeoutError  # noqa: E402
 from kombu.utils.url import maybe_sanitize_url  # noqa: E402
+
+from kombu_pgmq.retention import prune_archives  # noqa: E402
 
 DEFAULT_TARGETS = {
     "kombu_pgmq": ("postgresql://postgres@127.0.0.1:5432/kpb_large", "postgresql://"),
@@ -346,6 +350,13 @@ def main() -> None:
             worker.stop()
             with contextlib.suppress(Exception):
                 app.close()
+        for name, (broker, _) in targets.items():
+            if pg_dsn(broker) and name in running:  # acked messages: tens of MB each
+                with contextlib.suppress(Exception):
+                    pruned = prune_archives(
+                        broker, older_than_seconds=0, queues=[large_payloads_app.QUEUE]
+                    )
+                    results[name]["archive_pruned"] = sum(pruned.values())
     env["loadavg_end"] = os.getloadavg()
     print(table(results, sizes))
     if args.json:
