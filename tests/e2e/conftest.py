@@ -19,6 +19,7 @@ import psycopg
 import pytest
 from celery import Celery
 
+from kombu_pgmq.results import ResultBackend
 from tests.e2e import celery_app
 from tests.e2e.helpers import DEFAULT_WITHOUT, REPO_ROOT, Worker
 
@@ -66,12 +67,20 @@ def db(db_dsn: str) -> Iterator[psycopg.Connection]:
 @pytest.fixture
 def app(e2e_env: dict[str, str], db: psycopg.Connection) -> Iterator[Celery]:
     """The test process's Celery app (publisher and result reader), same settings as the
-    workers. Creates the result tables up front, so worker processes never race to."""
+    workers. With Celery's SQLAlchemy backend it creates the result tables up front, so
+    worker processes never race to; kombu_pgmq's (``KPT_RESULT_BACKEND=postgresql``) is
+    closed with its connections at the end."""
     instance = celery_app.create_app(e2e_env)
-    instance.backend.ResultSession().close()
+    backend = instance.backend
+    if hasattr(backend, "ResultSession"):
+        backend.ResultSession().close()
     try:
         yield instance
     finally:
+        if isinstance(backend, ResultBackend):
+            backend.result_consumer.stop()
+            if backend._db is not None:
+                backend._db.close()
         instance.close()
 
 

@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import random
 import string
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
-import psycopg
 import pytest
 from celery import Celery
 
-from kombu_pgmq.results import ResultBackend
-from tests.e2e import celery_app
 from tests.e2e.helpers import Worker
 
 RESULT_TIMEOUT_S = 300.0
@@ -29,20 +26,6 @@ PICKLE_ENV = {"KPT_ACCEPT_PICKLE": "1", "C_FORCE_ROOT": "1"}
 @pytest.fixture
 def e2e_env(e2e_env: dict[str, str]) -> dict[str, str]:
     return {**e2e_env, "KPT_RESULT_BACKEND": "postgresql"}
-
-
-@pytest.fixture
-def app(e2e_env: dict[str, str], db: psycopg.Connection) -> Iterator[Celery]:
-    instance = celery_app.create_app(e2e_env)
-    backend = instance.backend
-    assert isinstance(backend, ResultBackend)
-    try:
-        yield instance
-    finally:
-        backend.result_consumer.stop()
-        if backend._db is not None:
-            backend._db.close()
-        instance.close()
 
 
 def test_a_20_mb_argument_and_result_round_trip(

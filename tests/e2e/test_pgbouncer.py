@@ -9,13 +9,12 @@ process's connections.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import psycopg
 import pytest
 from celery import Celery, chord
 
-from kombu_pgmq.results import ResultBackend
 from tests.e2e import celery_app
 from tests.e2e.helpers import Worker, runs, wait_for
 
@@ -31,20 +30,6 @@ def e2e_env(e2e_env: dict[str, str], db_dsn: str, pgbouncer) -> dict[str, str]:
         "KPT_TRANSPORT_OPTIONS": json.dumps(options),
         "KPT_RESULT_BACKEND": "postgresql",
     }
-
-
-@pytest.fixture
-def app(e2e_env: dict[str, str], db: psycopg.Connection) -> Iterator[Celery]:
-    instance = celery_app.create_app(e2e_env)
-    backend = instance.backend
-    assert isinstance(backend, ResultBackend)
-    try:
-        yield instance
-    finally:
-        backend.result_consumer.stop()
-        if backend._db is not None:
-            backend._db.close()
-        instance.close()
 
 
 def test_a_worker_through_pgbouncer_runs_every_task_once(

@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import psycopg
 import pytest
 from celery import Celery
 from psycopg import sql
 
-from kombu_pgmq.results import ResultBackend
-from tests.e2e import celery_app
 from tests.e2e.helpers import Worker, runs, wait_for
 from tests.support import pgserver
 
@@ -39,20 +37,6 @@ def e2e_env(e2e_env: dict[str, str]) -> dict[str, str]:
     """kombu_pgmq's result backend (Celery's SQLAlchemy one ends a worker that cannot
     connect when it starts: no retry line to read)."""
     return {**e2e_env, "KPT_RESULT_BACKEND": "postgresql"}
-
-
-@pytest.fixture
-def app(e2e_env: dict[str, str], db: psycopg.Connection) -> Iterator[Celery]:
-    instance = celery_app.create_app(e2e_env)
-    backend = instance.backend
-    assert isinstance(backend, ResultBackend)
-    try:
-        yield instance
-    finally:
-        backend.result_consumer.stop()
-        if backend._db is not None:
-            backend._db.close()
-        instance.close()
 
 
 def first_problem(worker: Worker) -> tuple[str, str]:

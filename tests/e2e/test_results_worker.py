@@ -9,7 +9,7 @@ The e2e app (:mod:`tests.e2e.celery_app`) runs with ``KPT_RESULT_BACKEND=postgre
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -18,8 +18,6 @@ from celery import Celery, chain, chord, group, states
 from celery.exceptions import BackendStoreError, ChordError
 from celery.result import GroupResult
 
-from kombu_pgmq.results import ResultBackend
-from tests.e2e import celery_app
 from tests.e2e.helpers import Worker, wait_for
 
 RESULT_TIMEOUT_S = 60.0
@@ -31,20 +29,6 @@ KILL_CHORD_SIZE = int(os.environ.get("KPT_KILL_CHORD_SIZE", "300"))
 @pytest.fixture
 def e2e_env(e2e_env: dict[str, str]) -> dict[str, str]:
     return {**e2e_env, "KPT_RESULT_BACKEND": "postgresql"}
-
-
-@pytest.fixture
-def app(e2e_env: dict[str, str], db: psycopg.Connection) -> Iterator[Celery]:
-    instance = celery_app.create_app(e2e_env)
-    backend = instance.backend
-    assert isinstance(backend, ResultBackend)
-    try:
-        yield instance
-    finally:
-        backend.result_consumer.stop()
-        if backend._db is not None:
-            backend._db.close()
-        instance.close()
 
 
 def _runs_named(db: psycopg.Connection, name: str) -> list[tuple[str, int]]:
