@@ -95,40 +95,42 @@ SETTLE_S = 3.0
 
 
 class Worker:
+    """A ``celery worker`` subprocess of a benchmark's app module (its own process group,
+    output to ``out``); subclasses name another app, pool, concurrency or environment."""
+
+    #: The ``-A`` module (in benchmarks/), ``-P`` pool, ``-c`` and the node name's prefix.
+    app_module = "celery_bench_app"
+    pool = "prefork"
+    concurrency = 2
+    node_prefix = "bench"
+    #: More ``celery worker`` flags.
+    flags: tuple[str, ...] = ("--without-gossip", "--without-mingle", "--without-heartbeat")
+
     def __init__(self, name: str, url: str, options: dict[str, Any], log: Path, out: Path):
         self.name = name
-        self.env = {
-            **os.environ,
-            "CELERY_BENCH_BROKER": url,
-            "CELERY_BENCH_TRANSPORT_OPTIONS": json.dumps(options),
-            "CELERY_BENCH_LOG": str(log),
-            "PYTHONPATH": os.pathsep.join(
-                filter(None, [str(HERE), str(REPO_ROOT), os.environ.get("PYTHONPATH")])
-            ),
-        }
+        self.env = self.environment(
+            {
+                "CELERY_BENCH_BROKER": url,
+                "CELERY_BENCH_TRANSPORT_OPTIONS": json.dumps(options),
+                "CELERY_BENCH_LOG": str(log),
+            }
+        )
         self.out = out
         self.proc: subprocess.Popen[bytes] | None = None
 
+    @staticmethod
+    def environment(settings: dict[str, str]) -> dict[str, str]:
+        """This process's environment with ``settings``, and benchmarks/ and the
+        repository on ``PYTHONPATH``."""
+        path = os.pathsep.join(
+            filter(None, [str(HERE), str(REPO_ROOT), os.environ.get("PYTHONPATH")])
+        )
+        return {**os.environ, **settings, "PYTHONPATH": path}
+
     def start(self) -> None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "celery_bench_app",
-            "worker",
-            "-P",
-            "prefork",
-            "-c",
-            "2",
-            "--without-gossip",
-            "--without-mingle",
-            "--without-heartbeat",
-            "-l",
-            "warning",
-            "-n",
-            f"bench-{self.name}@%h",
-        ]
+        cmd = [sys.executable, "-m", "celery", "-A", self.app_module, "worker"]
+        cmd += ["-P", self.pool, "-c", str(self.concurrency), *self.flags]
+        cmd += ["-l", "warning", "-n", f"{self.node_prefix}-{self.name}@%h"]
         with self.out.open("ab") as out:
             self.proc = subprocess.Popen(
                 cmd,

@@ -109,22 +109,9 @@ class PoolWorker(celery_bench.Worker):
         super().__init__(*args)
         self.pool = pool
         self.concurrency = concurrency
-        self.flags = flags
-
-    def start(self) -> None:
-        cmd = [sys.executable, "-m", "celery", "-A", "celery_bench_app", "worker"]
-        cmd += ["-P", self.pool, "-c", str(self.concurrency), "-l", "warning", *self.flags]
-        cmd += ["-n", f"budget-{self.pool}@%h"]
-        with self.out.open("ab") as out:
-            self.proc = subprocess.Popen(
-                cmd,
-                cwd=HERE,
-                env=self.env,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        self.flags = tuple(flags)
+        self.node_prefix = "budget"
+        self.name = pool
 
 
 def measure_pool(

@@ -47,10 +47,8 @@ import json
 import os
 import platform
 import random
-import signal
 import statistics
 import string
-import subprocess
 import sys
 import tempfile
 import time
@@ -64,6 +62,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(REPO_ROOT))
 
 import celery  # noqa: E402
+import celery_bench  # noqa: E402
 import kombu  # noqa: E402
 import large_payloads_app  # noqa: E402
 from brokers import dist_version, ensure_database, git_describe, pg_dsn, pg_version  # noqa: E402
@@ -78,7 +77,6 @@ DEFAULT_TARGETS = {
 }
 READY_TIMEOUT_S = 120.0
 GET_TIMEOUT_S = 600.0
-WORKER_STOP_TIMEOUT_S = 20.0
 PARTS = ("publish_s", "delivery_s", "store_s", "fetch_s", "round_trip_s")
 _ALNUM = (string.ascii_letters + string.digits).encode()
 _TO_ALNUM = bytes(_ALNUM[i % len(_ALNUM)] for i in range(256))
@@ -90,70 +88,23 @@ def payload(kind: str, size: int, seed: int) -> str | bytes:
     return raw if kind == "bytes" else raw.translate(_TO_ALNUM).decode("ascii")
 
 
-class Worker:
+class Worker(celery_bench.Worker):
+    """celery_bench's worker, on large_payloads_app with one pool process."""
+
+    app_module = "large_payloads_app"
+    concurrency = 1
+    node_prefix = "large"
+
     def __init__(self, name: str, broker: str, backend: str, log: Path, out: Path) -> None:
         self.name = name
-        self.env = {
-            **os.environ,
-            "LARGE_BENCH_BROKER": broker,
-            "LARGE_BENCH_BACKEND": backend,
-            "LARGE_BENCH_LOG": str(log),
-            "PYTHONPATH": os.pathsep.join(
-                filter(None, [str(HERE), str(REPO_ROOT), os.environ.get("PYTHONPATH")])
-            ),
-        }
+        self.env = self.environment(
+            {
+                "LARGE_BENCH_BROKER": broker,
+                "LARGE_BENCH_BACKEND": backend,
+                "LARGE_BENCH_LOG": str(log),
+            }
+        )
         self.out = out
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "large_payloads_app",
-            "worker",
-            "-P",
-            "prefork",
-            "-c",
-            "1",
-            "--without-gossip",
-            "--without-mingle",
-            "--without-heartbeat",
-            "-l",
-            "warning",
-            "-n",
-            f"large-{self.name}@%h",
-        ]
-        with self.out.open("ab") as out:
-            self.proc = subprocess.Popen(
-                cmd,
-                cwd=HERE,
-                env=self.env,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-
-    def check_alive(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            code = self.proc.returncode if self.proc else None
-            tail = self.out.read_text(errors="replace")[-800:] if self.out.exists() else ""
-            raise RuntimeError(f"worker exited with {code}: {tail}")
-
-    def stop(self) -> None:
-        """SIGTERM (warm shutdown), then SIGKILL of the process group."""
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=WORKER_STOP_TIMEOUT_S)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=10)
         self.proc = None
 
 

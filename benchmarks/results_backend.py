@@ -41,15 +41,12 @@ generate_series`` already expired; ``pg_total_relation_size('kombu_pgmq.results'
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import json
 import multiprocessing
 import os
 import platform
-import signal
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -63,6 +60,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(REPO_ROOT))
 
 import celery  # noqa: E402
+import celery_bench  # noqa: E402
 import psycopg  # noqa: E402
 import results_backend_app  # noqa: E402
 from brokers import dist_version, ensure_database, git_describe, pg_dsn, pg_version  # noqa: E402
@@ -70,7 +68,6 @@ from celery import chord, group  # noqa: E402
 from kombu.utils.url import maybe_sanitize_url  # noqa: E402
 
 DEFAULT_BROKER = "postgresql://postgres@127.0.0.1:5432/kpb_results"
-WORKER_STOP_TIMEOUT_S = 20.0
 GET_TIMEOUT_S = 300.0
 
 
@@ -86,49 +83,19 @@ def default_backends(broker: str) -> dict[str, str]:
 # -- worker -------------------------------------------------------------------------------
 
 
-class Worker:
+class Worker(celery_bench.Worker):
+    """celery_bench's worker, on results_backend_app."""
+
+    app_module = "results_backend_app"
+    node_prefix = "rb"
+
     def __init__(self, name: str, broker: str, backend: str, out: Path, concurrency: int = 2):
         self.name = name
-        self.env = {
-            **os.environ,
-            "RESULTS_BENCH_BROKER": broker,
-            "RESULTS_BENCH_BACKEND": backend,
-            "PYTHONPATH": os.pathsep.join(
-                filter(None, [str(HERE), str(REPO_ROOT), os.environ.get("PYTHONPATH")])
-            ),
-        }
+        self.env = self.environment(
+            {"RESULTS_BENCH_BROKER": broker, "RESULTS_BENCH_BACKEND": backend}
+        )
         self.out = out
         self.concurrency = concurrency
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        cmd = [sys.executable, "-m", "celery", "-A", "results_backend_app", "worker"]
-        cmd += ["-P", "prefork", "-c", str(self.concurrency), "--without-gossip"]
-        cmd += ["--without-mingle", "--without-heartbeat", "-l", "warning"]
-        cmd += ["-n", f"rb-{self.name}@%h"]
-        with self.out.open("ab") as out:
-            self.proc = subprocess.Popen(
-                cmd,
-                cwd=HERE,
-                env=self.env,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-
-    def stop(self) -> None:
-        """SIGTERM (warm shutdown), then SIGKILL of the process group after 20 s."""
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=WORKER_STOP_TIMEOUT_S)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=10)
         self.proc = None
 
 
