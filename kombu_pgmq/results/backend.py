@@ -479,6 +479,17 @@ class ResultBackend(AsyncBackendMixin, BaseKeyValueStoreBackend):
 
     # -- chords ----------------------------------------------------------------------------
 
+    @property
+    def chord_expires(self) -> float | None:
+        """Seconds a chord's counter row is kept (0 or None: forever): Celery's
+        ``result_chord_expires`` (seconds or a ``timedelta``) when set, else
+        ``result_expires``, as Celery 5.7 reads it. Celery 5.5 and 5.6 have no such
+        setting and expire chord keys with ``result_expires``: the same rule gives that."""
+        value = self.app.conf.get("result_chord_expires")
+        if value is None:
+            return self.expires
+        return self.prepare_expires(value, type=int)
+
     def apply_chord(self, header_result_args: Any, body: Any, **kwargs: Any) -> None:
         chords.apply_chord(self, header_result_args)
 
