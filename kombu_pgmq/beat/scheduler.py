@@ -184,10 +184,18 @@ class Scheduler(beat.Scheduler):
         pass
 
     def close(self) -> None:
-        if self._leader is not None:
-            self._leader.close()
-            self._leader = None
-        super().close()
+        try:
+            if self._leader is not None:
+                self._leader.close()
+                self._leader = None
+            super().close()
+        finally:
+            # Celery's producer and its broker connection (cached properties): Celery 5.7's
+            # Scheduler.close releases them, 5.5 and 5.6 leave them open.
+            self.__dict__.pop("producer", None)
+            connection = self.__dict__.pop("connection", None)
+            if connection is not None:
+                connection.release()
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
         """Elect, then (leading) send what is due; returns seconds to the next call."""

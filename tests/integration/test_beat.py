@@ -135,6 +135,24 @@ def test_history_and_leader_show_what_a_beat_sent(db_dsn, tasks, schedulers):
     assert entry.total_run_count == len(tasks.history("often"))
 
 
+def test_close_leaves_no_connection_open(db_dsn):
+    """A leader that published ticks holds the leader's connection and Celery's producer
+    connection; ``close()`` (what ``celery beat`` calls at exit) closes both, whatever
+    Celery's ``Scheduler.close`` does with the producer (5.5 and 5.6 keep it open)."""
+    with PeriodicTasks(app=make_app(db_dsn)) as api:
+        api.add("often", TASK, 1)
+    s = lead(Scheduler(make_app(db_dsn)))
+    try:
+        tick_until([s], lambda: ticks(db_dsn, "often"), 10, "a tick")
+    finally:
+        s.close()
+    others = (
+        "SELECT application_name FROM pg_stat_activity"
+        " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+    )
+    wait_for(lambda: sql(db_dsn, others) == [], 10, "no connection to the database")
+
+
 # -- bad input -------------------------------------------------------------------------------
 
 
