@@ -12,6 +12,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import celery
 import psycopg
 import pytest
 from celery import Celery, chain, chord, group, states
@@ -21,6 +22,10 @@ from celery.result import GroupResult
 from tests.e2e.helpers import Worker, wait_for
 
 RESULT_TIMEOUT_S = 60.0
+#: Celery 5.7 wakes every result object waiting on a task id in one process; 5.5 and 5.6
+#: wake only the first one made (celery/celery#4925, with every async backend, Redis's
+#: too): a GroupResult restored while the original still waits would never wake there.
+CELERY_WAKES_EVERY_WAITER = tuple(int(p) for p in celery.__version__.split(".")[:2]) >= (5, 7)
 #: Header size of the kill test (the issue asks 1,000: ``KPT_KILL_CHORD_SIZE=1000``; 300
 #: keeps the default suite short on 2 cores).
 KILL_CHORD_SIZE = int(os.environ.get("KPT_KILL_CHORD_SIZE", "300"))
@@ -98,6 +103,8 @@ def test_groups_and_chords_without_chord_unlock(
     # A group saved and restored (by id, from the database).
     saved = group(add.clone((i, i)) for i in range(5)).delay()
     saved.save()
+    if not CELERY_WAKES_EVERY_WAITER:
+        assert saved.get(timeout=RESULT_TIMEOUT_S) == [0, 2, 4, 6, 8]
     restored = GroupResult.restore(saved.id, app=app)
     assert restored is not None
     assert restored.get(timeout=RESULT_TIMEOUT_S) == [0, 2, 4, 6, 8]
