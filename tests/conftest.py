@@ -19,7 +19,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from tests.support import containers, pgserver
+from tests.support import containers, pginstalls, pgserver
 
 _TESTS_DIR = Path(__file__).parent
 _DIRECTORY_MARKERS = {"integration": "integration", "e2e": "e2e", "spark": "spark"}
@@ -75,7 +75,12 @@ def template_db(pg_server: str) -> Iterator[str]:
 
     name = pgserver.create_database(pg_server, "template")
     try:
-        schema.bootstrap(pgserver.database_url(pg_server, name))
+        url = pgserver.database_url(pg_server, name)
+        if os.environ.get(pginstalls.ENV_PGMQ_SQL_DIR, "").strip():
+            # another PGMQ release, SQL-only (bootstrap then keeps it: method "sql")
+            with psycopg.connect(url, autocommit=True) as conn:
+                conn.execute(pginstalls.pgmq_sql()[1].encode())
+        schema.bootstrap(url)
         pgserver.make_template(pg_server, name)
         yield name
     finally:

