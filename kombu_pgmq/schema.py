@@ -59,9 +59,10 @@ from ._db.schema_store import SchemaStore
 
 logger = logging.getLogger(__name__)
 
-#: Oldest PGMQ release kombu_pgmq runs on (headers column since 1.5.0; batch
-#: ``set_vt`` and ``pop(queue, qty)`` are checked by signature as well).
-MIN_PGMQ_VERSION = (1, 5, 0)
+#: Oldest PGMQ release kombu_pgmq runs on: ``pop(queue, qty)`` since 1.6.2, batch
+#: ``set_vt(queue, msg_ids, vt)`` since 1.8.0 (both checked by signature as well; the
+#: headers column since 1.5.0). Tested: 1.11.1 and 1.13.0 (docs/development.md).
+MIN_PGMQ_VERSION = (1, 8, 0)
 #: Advisory lock key used while bootstrapping (``hashtext('kombu_pgmq.bootstrap')``-like
 #: constant; any other application using the same key would wait for us).
 BOOTSTRAP_LOCK_KEY = 0x6B6F6D62755F7067  # b"kombu_pg"

@@ -4,7 +4,7 @@ and reads/acks (``read_queue``) with its own plan-cached statements instead of
 writes, PGMQ's functions read, and the other way round; the rows it archives are the
 rows ``pgmq.archive`` would write. Run on PGMQ's SQL-only install, on the extension, and
 on the table shape of PGMQ < 1.11 (no ``last_read_at``; emulated by dropping the column,
-the oldest version we accept, 1.5, is not installable here).
+the oldest version we accept, 1.8, is not installable here).
 """
 
 from __future__ import annotations

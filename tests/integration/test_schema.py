@@ -82,7 +82,9 @@ def test_many_processes_bootstrapping_at_once(empty_db_dsn):
 def test_old_pgmq_is_refused_with_a_clear_error(empty_db_dsn):
     # An old SQL-only PGMQ: schema and meta table, but none of the functions we need.
     sql(empty_db_dsn, "CREATE SCHEMA pgmq; CREATE TABLE pgmq.meta (queue_name varchar)")
-    with pytest.raises(UnsupportedPgmqVersion, match=r"pgmq.set_vt\(text,bigint\[\],integer\)"):
+    with pytest.raises(
+        UnsupportedPgmqVersion, match=r"needs >= 1\.8\.0; .*pgmq.set_vt\(text,bigint\[\],integer\)"
+    ):
         schema.bootstrap(empty_db_dsn)
     # Nothing half-applied: kombu_pgmq's schema was rolled back with the transaction.
     assert sql(empty_db_dsn, "SELECT to_regclass('kombu_pgmq.migrations')") == [(None,)]
@@ -91,6 +93,8 @@ def test_old_pgmq_is_refused_with_a_clear_error(empty_db_dsn):
 def test_version_comparison():
     assert schema._parse_version("1.13.0") > schema._parse_version("1.5.1")
     assert schema._parse_version("1.4.4") < schema.MIN_PGMQ_VERSION
+    # batch set_vt, which kombu_pgmq calls, is PGMQ 1.8.0's
+    assert schema._parse_version("1.7.3") < schema.MIN_PGMQ_VERSION <= (1, 8, 0)
 
 
 def test_schema_cli(empty_db_dsn):
