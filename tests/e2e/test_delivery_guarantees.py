@@ -271,10 +271,11 @@ def test_database_connections_killed_during_renewals_cause_no_duplicate(
     for _ in range(2):
         killed = db.execute(
             "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-            "WHERE datname = current_database() AND pid <> pg_backend_pid() "
-            "AND application_name NOT IN ('kpt_e2e_test', 'kpt_e2e_task')"
+            "WHERE datname = current_database() AND application_name LIKE 'kombu_pgmq%'"
         ).fetchone()[0]
-        assert killed >= 2  # the worker's statement and LISTEN connections at least
+        # the transport's connections (statements, LISTEN, leases...): not the result
+        # backend's (Celery's SQLAlchemy backend logs its own retries with a traceback)
+        assert killed >= 2
         time.sleep(1.5 * vt)  # past the visibility timeout
     assert result.get(timeout=RESULT_TIMEOUT_S)["runs"] == 1
     assert len(runs(db, result.id)) == 1
