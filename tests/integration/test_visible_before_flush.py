@@ -80,9 +80,11 @@ def _publish_records(admin: psycopg.Connection, start: str, queue: str, i: int) 
         f"SELECT xmin::text FROM {table(queue)} WHERE (message->>'i')::int = %s", (i,)
     ).fetchone()
     assert xid is not None, f"message {i} is not in its queue"
+    # pg_walinspect reads only flushed WAL before PostgreSQL 16 (a later end LSN is refused)
+    end = "insert" if admin.info.server_version >= 160000 else "flush"
     records = admin.execute(
         "SELECT end_lsn, xid::text, resource_manager, record_type, description"
-        " FROM pg_get_wal_records_info(%s::pg_lsn, pg_current_wal_insert_lsn())"
+        f" FROM pg_get_wal_records_info(%s::pg_lsn, pg_current_wal_{end}_lsn())"
         " ORDER BY start_lsn",
         (start,),
     ).fetchall()
