@@ -106,12 +106,15 @@ FROM kombu_pgmq.read(ARRAY[%(queue)s]::text[], %(vt_seconds)s::integer, %(qty)s:
 -- Archive acked messages (receipt handles: queue, msg_id, read_ct, enqueued_at; a stale
 -- one is not applied, migration 0007), then read up to qty messages from several queues,
 -- in one round trip (kombu_pgmq.read). Rows carry their PGMQ queue name. FIFO queues
--- (fifo_queues) are read one message per group at a time (migration 0011).
+-- (fifo_queues) are read one message per group at a time (migration 0011). ack_holds
+-- (aligned with the acks): acks whose tasks run on; their concurrency slots are held for
+-- hold_seconds (kombu_pgmq.ack).
 SELECT queue, msg_id, read_ct, enqueued_at, message, headers, age_seconds
 FROM kombu_pgmq.read(%(queues)s::text[], %(vt_seconds)s::integer, %(qty)s::integer,
                      %(ack_queues)s::text[], %(ack_ids)s::bigint[], %(ack_cts)s::integer[],
                      %(ack_enqueued)s::timestamptz[], %(durable_acks)s::boolean,
-                     %(fifo_queues)s::text[])
+                     %(fifo_queues)s::text[], %(ack_holds)s::boolean[],
+                     %(hold_seconds)s::integer)
 
 -- name: read_queue
 -- The read of one queue straight on PGMQ's tables (issue 17): what read_many does for a
@@ -227,7 +230,11 @@ ORDER BY msg_id
 -- marker: the queue is not limited (read as read_queue). The limit logic lives in the
 -- two functions, whose statements' plans PL/pgSQL caches: this statement is planned at
 -- every call (custom plans, as read_queue), and each CTE here costs planning time.
--- Placeholders as read_queue's.
+-- Placeholders as read_queue's; {hold}: hold_slots_cte (%(hold_ids)s: the acks whose tasks
+-- run on, their slots held for %(hold_seconds)s seconds). %(freed_ids)s: the other acks,
+-- whose slots they free: limit_take leaves them out of what is in flight (its statements
+-- still see the rows this one deletes, and not the slots it holds: a held ack's row
+-- counts in their place), limit_done wakes waiting consumers if one was settled.
 WITH acked AS (
     DELETE FROM {queue_table} AS t
     USING unnest(%(ack_ids)s::bigint[], %(ack_cts)s::integer[],
@@ -239,9 +246,9 @@ WITH acked AS (
     SELECT {archive_columns} FROM acked
     ON CONFLICT DO NOTHING
     RETURNING msg_id
-), budget AS MATERIALIZED (
+){hold}, budget AS MATERIALIZED (
     SELECT allowed, cut, taken
-    FROM kombu_pgmq.limit_take(%(queue)s, %(qty)s::integer, %(ack_ids)s::bigint[])
+    FROM kombu_pgmq.limit_take(%(queue)s, %(qty)s::integer, %(freed_ids)s::bigint[])
 ), picked AS (
     SELECT msg_id, vt FROM {queue_table}
     WHERE vt <= (SELECT clock_timestamp()) AND msg_id <> ALL(%(ack_ids)s::bigint[])
@@ -265,7 +272,8 @@ WITH acked AS (
     FROM budget b,
          kombu_pgmq.limit_done(%(queue)s, b.allowed, b.cut, b.taken,
                                (SELECT count(*) FROM delivered)::integer,
-                               (SELECT count(*) FROM acked)::integer,
+                               (SELECT count(*) FROM acked a
+                                WHERE a.msg_id = ANY(%(freed_ids)s::bigint[]))::integer,
                                ARRAY(SELECT c.msg_id FROM chosen c) || %(ack_ids)s::bigint[]) AS d
 )
 SELECT msg_id, read_ct, enqueued_at, message::text AS message, headers::text AS headers,
@@ -291,7 +299,9 @@ ORDER BY acked, msg_id
 -- parts alone, so a finished task's ack reaches the server at once instead of waiting
 -- for the next read. $1, $2, $3: the receipts (msg_id, read_ct, enqueued_at); $4: 'on'
 -- or 'off', synchronous_commit of this statement's own transaction. Returns the msg_ids
--- settled. Placeholders as read_queue's; {wake}: ack_wake for a limited queue, else nothing.
+-- settled. Placeholders as read_queue's; {wake}: ack_wake for a limited queue, else nothing;
+-- {hold}: hold_slots_cte for a limited queue ($6 the msg_ids whose tasks run on, $7 the
+-- seconds their slots are held), else nothing.
 WITH acked AS (
     DELETE FROM {queue_table} AS t
     USING unnest($1::bigint[], $2::integer[], $3::timestamptz[]) AS h(id, ct, at)
@@ -302,7 +312,7 @@ WITH acked AS (
     SELECT {archive_columns} FROM acked
     ON CONFLICT DO NOTHING
     RETURNING msg_id
-)
+){hold}
 SELECT a.msg_id, set_config('synchronous_commit', $4::text, true) AS synchronous_commit{wake}
 FROM acked a
 WHERE CASE WHEN a.msg_id IN (SELECT msg_id FROM archived) THEN true
@@ -320,6 +330,26 @@ WHERE CASE WHEN a.msg_id IN (SELECT msg_id FROM archived) THEN true
 set_config('synchronous_commit', coalesce(%(commit)s::text,
                                           current_setting('synchronous_commit')), true)
     AS synchronous_commit
+
+-- name: hold_slots_cte
+-- The {hold} of read_limited_queue and ack_queue for a limited queue (migration 0024): the
+-- acks of tasks that run on hold their concurrency slots (kombu_pgmq.held_slots) in the
+-- ack's own transaction, from the rows it archives (never seen free), when the queue has a
+-- concurrency or key concurrency limit; key: the limit_key header. A data-modifying CTE
+-- runs whether or not the statement reads it. {queue}, {hold_ids}, {hold_seconds}: the
+-- statement's placeholders of the PGMQ queue, the msg_ids and the seconds.
+, held AS (
+    INSERT INTO kombu_pgmq.held_slots AS h (pgmq_queue, msg_id, queue, key, held_until)
+    SELECT {queue}::text, a.msg_id, q.queue, a.headers ->> q.limit_key,
+           clock_timestamp() + make_interval(secs => {hold_seconds}::integer)
+    FROM acked a
+    JOIN kombu_pgmq.limited l ON l.pgmq_queue = {queue}::text
+    JOIN kombu_pgmq.queue_limits q ON q.queue = l.queue
+    WHERE a.msg_id = ANY({hold_ids}::bigint[])
+      AND (q.concurrency IS NOT NULL OR q.key_concurrency IS NOT NULL)
+    ON CONFLICT (pgmq_queue, msg_id) DO UPDATE SET held_until = excluded.held_until
+        WHERE NOT h.released  -- released ahead of this ack: the task has ended
+)
 
 -- name: ack_wake
 -- ack_queue's {wake} for a limited queue (migration 0021): a settled message frees its
@@ -440,10 +470,12 @@ FROM kombu_pgmq.renew(%(queues)s::text[], %(msg_ids)s::bigint[], %(read_cts)s::i
 
 -- name: ack
 -- Ack with receipt handles (migration 0007): archive the rows these deliveries still
--- hold; returns the (queue, msg_id) settled, a stale handle is left out.
+-- hold; returns the (queue, msg_id) settled, a stale handle is left out. holds (aligned):
+-- acks whose tasks run on, their concurrency slots held for hold_seconds.
 SELECT queue, msg_id
 FROM kombu_pgmq.ack(%(queues)s::text[], %(msg_ids)s::bigint[], %(read_cts)s::integer[],
-                    %(enqueued)s::timestamptz[])
+                    %(enqueued)s::timestamptz[], %(holds)s::boolean[],
+                    %(hold_seconds)s::integer)
 
 -- name: archive_expired_rows
 -- archive_expired for roles without rights on PGMQ's tables (migration 0019): the same
@@ -456,7 +488,8 @@ FROM kombu_pgmq.archive_expired(%(queues)s::text[], %(msg_ids)s::bigint[],
 -- The same with an asynchronous commit (durable_acks=False).
 SELECT queue, msg_id, set_config('synchronous_commit', 'off', true) AS synchronous_commit
 FROM kombu_pgmq.ack(%(queues)s::text[], %(msg_ids)s::bigint[], %(read_cts)s::integer[],
-                    %(enqueued)s::timestamptz[])
+                    %(enqueued)s::timestamptz[], %(holds)s::boolean[],
+                    %(hold_seconds)s::integer)
 
 -- name: requeue
 -- Reject with requeue, restore, a failed delivery (migration 0007): visible in
@@ -1081,14 +1114,6 @@ SELECT queue, concurrency, rate, rate_per_second, burst, limit_key, key_concurre
        keys_at_limit, throttled_concurrency, throttled_rate, throttled_keys, updated_at,
        updated_by
 FROM kombu_pgmq.limits_info(%(queue)s)
-
--- name: hold_slots
--- Hold concurrency slots for deliveries of one PGMQ queue whose tasks run on after their
--- ack (migration 0024), before the ack; returns the msg_ids held (none: the queue has no
--- concurrency limit, or the deliveries are stale).
-SELECT msg_id FROM kombu_pgmq.hold_slots(%(queue)s, %(msg_ids)s::bigint[],
-                                          %(read_cts)s::integer[], %(hold_seconds)s::integer)
-  AS h(msg_id)
 
 -- name: renew_slots
 -- Push held slots to now + hold_seconds; returns the (queue, msg_id) still held.

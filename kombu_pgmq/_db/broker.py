@@ -34,6 +34,7 @@ from .rows import (
     Throttle,
     VersionRow,
     receipt_handles,
+    slot_holds,
 )
 
 logger = logging.getLogger(__name__)
@@ -176,6 +177,8 @@ class Broker(Declarations, Nowait):
             "durable_acks": durable_acks,
             "fifo_queues": [],
         }
+        holds = slot_holds(acks)
+        params["ack_holds"], params["hold_seconds"] = holds["holds"], holds["hold_seconds"]
         # kombu_pgmq.read sets synchronous_commit itself
         reads = Reads.of(self.db.fetch("read_many", params, Row, synchronous=None))
         self._learn_limits(queues, reads, complete=len(reads) < qty)
@@ -260,7 +263,9 @@ class Broker(Declarations, Nowait):
         plan-cached statement; see sql/queries.sql), or ``read_limited_queue`` for a
         limited one. None: the acks are applied, but the queue has key limits (read it
         through ``kombu_pgmq.read``)."""
-        limited = queue in self.limited
+        # acks holding slots ride with read_limited_queue (which reads an unlimited queue
+        # as read_queue does)
+        limited = queue in self.limited or any(a.hold_seconds for a in acks)
         delivered, settled = self._read_queue_settled(
             queue, vt_seconds, qty, acks, durable_acks=durable_acks, limited=limited
         )
@@ -306,6 +311,7 @@ class Broker(Declarations, Nowait):
             "ack_enqueued": [a.enqueued_at for a in acks],
             # the commit mode of the statement's own transaction (no session SET)
             "commit": None if durable else "off",
+            **slot_holds(acks),
         }
         if limited:
             name = "read_limited_queue"
@@ -362,7 +368,23 @@ class Broker(Declarations, Nowait):
             touch=sql.SQL(touch),
             last_read_at=sql.SQL("a.last_read_at" if "last_read_at" in columns else "NULL"),
             wake=sql.SQL(self.db.statement("ack_wake") if wake else ""),
+            hold=self._hold_cte(name, wake),
             commit_mode=sql.SQL(self.db.statement("read_commit_mode")),
+        )
+
+    def _hold_cte(self, name: str, limited: bool) -> sql.Composable:
+        """The ``{hold}`` of statement ``name``: ``hold_slots_cte`` in
+        ``read_limited_queue`` and in ``ack_queue`` of a limited queue (with its $n
+        placeholders), else nothing."""
+        if name == "read_limited_queue":
+            places = ("%(queue)s", "%(hold_ids)s", "%(hold_seconds)s")
+        elif name == "ack_queue" and limited:
+            places = ("$5", "$6", "$7")
+        else:
+            return sql.SQL("")
+        queue, hold_ids, hold_seconds = map(sql.SQL, places)
+        return sql.SQL(self.db.statement("hold_slots_cte")).format(
+            queue=queue, hold_ids=hold_ids, hold_seconds=hold_seconds
         )
 
     def _fetch_direct(
@@ -405,6 +427,7 @@ class Broker(Declarations, Nowait):
             self.direct_reads
             and receipts
             and receipts[0].queue not in self.limited  # kombu_pgmq.ack wakes its consumers
+            and not any(r.hold_seconds for r in receipts)  # and holds slots
             and all(r.queue == receipts[0].queue for r in receipts)
         ):
             # one queue: statement read_queue reading nothing (plan-cached, no EXECUTE)
@@ -415,9 +438,10 @@ class Broker(Declarations, Nowait):
                 return {(receipts[0].queue, msg_id) for msg_id in settled}
             except PermissionDenied:
                 self.direct_reads = False
+        holds = slot_holds(receipts)
         rows = self.db.fetch(
             "ack" if durable else "ack_async",
-            receipt_handles(receipts),
+            {**receipt_handles(receipts), **holds},
             Renewed,
             synchronous=True if durable else None,  # ack_async sets it off itself
         )

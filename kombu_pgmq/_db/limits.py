@@ -79,23 +79,6 @@ class LimitStore:
 
     # -- slots held by tasks running after their ack --------------------------------------
 
-    def hold_slots(
-        self, queue: str, deliveries: Sequence[tuple[int, int]], hold_seconds: int
-    ) -> frozenset[int]:
-        """Hold a concurrency slot for each delivery ``(msg_id, read_ct)`` of PGMQ queue
-        ``queue`` whose task runs on after its message is acked, for ``hold_seconds``
-        (renewed by :meth:`renew_slots`): send it before the ack. Returns the msg_ids
-        held; none when the queue has no concurrency or key concurrency limit (or the
-        deliveries are stale). Commits without waiting for the WAL flush."""
-        params = {
-            "queue": queue,
-            "msg_ids": [m for m, _ in deliveries],
-            "read_cts": [c for _, c in deliveries],
-            "hold_seconds": hold_seconds,
-        }
-        rows: list[Any] = self.db.fetch("hold_slots", params, synchronous=False)
-        return frozenset(int(r[0]) for r in rows)
-
     def renew_slots(
         self, slots: Sequence[tuple[str, int]], hold_seconds: int
     ) -> frozenset[tuple[str, int]]:

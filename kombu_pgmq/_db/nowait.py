@@ -14,7 +14,7 @@ from ..errors import KombuPgmqError, PermissionDenied, QueueNotFound
 from . import handoff
 from .connector import Connector
 from .external import ExternalConnector
-from .rows import Receipt, text_array
+from .rows import Receipt, slot_holds, text_array
 
 __all__ = ["Nowait"]
 
@@ -61,8 +61,10 @@ class Nowait:
         queue = receipts[0].queue
         if any(r.queue != queue for r in receipts):
             return False
-        # a limited queue's acks wake the consumers its limits hold back
-        key = ("ack_queue", queue) if queue not in self.limited else ("ack_queue_wake", queue)
+        # a limited queue's acks wake the consumers its limits hold back, and hold the
+        # slots of the tasks that run on
+        limited = queue in self.limited or any(r.hold_seconds for r in receipts)
+        key = ("ack_queue_wake", queue) if limited else ("ack_queue", queue)
         statement = self._statements.get(key)
         if statement is None:
             composed = self._compose_read_queue(queue, "ack_queue", wake=key[0] != "ack_queue")
@@ -82,19 +84,17 @@ class Nowait:
                 self.db.forget_prepared(name)
             on_error(error)
 
-        self.db.send_nowait(
-            name,
-            statement,
-            [
-                text_array(r.msg_id for r in receipts),
-                text_array(r.read_ct for r in receipts),
-                text_array(r.enqueued_at for r in receipts),
-                b"on" if durable else b"off",
-                queue.encode(),
-            ],
-            on_result=settled,
-            on_error=failed,
-        )
+        params = [
+            text_array(r.msg_id for r in receipts),
+            text_array(r.read_ct for r in receipts),
+            text_array(r.enqueued_at for r in receipts),
+            b"on" if durable else b"off",
+            queue.encode(),
+        ]
+        if key[0] != "ack_queue":  # a limited queue's: the slots of tasks that run on
+            holds = slot_holds(receipts)
+            params += [text_array(holds["hold_ids"]), str(holds["hold_seconds"]).encode()]
+        self.db.send_nowait(name, statement, params, on_result=settled, on_error=failed)
         return True
 
     def send_nowait(

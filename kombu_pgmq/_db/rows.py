@@ -24,6 +24,7 @@ __all__ = [
     "Throttle",
     "VersionRow",
     "receipt_handles",
+    "slot_holds",
     "text_array",
     "to_queue_info",
 ]
@@ -92,12 +93,15 @@ class Receipt(NamedTuple):
     requeue, dead-letter, lease renewal) touches the row only while this delivery still
     holds it: same ``msg_id``, same ``read_ct`` (not read again since) and same
     ``enqueued_at`` (not a new message that reused the id of an UNLOGGED queue emptied by
-    a crash). Migration 0007."""
+    a crash). Migration 0007. ``hold_seconds`` (acks only): the delivery's task runs on
+    after this ack (Celery's early ack), so the ack holds its concurrency slot that long
+    (renewed while the task runs); 0: nothing is held."""
 
     queue: str
     msg_id: int
     read_ct: int
     enqueued_at: datetime | None
+    hold_seconds: int = 0
 
 
 def receipt_handles(receipts: Sequence[Receipt]) -> dict[str, list[Any]]:
@@ -106,6 +110,18 @@ def receipt_handles(receipts: Sequence[Receipt]) -> dict[str, list[Any]]:
         "msg_ids": [r.msg_id for r in receipts],
         "read_cts": [r.read_ct for r in receipts],
         "enqueued": [r.enqueued_at for r in receipts],
+    }
+
+
+def slot_holds(acks: Sequence[Receipt]) -> dict[str, Any]:
+    """The slot holds of ``acks`` as the ack statements take them: ``holds`` aligned with
+    the acks, ``hold_ids`` (the msg_ids that hold, for a statement of one queue),
+    ``freed_ids`` (those that free their slot) and ``hold_seconds`` (the longest asked)."""
+    return {
+        "holds": [a.hold_seconds > 0 for a in acks],
+        "hold_ids": [a.msg_id for a in acks if a.hold_seconds > 0],
+        "freed_ids": [a.msg_id for a in acks if not a.hold_seconds],
+        "hold_seconds": max((a.hold_seconds for a in acks), default=0),
     }
 
 

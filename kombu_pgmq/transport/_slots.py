@@ -4,15 +4,17 @@ A queue's ``concurrency`` and ``key_concurrency`` limits (:mod:`kombu_pgmq.limit
 what is in flight: messages delivered and not settled. Celery acks a task's message when
 the task starts unless ``acks_late`` (its default), and the ack archives the message, so
 that count alone would cap tasks waiting in workers, not running ones. For such a task
-the worker holds a *slot* instead (a row of ``kombu_pgmq.held_slots``, written before the
-ack archives the message): the limits count it until the task finishes. The message is
+the ack holds the task's *slot* (a row of ``kombu_pgmq.held_slots``, written by the ack
+statement itself, in its transaction, before it archives the message: the limit never
+sees the slot free): the limits count it until the task finishes. The message is
 archived at the ack as before, so an early-acked task is never delivered again (Celery's
 at most once); only its slot outlives the ack.
 
 * **Which acks hold a slot**: an ack, in a Celery worker's main process, of a message of a
   limited queue whose task Celery runs now (``celery.worker.state.active_requests``):
   Celery's early ack comes when the pool starts the task, its late ack after the task
-  finished (the request is no longer active then: no slot).
+  finished (the request is no longer active then: no slot). Its receipt carries
+  ``hold_seconds``; :class:`Slots` remembers the slot.
 * **Released** when the request leaves ``active_requests`` (the task succeeded, failed,
   was retried, revoked or terminated, or its pool process died): checked at every turn of
   Celery's event loop (prefork and solo: the pool's results arrive there), right after
@@ -22,8 +24,8 @@ at most once); only its slot outlives the ack.
   leases (:mod:`._leases`); if the worker dies, its slots stop counting one visibility
   timeout after their last renewal.
 
-Statements go through the lease keeper's connection and lock (the ack that holds a slot
-may run on a pool thread; the statement connection may have a read in flight).
+Renewals and releases go through the lease keeper's connection and lock (a release may
+run on a pool thread; the statement connection may have a read in flight).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable
+from time import monotonic
 from typing import Any, NamedTuple
 
 from .._db.connector import Connector
@@ -52,6 +55,7 @@ class _Slot(NamedTuple):
     task_id: str
     request: Callable[[], Any]  # weak reference to Celery's request
     hold_seconds: int
+    since: float  # monotonic() when its ack was made
 
 
 def running_request(message: Any) -> Any:
@@ -115,32 +119,18 @@ class Slots:
             self._held = {}
             self._mutex = threading.Lock()
 
-    def hold(self, queue: str, msg_id: int, read_ct: int, request: Any, hold_seconds: int) -> None:
-        """Hold a slot for the delivery ``(msg_id, read_ct)`` of PGMQ queue ``queue``
-        whose task (Celery ``request``) runs on after its ack, before that ack is sent. A
-        queue without a concurrency limit holds nothing. A failure is logged, never
-        raised: the ack goes on (the limit then counts the task until its ack only)."""
+    def track(self, queue: str, msg_id: int, request: Any, hold_seconds: int) -> None:
+        """Remember the slot the ack of delivery ``msg_id`` of PGMQ queue ``queue`` holds
+        for its running task (Celery ``request``): it is renewed with the leases and
+        released when the task ends. The ack itself holds it (its receipt's
+        ``hold_seconds``); a queue without a concurrency limit holds none, and the first
+        renewal forgets it."""
         self.after_fork()
-        try:
-            with self._lock():
-                held = LimitStore(self._connector()).hold_slots(
-                    queue, [(msg_id, read_ct)], hold_seconds
-                )
-        except KombuPgmqError as exc:
-            logger.warning(
-                "could not hold the concurrency slot of message %s of PGMQ queue %r (%s): "
-                "its limit counts the task until its ack only",
-                msg_id,
-                queue,
-                exc,
+        with self._mutex:
+            self._held[(queue, msg_id)] = _Slot(
+                str(request.id), weakref.ref(request), hold_seconds, monotonic()
             )
-            return
-        if msg_id in held:
-            with self._mutex:
-                self._held[(queue, msg_id)] = _Slot(
-                    str(request.id), weakref.ref(request), hold_seconds
-                )
-            self.holds += 1
+        self.holds += 1
 
     def release_finished(self) -> None:
         """Release the slots whose task finished (its request is no longer active)."""
@@ -201,8 +191,12 @@ class Slots:
             store.release_slots(done)
         for hold_seconds, keys in by_hold.items():
             kept = store.renew_slots(keys, hold_seconds)
+            now = monotonic()
             with self._mutex:
                 for key in keys:
-                    if key not in kept:
-                        self._held.pop(key, None)  # released, or its queue dropped
+                    found = self._held.get(key)
+                    # not held: its queue has no concurrency limit (or was dropped), once
+                    # its ack had time to arrive (it may still be in a batch)
+                    if found is not None and key not in kept and now - found.since > hold_seconds:
+                        del self._held[key]
         return len(self._held)

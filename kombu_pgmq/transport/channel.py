@@ -93,13 +93,12 @@ class QoS(virtual.QoS):
         STATS.acks += 1
         transport = self.channel.connection
         if held.queue in self.channel.pgmq.limited:
-            # Celery's early ack of a task that runs on: its concurrency slot outlives the
-            # ack (held before it, released when the task finishes; see _slots)
+            # Celery's early ack of a task that runs on: the ack holds its concurrency
+            # slot, released when the task finishes (see _slots)
             request = running_request(message)
             if request is not None:
-                transport.leases.slots.hold(
-                    held.queue, held.msg_id, held.read_ct, request, self.channel.reader.vt_seconds
-                )
+                held = held._replace(hold_seconds=self.channel.reader.vt_seconds)
+                transport.leases.slots.track(held.queue, held.msg_id, request, held.hold_seconds)
         if transport.poller.defers_acks:
             super().ack(delivery_tag)
             transport.poller.defer_ack(held)

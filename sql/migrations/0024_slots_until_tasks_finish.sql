@@ -4,11 +4,16 @@
 -- live. Celery acks a task's message when the task starts unless acks_late, so that count
 -- alone capped messages waiting in workers, not running tasks. A worker now holds a
 -- concurrency slot for a task still running when its message is acked (a row of
--- kombu_pgmq.held_slots, inserted before the ack archives the message), renews it with its
--- leases and releases it when the task finishes. The limits count held slots with the
--- rows in flight; a slot whose process died stops counting when held_until passes (one
+-- kombu_pgmq.held_slots, inserted by the ack itself, in its transaction, before it archives
+-- the message: kombu_pgmq.ack's holds, the direct statements' hold_slots_cte), renews it
+-- with its leases and releases it when the task finishes. The limits count held slots with
+-- the rows in flight; a slot whose process died stops counting when held_until passes (one
 -- visibility timeout after its last renewal), so no slot is lost for good. The message
 -- itself is archived at the ack as before: an early-acked task is never delivered again.
+-- A release may reach the server before the ack that holds the slot (they travel on
+-- different connections, and a short task ends before its batched ack is sent): it leaves
+-- the slot released (released = true, a tombstone kept a minute), and the late hold then
+-- changes nothing.
 
 CREATE TABLE kombu_pgmq.held_slots (
     pgmq_queue text NOT NULL,           -- the PGMQ queue (priority band) it was read from
@@ -16,17 +21,18 @@ CREATE TABLE kombu_pgmq.held_slots (
     queue text NOT NULL REFERENCES kombu_pgmq.queues (queue) ON DELETE CASCADE,
     key text,                           -- its limit key (the limit_key header), NULL: none
     held_until timestamptz NOT NULL,    -- counted until then (renewed while the task runs)
+    released boolean NOT NULL DEFAULT false,  -- its task finished: never held again
     PRIMARY KEY (pgmq_queue, msg_id)
 );
 CREATE INDEX held_slots_queue_idx ON kombu_pgmq.held_slots (queue, held_until);
 CREATE INDEX held_slots_until_idx ON kombu_pgmq.held_slots (held_until);
 
 -- Hold a slot for each delivery (msg_ids with the read_cts they were delivered with) of
--- PGMQ queue pgmq_name whose task runs on after its ack, for hold_seconds. Before the ack:
--- the row is still in flight, so the limit never sees the task's slot free. Only for a
--- queue with a concurrency or key concurrency limit (FIFO groups included); returns the
--- msg_ids held (none: the queue has no such limit, or the deliveries are stale). Forgets
--- slots that lapsed a minute ago.
+-- PGMQ queue pgmq_name whose task runs on after its ack, for hold_seconds: called by
+-- kombu_pgmq.ack before it archives them (the row is still in flight, so the limit never
+-- sees the task's slot free). Only for a queue with a concurrency or key concurrency limit
+-- (FIFO groups included); returns the msg_ids held (none: the queue has no such limit, or
+-- the deliveries are stale). Forgets slots that lapsed a minute ago.
 CREATE FUNCTION kombu_pgmq.hold_slots(
     pgmq_name text, msg_ids bigint[], read_cts integer[], hold_seconds integer
 ) RETURNS SETOF bigint
@@ -51,6 +57,7 @@ BEGIN
          JOIN unnest($1::bigint[], $2::integer[]) AS d(id, ct)
            ON t.msg_id = d.id AND t.read_ct = d.ct
          ON CONFLICT (pgmq_queue, msg_id) DO UPDATE SET held_until = excluded.held_until
+             WHERE NOT h.released
          RETURNING h.msg_id',
         pgmq_name, lim.queue, lim.limit_key, 'q_' || pgmq_name
     ) USING msg_ids, read_cts, hold_seconds;
@@ -58,7 +65,7 @@ END
 $$;
 
 -- Renew held slots (pgmq_names and msg_ids aligned) to now + hold_seconds; returns those
--- renewed (one missing was released, or its queue dropped).
+-- renewed (one missing is not held yet, was released, or its queue was dropped).
 CREATE FUNCTION kombu_pgmq.renew_slots(
     pgmq_names text[], msg_ids bigint[], hold_seconds integer
 ) RETURNS TABLE (queue text, msg_id bigint)
@@ -66,30 +73,33 @@ LANGUAGE sql AS $$
     UPDATE kombu_pgmq.held_slots h
     SET held_until = clock_timestamp() + make_interval(secs => hold_seconds)
     FROM unnest(pgmq_names, msg_ids) AS s(q, id)
-    WHERE h.pgmq_queue = s.q AND h.msg_id = s.id
+    WHERE h.pgmq_queue = s.q AND h.msg_id = s.id AND NOT h.released
     RETURNING h.pgmq_queue, h.msg_id
 $$;
 
--- Release held slots (their tasks finished; pgmq_names and msg_ids aligned) and wake the
--- consumers waiting on their queues: the slots are free. Returns how many were held.
+-- Release slots (their tasks finished; pgmq_names and msg_ids aligned) and wake the
+-- consumers waiting on their queues: the slots are free. A slot not held yet (its ack is
+-- still on its way) is released ahead: a tombstone its hold will not overwrite. Forgets
+-- slots that ended a minute ago. Returns how many were held.
 CREATE FUNCTION kombu_pgmq.release_slots(pgmq_names text[], msg_ids bigint[])
 RETURNS integer
 LANGUAGE plpgsql AS $$
 DECLARE
     q text;
-    n integer := 0;
+    n integer;
 BEGIN
-    FOR q IN
-        WITH gone AS (
-            DELETE FROM kombu_pgmq.held_slots h
-            USING unnest(pgmq_names, msg_ids) AS s(q, id)
-            WHERE h.pgmq_queue = s.q AND h.msg_id = s.id
-            RETURNING h.pgmq_queue
-        )
-        SELECT g.pgmq_queue FROM gone g
-    LOOP
-        n := n + 1;
-    END LOOP;
+    UPDATE kombu_pgmq.held_slots h
+    SET released = true, held_until = clock_timestamp()
+    FROM unnest(pgmq_names, msg_ids) AS s(q, id)
+    WHERE h.pgmq_queue = s.q AND h.msg_id = s.id AND NOT h.released;
+    GET DIAGNOSTICS n = ROW_COUNT;
+    INSERT INTO kombu_pgmq.held_slots (pgmq_queue, msg_id, queue, held_until, released)
+    SELECT s.q, s.id, l.queue, clock_timestamp(), true
+    FROM unnest(pgmq_names, msg_ids) AS s(q, id)
+    JOIN kombu_pgmq.limited l ON l.pgmq_queue = s.q
+    ON CONFLICT (pgmq_queue, msg_id) DO NOTHING;
+    DELETE FROM kombu_pgmq.held_slots h
+    WHERE h.held_until < clock_timestamp() - interval '1 minute';
     FOR q IN SELECT DISTINCT s.q FROM unnest(pgmq_names) AS s(q) ORDER BY 1 LOOP
         PERFORM kombu_pgmq.notify_waiting(q);
     END LOOP;
@@ -262,9 +272,11 @@ $$;
 
 -- Read up to qty messages of limited Kombu queue kombu_queue from its PGMQ queues
 -- read_bands within its limits, as before; what is in flight counts the slots held by tasks
--- still running after their ack (kombu_pgmq.in_flight_by_key), and an ordered key (FIFO
--- groups) delivers a message only while fewer than key_concurrency messages of its key are
--- ahead of it in the queue or running from a held slot.
+-- still running after their ack (kombu_pgmq.in_flight_by_key, which counts the rows in
+-- flight before the slots: a task acked between the two is counted twice, never missed),
+-- and an ordered key (FIFO groups) delivers a message only while fewer than
+-- key_concurrency messages of its key are ahead of it in the queue or running from a held
+-- slot (both counted in the statement that reads).
 CREATE OR REPLACE FUNCTION kombu_pgmq.read_limited(
     kombu_queue text, read_bands text[], vt integer, qty integer
 ) RETURNS TABLE (
@@ -281,7 +293,6 @@ DECLARE
     n bigint;
     in_flight bigint := 0;
     key_counts jsonb := '{}';
-    held_keys jsonb := '{}';  -- ordered keys: slots held by tasks still running, by key
     got jsonb := '{}';
     saturated text[];
     budget integer := greatest(qty, 0);
@@ -356,12 +367,6 @@ BEGIN
             cut := 2;
         END IF;
     END IF;
-    IF lim.ordered_keys THEN
-        SELECT coalesce(jsonb_object_agg(s.k, s.n), '{}') INTO held_keys
-        FROM (SELECT h.key AS k, count(*) AS n FROM kombu_pgmq.held_slots h
-              WHERE h.queue = kombu_queue AND h.held_until > t0 AND h.key IS NOT NULL
-              GROUP BY 1) s;
-    END IF;
     key_burst := kombu_pgmq.burst_of(lim.key_burst, lim.key_rate_per_second);
     IF EXISTS (SELECT 1 FROM pg_attribute
                WHERE attrelid = format('pgmq.%I', 'q_' || read_bands[1])::regclass
@@ -388,10 +393,17 @@ BEGIN
                                               ORDER BY t.msg_id) AS rn
                     FROM pgmq.%1$I t
                     WHERE t.headers ? $3
+                ), held AS (
+                    -- in this statement's snapshot, as ranked: an ack that holds a slot
+                    -- and archives its row commits at once, so a task is counted in one
+                    -- of the two, never in neither
+                    SELECT h.key AS k, count(*) AS n FROM kombu_pgmq.held_slots h
+                    WHERE h.queue = $5 AND h.held_until > clock_timestamp()
+                    GROUP BY h.key
                 ), ok AS (
-                    (SELECT x.msg_id FROM ranked x
+                    (SELECT x.msg_id FROM ranked x LEFT JOIN held ON held.k = x.k
                      WHERE x.vt <= clock_timestamp()
-                       AND x.rn <= $4 - coalesce(($5 ->> x.k)::integer, 0))
+                       AND x.rn <= $4 - coalesce(held.n, 0))
                     UNION ALL
                     (SELECT t.msg_id FROM pgmq.%1$I t
                      WHERE t.vt <= clock_timestamp() AND NOT coalesce(t.headers ? $3, false)
@@ -411,7 +423,7 @@ BEGIN
                 RETURNING m.msg_id, m.read_ct, m.enqueued_at, m.message, m.headers,
                           m.headers ->> $3 AS k
                 $sql$, 'q_' || b, stamp)
-                USING budget - delivered, vt, lim.limit_key, lim.key_concurrency, held_keys
+                USING budget - delivered, vt, lim.limit_key, lim.key_concurrency, kombu_queue
             LOOP
                 queue := b;
                 msg_id := r.msg_id;
@@ -566,8 +578,171 @@ BEGIN
 END
 $$;
 
+-- Ack with receipt handles, waking the consumers waiting on a limited queue it settled a
+-- message of; holds (aligned with msg_ids; missing: false): the acks whose tasks run on,
+-- whose slots kombu_pgmq.hold_slots holds for hold_seconds before the archive.
+DROP FUNCTION kombu_pgmq.ack(text[], bigint[], integer[], timestamptz[]);
+CREATE FUNCTION kombu_pgmq.ack(
+    queues text[], msg_ids bigint[], read_cts integer[], enqueued timestamptz[],
+    holds boolean[] DEFAULT '{}', hold_seconds integer DEFAULT 0
+) RETURNS TABLE (queue text, msg_id bigint)
+LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    q text;
+    ids bigint[];
+    cts integer[];
+    ats timestamptz[];
+    held_ids bigint[];
+    held_cts integer[];
+    cols text;
+    stamp text;
+    n integer;
+BEGIN
+    FOR q, ids, cts, ats, held_ids, held_cts IN
+        SELECT h.q, array_agg(h.id), array_agg(h.ct), array_agg(h.at),
+               array_agg(h.id) FILTER (WHERE h.hold), array_agg(h.ct) FILTER (WHERE h.hold)
+        FROM unnest(queues, msg_ids, read_cts, enqueued, holds) AS h(q, id, ct, at, hold)
+        WHERE h.q IS NOT NULL
+        GROUP BY h.q ORDER BY h.q
+    LOOP
+        CONTINUE WHEN to_regclass(format('pgmq.%I', 'q_' || q)) IS NULL;
+        IF held_ids IS NOT NULL THEN  -- before the archive: the slot is never seen free
+            PERFORM kombu_pgmq.hold_slots(q, held_ids, held_cts, hold_seconds);
+        END IF;
+        cols := 'msg_id, read_ct, enqueued_at, vt, message, headers';
+        stamp := 'NULL';
+        IF EXISTS (SELECT 1 FROM pg_attribute
+                   WHERE attrelid = format('pgmq.%I', 'a_' || q)::regclass
+                     AND attname = 'last_read_at' AND NOT attisdropped) THEN
+            cols := cols || ', last_read_at';
+            stamp := 'moved.last_read_at';
+        END IF;
+        RETURN QUERY EXECUTE format(
+            'WITH moved AS (
+                 DELETE FROM pgmq.%1$I AS t
+                 USING unnest($1::bigint[], $2::integer[], $3::timestamptz[]) AS h(id, ct, at)
+                 WHERE t.msg_id = h.id AND t.read_ct = h.ct AND t.enqueued_at = h.at
+                 RETURNING t.*
+             ), kept AS (
+                 INSERT INTO pgmq.%2$I (%3$s) SELECT %3$s FROM moved
+                 ON CONFLICT DO NOTHING
+                 RETURNING msg_id
+             )
+             SELECT %4$L::text, moved.msg_id FROM moved
+             WHERE CASE WHEN moved.msg_id IN (SELECT kept.msg_id FROM kept) THEN true
+                        ELSE kombu_pgmq.archive_under_new_id(
+                                 %4$L, moved.msg_id, moved.read_ct, moved.enqueued_at,
+                                 moved.vt, moved.message, moved.headers, %5$s) IS NOT NULL
+                   END',
+            'q_' || q, 'a_' || q, cols, q, stamp
+        ) USING ids, cts, ats;
+        GET DIAGNOSTICS n = ROW_COUNT;
+        IF n > 0 AND EXISTS (SELECT 1 FROM kombu_pgmq.limited l WHERE l.pgmq_queue = q) THEN
+            PERFORM kombu_pgmq.notify_waiting(q);
+        END IF;
+    END LOOP;
+END
+$$;
+
+-- Ack and read in one round trip: ack_holds (aligned with ack_ids) and hold_seconds go to
+-- kombu_pgmq.ack.
+DROP FUNCTION kombu_pgmq.read(text[], integer, integer, text[], bigint[], integer[],
+                              timestamptz[], boolean, text[]);
+CREATE FUNCTION kombu_pgmq.read(
+    queues text[], vt integer, qty integer,
+    ack_queues text[] DEFAULT '{}', ack_ids bigint[] DEFAULT '{}',
+    ack_cts integer[] DEFAULT '{}', ack_enqueued timestamptz[] DEFAULT '{}',
+    durable_acks boolean DEFAULT true, fifo_queues text[] DEFAULT '{}',
+    ack_holds boolean[] DEFAULT '{}', hold_seconds integer DEFAULT 0
+) RETURNS TABLE (
+    queue text, msg_id bigint, read_ct integer, enqueued_at timestamptz, message text,
+    headers text, age_seconds double precision
+)
+LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    q text;
+    kq text;
+    remaining integer := qty;
+    n integer;
+    settled integer;
+    owners jsonb;
+    done text[] := '{}';
+    bands text[];
+    r record;
+BEGIN
+    PERFORM kombu_pgmq.check_window('visibility timeout (seconds)', vt, 43200);
+    PERFORM kombu_pgmq.guard_dead_letters(queues, 'SELECT');
+    IF coalesce(cardinality(ack_ids), 0) = 0 OR NOT durable_acks THEN
+        PERFORM set_config('synchronous_commit', 'off', true);
+    END IF;
+    IF coalesce(cardinality(ack_ids), 0) > 0 THEN
+        -- kombu_pgmq.ack wakes consumers waiting on a limited queue it settled in
+        SELECT count(*) INTO settled
+        FROM kombu_pgmq.ack(ack_queues, ack_ids, ack_cts, ack_enqueued, ack_holds,
+                                 hold_seconds);
+        IF settled < cardinality(ack_ids) THEN
+            RAISE NOTICE 'kombu_pgmq: % stale ack(s) not applied (the message was delivered again after its visibility timeout, or is gone)',
+                cardinality(ack_ids) - settled;
+        END IF;
+    END IF;
+    IF EXISTS (SELECT 1 FROM kombu_pgmq.paused) THEN
+        queues := ARRAY(SELECT u FROM unnest(queues) WITH ORDINALITY AS t(u, i)
+                        WHERE NOT EXISTS (SELECT 1 FROM kombu_pgmq.paused p
+                                          WHERE p.pgmq_queue = t.u)
+                        ORDER BY t.i);
+    END IF;
+    SELECT jsonb_object_agg(l.pgmq_queue, l.queue) INTO owners
+    FROM kombu_pgmq.limited l WHERE l.pgmq_queue = ANY(queues);
+    IF owners IS NOT NULL THEN
+        PERFORM 1 FROM kombu_pgmq.queue_limits ql
+        WHERE ql.queue IN (SELECT o.value FROM jsonb_each_text(owners) o)
+        ORDER BY ql.queue
+        FOR UPDATE;
+    END IF;
+    FOREACH q IN ARRAY queues LOOP
+        EXIT WHEN remaining <= 0;
+        CONTINUE WHEN q = ANY(done);
+        kq := owners ->> q;
+        IF kq IS NOT NULL THEN
+            bands := ARRAY(SELECT u FROM unnest(queues) WITH ORDINALITY AS t(u, i)
+                           WHERE owners ->> t.u = kq ORDER BY t.i);
+            done := done || bands;
+            FOR r IN SELECT * FROM kombu_pgmq.read_limited(kq, bands, vt, remaining) LOOP
+                queue := r.queue;
+                msg_id := r.msg_id;
+                read_ct := r.read_ct;
+                enqueued_at := r.enqueued_at;
+                message := r.message;
+                headers := r.headers;
+                age_seconds := r.age_seconds;
+                RETURN NEXT;
+                IF r.msg_id IS NOT NULL THEN
+                    remaining := remaining - 1;
+                END IF;
+            END LOOP;
+        ELSE
+            RETURN QUERY
+                SELECT q, p.msg_id, p.read_ct, p.enqueued_at, p.message::text, p.headers::text,
+                       extract(epoch FROM clock_timestamp() - p.enqueued_at)::float8
+                FROM pgmq.read(q, vt, remaining) AS p;
+            GET DIAGNOSTICS n = ROW_COUNT;
+            remaining := remaining - n;
+        END IF;
+    END LOOP;
+END
+$$;
+
+DELETE FROM kombu_pgmq.grantable WHERE function IN (
+    'kombu_pgmq.ack(text[], bigint[], integer[], timestamptz[])',
+    'kombu_pgmq.read(text[], integer, integer, text[], bigint[], integer[], timestamptz[], boolean, text[])');
 INSERT INTO kombu_pgmq.grantable (function, kind, definer) VALUES
-    ('kombu_pgmq.hold_slots(text, bigint[], integer[], integer)', 'worker', true),
+    ('kombu_pgmq.ack(text[], bigint[], integer[], timestamptz[], boolean[], integer)',
+     'worker', true),
+    ('kombu_pgmq.read(text[], integer, integer, text[], bigint[], integer[], timestamptz[], boolean, text[], boolean[], integer)',
+     'worker', true),
+    ('kombu_pgmq.hold_slots(text, bigint[], integer[], integer)', 'owner', false),
     ('kombu_pgmq.renew_slots(text[], bigint[], integer)', 'worker', true),
     ('kombu_pgmq.release_slots(text[], bigint[])', 'worker', true);
 SELECT kombu_pgmq.secure_functions();

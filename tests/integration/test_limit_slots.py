@@ -11,16 +11,16 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-import psycopg
 import pytest
 from kombu import Consumer, Producer, Queue
 
+from kombu_pgmq._db.broker import Broker, Receipt
 from kombu_pgmq._db.connector import Connector
 from kombu_pgmq._db.limits import LimitStore
 from tests.conftest import LeastPrivilegeDb
 
 from .helpers import connect, publish, sql, table, wait_for
-from .limit_helpers import Holder, declare, limits_info, set_limits, sql_ack, sql_read
+from .limit_helpers import Holder, declare, limits_info, set_limits, sql_read
 
 
 def held(dsn: str) -> list[tuple[str, int, str | None]]:
@@ -41,18 +41,27 @@ def store(dsn: str) -> Iterator[LimitStore]:
         yield LimitStore(db)
 
 
-def receipts(dsn: str, queue: str, msg_ids: list[int]) -> list[tuple[int, int]]:
-    """``(msg_id, read_ct)`` of rows of PGMQ queue ``queue`` (as a worker holds them)."""
+def receipts(dsn: str, queue: str, msg_ids: list[int], hold_seconds: int) -> list[Receipt]:
+    """Receipts of rows of PGMQ queue ``queue`` (as a worker holds them), each holding its
+    slot ``hold_seconds`` (0: not)."""
     rows = sql(
         dsn,
-        f"SELECT msg_id, read_ct FROM pgmq.q_{queue} WHERE msg_id = ANY(%s) ORDER BY msg_id",
+        f"SELECT msg_id, read_ct, enqueued_at FROM pgmq.q_{queue}"
+        " WHERE msg_id = ANY(%s) ORDER BY msg_id",
         (msg_ids,),
     )
-    return [(int(m), int(c)) for m, c in rows]
+    return [Receipt(queue, int(m), int(c), at, hold_seconds) for m, c, at in rows]
+
+
+def ack_holding(dsn: str, queue: str, msg_ids: list[int], hold_seconds: int = 30) -> int:
+    """Ack ``msg_ids`` of PGMQ queue ``queue`` as a worker acks tasks that run on
+    (``Broker.ack``: ``kombu_pgmq.ack``); how many were settled."""
+    with contextlib.closing(Connector(dsn)) as db:
+        return len(Broker(db).ack(receipts(dsn, queue, msg_ids, hold_seconds)))
 
 
 def test_a_held_slot_counts_until_it_is_released_or_lapses(db_dsn):
-    """Concurrency 1: a message delivered, its slot held, then acked: the queue stays at
+    """Concurrency 1: a message delivered, then acked holding its slot: the queue stays at
     its limit (the next read is throttled, state 1) until the slot is released; a slot
     held for 1 s then holds the queue only until it lapses."""
     with connect(db_dsn) as conn:
@@ -61,43 +70,77 @@ def test_a_held_slot_counts_until_it_is_released_or_lapses(db_dsn):
     first = sql_read(db_dsn, ["one"], 10)
     assert len(first.messages) == 1
     msg_id = first.messages[0][1]
+    assert ack_holding(db_dsn, "one", [msg_id]) == 1
+    assert held(db_dsn) == [("one", msg_id, None)]
+    assert sql(db_dsn, "SELECT count(*) FROM pgmq.a_one") == [(1,)]  # archived
+    info = limits_info(db_dsn, "one")
+    assert info is not None and info.in_flight == 1
+    refused = sql_read(db_dsn, ["one"], 10)
+    assert refused.messages == [] and refused.markers["one"][0] == 1
     with store(db_dsn) as limits:
-        assert limits.hold_slots("one", receipts(db_dsn, "one", [msg_id]), 30) == {msg_id}
-        assert sql_ack(db_dsn, "one", [msg_id]) == 1
-        assert held(db_dsn) == [("one", msg_id, None)]
-        info = limits_info(db_dsn, "one")
-        assert info is not None and info.in_flight == 1
-        refused = sql_read(db_dsn, ["one"], 10)
-        assert refused.messages == [] and refused.markers["one"][0] == 1
         assert limits.release_slots([("one", msg_id)]) == 1
-        second = sql_read(db_dsn, ["one"], 10)
-        assert len(second.messages) == 1
-        # a slot that is not renewed lapses: the queue is free again once it has
-        second_id = second.messages[0][1]
-        assert limits.hold_slots("one", receipts(db_dsn, "one", [second_id]), 1) == {second_id}
-        assert sql_ack(db_dsn, "one", [second_id]) == 1
-        assert sql_read(db_dsn, ["one"], 10).messages == []
-        wait_for(lambda: not held(db_dsn), 10, "the slot lapses")
-        assert len(sql_read(db_dsn, ["one"], 10).messages) == 1
+    second = sql_read(db_dsn, ["one"], 10)
+    assert len(second.messages) == 1
+    # a slot that is not renewed lapses: the queue is free again once it has
+    second_id = second.messages[0][1]
+    assert ack_holding(db_dsn, "one", [second_id], hold_seconds=1) == 1
+    assert sql_read(db_dsn, ["one"], 10).messages == []
+    wait_for(lambda: not held(db_dsn), 10, "the slot lapses")
+    assert len(sql_read(db_dsn, ["one"], 10).messages) == 1
 
 
-def test_only_concurrency_limited_queues_and_live_deliveries_hold_slots(db_dsn):
-    """A queue with only a rate limit, an unlimited one, and a stale delivery (its read_ct
-    moved on) hold nothing."""
+def test_only_concurrency_limits_and_acks_that_ask_hold_slots(db_dsn):
+    """An ack of a queue with only a rate limit, of an unlimited one, an ack that does not
+    ask (a late ack) and a stale one (its read_ct moved on) hold nothing."""
     with connect(db_dsn) as conn:
         publish(conn, "rated", [1])
         publish(conn, "free", [1])
-        publish(conn, "capped2", [1])
+        publish(conn, "capped2", [1, 2, 3])
     assert set_limits(db_dsn, "rated", {"rate": "100/s"})
     assert set_limits(db_dsn, "capped2", {"concurrency": 5})
-    with store(db_dsn) as limits:
-        for queue in ("rated", "free"):
-            (_, msg_id, _, _), *_ = sql_read(db_dsn, [queue], 1).messages
-            assert limits.hold_slots(queue, receipts(db_dsn, queue, [msg_id]), 30) == set()
-        (_, msg_id, read_ct, _), *_ = sql_read(db_dsn, ["capped2"], 1).messages
-        assert limits.hold_slots("capped2", [(msg_id, read_ct + 1)], 30) == set()
-        assert limits.hold_slots("capped2", [(msg_id, read_ct)], 30) == {msg_id}
-    assert held(db_dsn) == [("capped2", msg_id, None)]
+    for queue in ("rated", "free"):
+        (_, msg_id, _, _), *_ = sql_read(db_dsn, [queue], 1).messages
+        assert ack_holding(db_dsn, queue, [msg_id]) == 1
+    late, stale, early = (m for _, m, _, _ in sql_read(db_dsn, ["capped2"], 3).messages)
+    assert ack_holding(db_dsn, "capped2", [late], hold_seconds=0) == 1
+    (receipt,) = receipts(db_dsn, "capped2", [stale], 30)
+    with contextlib.closing(Connector(db_dsn)) as db:
+        assert Broker(db).ack([receipt._replace(read_ct=receipt.read_ct + 1)]) == set()
+    assert ack_holding(db_dsn, "capped2", [early]) == 1
+    assert held(db_dsn) == [("capped2", early, None)]
+
+
+@pytest.mark.parametrize("path", ["ack", "read_limited_queue", "kombu_pgmq.read", "ack_queue"])
+def test_every_ack_path_holds_the_slot_in_the_ack_itself(db_dsn, path):
+    """The slot of an ack whose task runs on is held by the ack statement itself, whichever
+    carries it: kombu_pgmq.ack (a flush), statement read_limited_queue (acks riding with a
+    read), kombu_pgmq.read (several queues, key limits) or ack_queue (sent without
+    waiting, in Celery's event loop). The message is archived, and its slot counts."""
+    limits = {"key_concurrency": 5} if path == "kombu_pgmq.read" else {"concurrency": 5}
+    with connect(db_dsn) as conn:
+        publish(conn, "paths", [1, 2], headers={"x-limit-key": "k"})
+    assert set_limits(db_dsn, "paths", limits)
+    with contextlib.closing(Connector(db_dsn)) as db:
+        broker = Broker(db)
+        first = broker.read_many(["paths"], 30, 1)
+        assert len(first) == 1 and "paths" in broker.limited
+        acks = receipts(db_dsn, "paths", [first[0].msg_id], 30)
+        if path == "ack":
+            assert broker.ack(acks) == {("paths", first[0].msg_id)}
+        elif path == "ack_queue":
+            settled: list[Any] = []
+            assert broker.ack_nowait(
+                acks, durable=False, on_settled=settled.append, on_error=pytest.fail
+            )
+            db.collect()
+            assert settled == [{("paths", first[0].msg_id)}]
+        else:
+            assert path == "kombu_pgmq.read" or "paths" not in broker.keyed
+            broker.read_many(["paths"], 30, 1, acks, durable_acks=False)
+    assert sql(db_dsn, "SELECT count(*) FROM pgmq.a_paths") == [(1,)]
+    assert held(db_dsn) == [("paths", first[0].msg_id, "k")]  # key: the limit_key header
+    info = limits_info(db_dsn, "paths")
+    assert info is not None and info.in_flight >= 1
 
 
 def test_renewals_keep_a_slot_and_report_released_ones(db_dsn):
@@ -105,8 +148,8 @@ def test_renewals_keep_a_slot_and_report_released_ones(db_dsn):
         publish(conn, "renewed", [1, 2])
     assert set_limits(db_dsn, "renewed", {"concurrency": 5})
     ids = [m for _, m, _, _ in sql_read(db_dsn, ["renewed"], 2).messages]
+    assert ack_holding(db_dsn, "renewed", ids, hold_seconds=2) == 2
     with store(db_dsn) as limits:
-        assert limits.hold_slots("renewed", receipts(db_dsn, "renewed", ids), 2) == set(ids)
         assert limits.release_slots([("renewed", ids[1])]) == 1
         kept = limits.renew_slots([("renewed", ids[0]), ("renewed", ids[1])], 60)
         assert kept == {("renewed", ids[0])}
@@ -130,26 +173,25 @@ def test_a_held_slot_counts_for_its_key_and_holds_back_its_fifo_group(db_dsn):
         for n in range(2):
             producer.publish([n], routing_key="groups", declare=[fifo], headers={"x-group-id": "g"})
     assert set_limits(db_dsn, "keyed", {"key_concurrency": 1})
+    first = sql_read(db_dsn, ["keyed"], 10)
+    assert sorted(first.keyed()) == ["a", "b"]
+    ids = [m for _, m, _, _ in first.messages]
+    assert ack_holding(db_dsn, "keyed", ids) == 2
+    assert sorted(k for _, _, k in held(db_dsn)) == ["a", "b"]
+    assert sql_read(db_dsn, ["keyed"], 10).messages == []  # a's slot is held
+    a_id = next(m for _, m, _, h in first.messages if h["x-limit-key"] == "a")
     with store(db_dsn) as limits:
-        first = sql_read(db_dsn, ["keyed"], 10)
-        assert sorted(first.keyed()) == ["a", "b"]
-        ids = [m for _, m, _, _ in first.messages]
-        assert limits.hold_slots("keyed", receipts(db_dsn, "keyed", ids), 30) == set(ids)
-        assert sql_ack(db_dsn, "keyed", ids) == 2
-        assert sorted(k for _, _, k in held(db_dsn)) == ["a", "b"]
-        assert sql_read(db_dsn, ["keyed"], 10).messages == []  # a's slot is held
-        a_id = next(m for _, m, _, h in first.messages if h["x-limit-key"] == "a")
         limits.release_slots([("keyed", a_id)])
-        assert sql_read(db_dsn, ["keyed"], 10).keyed() == ["a"]
+    assert sql_read(db_dsn, ["keyed"], 10).keyed() == ["a"]
 
-        head = sql_read(db_dsn, ["groups"], 10).messages
-        assert [h["x-group-id"] for _, _, _, h in head] == ["g"]
-        head_id = head[0][1]
-        assert limits.hold_slots("groups", receipts(db_dsn, "groups", [head_id]), 30) == {head_id}
-        assert sql_ack(db_dsn, "groups", [head_id]) == 1
-        assert sql_read(db_dsn, ["groups"], 10).messages == []  # the head still runs
+    head = sql_read(db_dsn, ["groups"], 10).messages
+    assert [h["x-group-id"] for _, _, _, h in head] == ["g"]
+    head_id = head[0][1]
+    assert ack_holding(db_dsn, "groups", [head_id]) == 1
+    assert sql_read(db_dsn, ["groups"], 10).messages == []  # the head still runs
+    with store(db_dsn) as limits:
         limits.release_slots([("groups", head_id)])
-        assert len(sql_read(db_dsn, ["groups"], 10).messages) == 1
+    assert len(sql_read(db_dsn, ["groups"], 10).messages) == 1
 
 
 class _Request:
@@ -248,13 +290,11 @@ def test_a_worker_role_holds_renews_and_releases_slots(least_privilege_db):
     with connect(db.worker_url, queue_limits={"lp": {"concurrency": 1}}) as conn:
         declare(conn, "lp")
         publish(conn, "lp", [1])
-    with psycopg.connect(db.worker_url, autocommit=True) as worker:
-        msg_id, read_ct = worker.execute(
-            "SELECT msg_id, read_ct FROM kombu_pgmq.read(ARRAY['lp'], 30, 1)"
-            " WHERE msg_id IS NOT NULL"
-        ).fetchone() or (None, None)
-    assert msg_id is not None
-    with store(db.worker_url) as limits:
-        assert limits.hold_slots("lp", [(msg_id, read_ct)], 30) == {msg_id}
-        assert limits.renew_slots([("lp", msg_id)], 30) == {("lp", msg_id)}
-        assert limits.release_slots([("lp", msg_id)]) == 1
+    with contextlib.closing(Connector(db.worker_url)) as worker:
+        broker = Broker(worker)
+        (row,) = broker.read_many(["lp"], 30, 1)
+        receipt = Receipt("lp", row.msg_id, row.read_ct, row.enqueued_at, 30)
+        assert broker.ack([receipt]) == {("lp", row.msg_id)}
+        limits = LimitStore(worker)
+        assert limits.renew_slots([("lp", row.msg_id)], 30) == {("lp", row.msg_id)}
+        assert limits.release_slots([("lp", row.msg_id)]) == 1
