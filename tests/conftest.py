@@ -332,6 +332,7 @@ def spark_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
     os.environ.pop(server.ENV_REMOTE, None)
     try:
         url = server.ensure_running()
+        _warm_up(url)
         yield {"url": url, "port": port, "log": server.status(port)["log"]}
     finally:
         server.stop(port)
@@ -340,6 +341,19 @@ def spark_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def _warm_up(url: str) -> None:
+    """Run one small job on the Spark Connect server at ``url``, so that no test's first
+    job pays the server's cold start (first plans and code generation: seconds on 2
+    cores) inside a time limit it measures."""
+    from pyspark.sql import SparkSession
+
+    spark = SparkSession.builder.remote(url).getOrCreate()
+    try:
+        spark.range(1000).selectExpr("sum(id)").collect()
+    finally:
+        spark.stop()
 
 
 @dataclass(frozen=True)
