@@ -1121,5 +1121,8 @@ SELECT queue, msg_id
 FROM kombu_pgmq.renew_slots(%(queues)s::text[], %(msg_ids)s::bigint[], %(hold_seconds)s::integer)
 
 -- name: release_slots
--- Release held slots (their tasks finished) and wake consumers waiting on their queues.
-SELECT kombu_pgmq.release_slots(%(queues)s::text[], %(msg_ids)s::bigint[]) AS released
+-- Release held slots (their tasks finished) and wake consumers waiting on their queues;
+-- its transaction commits without waiting for the WAL flush (a release a crash forgets
+-- lapses with its slot, one visibility timeout after the last renewal).
+SELECT kombu_pgmq.release_slots(%(queues)s::text[], %(msg_ids)s::bigint[]) AS released,
+       set_config('synchronous_commit', 'off', true) AS synchronous_commit

@@ -6,11 +6,14 @@ named statements of ``sql/queries.sql`` sent through a
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, NamedTuple
 
+from ..errors import KombuPgmqError
 from .connector import Connector
+from .nowait import numbered
+from .rows import text_array
 
 __all__ = ["LimitInfo", "LimitStore"]
 
@@ -94,7 +97,35 @@ class LimitStore:
 
     def release_slots(self, slots: Sequence[tuple[str, int]]) -> int:
         """Release held slots ``(PGMQ queue, msg_id)`` (their tasks finished) and wake the
-        consumers waiting on their queues; returns how many were still held."""
+        consumers waiting on their queues; returns how many were still held (a slot not
+        held yet, its ack still on its way, is released ahead: its hold will hold
+        nothing)."""
         params = {"queues": [q for q, _ in slots], "msg_ids": [m for _, m in slots]}
-        rows: list[Any] = self.db.fetch("release_slots", params, synchronous=False)
+        rows: list[Any] = self.db.fetch("release_slots", params)
         return int(rows[0][0]) if rows else 0
+
+    def release_slots_nowait(
+        self,
+        slots: Sequence[tuple[str, int]],
+        *,
+        on_error: Callable[[KombuPgmqError], None],
+    ) -> None:
+        """:meth:`release_slots` sent without waiting for its result (read before this
+        connection's next statement; ``on_error`` gets a failure then), so the event loop
+        that saw a task finish is not held up by it.
+
+        Raises:
+            BrokerConnectionError: the statement could not be sent.
+        """
+        statement = self.db.statement("release_slots").encode()
+        self.db.send_nowait(
+            "kombu_pgmq_release_slots",
+            numbered(statement, ("queues", "msg_ids")),
+            # PGMQ names are [a-z0-9_]: nothing to escape in the array literal
+            [
+                ("{" + ",".join(f'"{q}"' for q, _ in slots) + "}").encode(),
+                text_array(m for _, m in slots),
+            ],
+            on_result=lambda rows: None,
+            on_error=on_error,
+        )

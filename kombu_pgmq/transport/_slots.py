@@ -25,7 +25,9 @@ at most once); only its slot outlives the ack.
   timeout after their last renewal.
 
 Renewals and releases go through the lease keeper's connection and lock (a release may
-run on a pool thread; the statement connection may have a read in flight).
+run on a pool thread; the statement connection may have a read in flight). A release is
+sent without waiting for its result (read before that connection's next statement): the
+event loop that saw the task finish goes on at once.
 """
 
 from __future__ import annotations
@@ -157,16 +159,9 @@ class Slots:
             return
         try:
             with self._lock():
-                LimitStore(self._connector()).release_slots(done)
+                LimitStore(self._connector()).release_slots_nowait(done, on_error=_failed(done))
         except KombuPgmqError as exc:
-            # Not lost: the slots stop counting one visibility timeout after their last
-            # renewal.
-            logger.warning(
-                "could not release %d concurrency slot(s) (%s): they free themselves "
-                "within the visibility timeout",
-                len(done),
-                exc,
-            )
+            _failed(done)(exc)
 
     def renew(self, connector: Connector) -> int:
         """One lease round (the caller holds the lock): release the slots whose task
@@ -200,3 +195,18 @@ class Slots:
                     if found is not None and key not in kept and now - found.since > hold_seconds:
                         del self._held[key]
         return len(self._held)
+
+
+def _failed(slots: list[tuple[str, int]]) -> Callable[[KombuPgmqError], None]:
+    """The ``on_error`` of a release of ``slots``: logged. Not lost: the slots stop
+    counting one visibility timeout after their last renewal."""
+
+    def failed(exc: KombuPgmqError) -> None:
+        logger.warning(
+            "could not release %d concurrency slot(s) (%s): they free themselves within "
+            "the visibility timeout",
+            len(slots),
+            exc,
+        )
+
+    return failed

@@ -162,6 +162,29 @@ def test_renewals_keep_a_slot_and_report_released_ones(db_dsn):
     assert until == [(True,)]
 
 
+def test_a_release_that_overtakes_its_hold_leaves_the_slot_free(db_dsn):
+    """A short task ends before its batched ack reaches the server (release and ack travel
+    on different connections): the release comes first, and the late ack holds nothing, so
+    the queue is not held for a visibility timeout by a task that is done. A released
+    slot's row is gone; only the overtaking release leaves one (released, not counted)."""
+    with connect(db_dsn) as conn:
+        publish(conn, "overtaken", [1, 2, 3])
+    assert set_limits(db_dsn, "overtaken", {"concurrency": 1})
+    ((_, first_id, _, _),) = sql_read(db_dsn, ["overtaken"], 1).messages
+    with store(db_dsn) as limits:
+        assert limits.release_slots([("overtaken", first_id)]) == 0  # not held yet
+    assert ack_holding(db_dsn, "overtaken", [first_id]) == 1  # archived, holds nothing
+    assert held(db_dsn) == []
+    (_, second, _, _), *_ = sql_read(db_dsn, ["overtaken"], 1).messages
+    assert ack_holding(db_dsn, "overtaken", [second]) == 1
+    assert held(db_dsn) == [("overtaken", second, None)]
+    with store(db_dsn) as limits:
+        assert limits.release_slots([("overtaken", second)]) == 1
+    rows = sql(db_dsn, "SELECT msg_id, released FROM kombu_pgmq.held_slots ORDER BY msg_id")
+    assert rows == [(first_id, True)]
+    assert len(sql_read(db_dsn, ["overtaken"], 1).messages) == 1
+
+
 def test_a_held_slot_counts_for_its_key_and_holds_back_its_fifo_group(db_dsn):
     """Key concurrency 1: the held slot of key a keeps a's next message back, not b's; a
     FIFO group's next message waits for its head's slot, not only for its ack."""
@@ -257,7 +280,7 @@ def test_an_ack_while_its_task_runs_holds_the_slot_until_the_task_ends(db_dsn, c
             # the task ends: Celery's task_ready, then task_postrun
             state.active_requests.discard(requests[0])
             signals.task_postrun.send(sender=None, task_id=requests[0].id)
-            assert held(db_dsn) == []
+            wait_for(lambda: held(db_dsn) == [], 10, "the release (sent without waiting)")
             wait_for(lambda: _drain(conn) or len(got) == 2, 10, "the next delivery")
             # this task ended without task_postrun here: the lease round releases it
             assert len(held(db_dsn)) == 1
@@ -268,7 +291,7 @@ def test_an_ack_while_its_task_runs_holds_the_slot_until_the_task_ends(db_dsn, c
             assert len(held(db_dsn)) == 1
             state.active_requests.discard(requests[2])
             conn.transport.leases.slots.release_finished()  # a turn of Celery's event loop
-            assert held(db_dsn) == []
+            wait_for(lambda: held(db_dsn) == [], 10, "the release (sent without waiting)")
 
     # a late ack: the task ended before it, nothing is held
     with connect(db_dsn, polling_interval=5) as conn, Holder(conn, [Queue("early")]) as holder:
