@@ -26,6 +26,13 @@ use now. :meth:`Management.queues` adds them to the statistics (``QueueStats.lim
 one more statement, and leaves them out (None) when the database has no migration 0021 or
 the role may not read them (a ``producer`` role: ``limits_info`` is granted to workers).
 
+Dead rows and the xmin horizon (:meth:`Management.horizon`): ``QueueStats.dead_tuples``
+counts the dead row versions of a queue's tables (the server's statistics, a few seconds
+behind), and :meth:`Management.horizon` names the oldest holder of the database's xmin
+horizon (a session's snapshot, a standby or replication slot, a prepared transaction):
+while one is old, VACUUM removes none of the rows deliveries and acks leave, and reads
+walk them (see :mod:`kombu_pgmq._db.horizon`).
+
 Cancelling (:meth:`Management.cancel_task`) is a durable revoke: the task's messages no
 consumer holds (ready, delayed, or whose lease lapsed) are removed from their queue and
 archived with the headers ``x-archive-reason: cancelled``, ``x-cancelled-at`` and
@@ -49,12 +56,14 @@ from . import errors, revocations
 from ._db.admin import Admin, BandStats, PeekedRow, TaskRow
 from ._db.beat import BeatStore, LeaderInfo, StoredEntry, StoredTick
 from ._db.connector import Connector
+from ._db.horizon import Horizon, HorizonStore
 from ._db.limits import LimitInfo, LimitStore
 from ._db.results import ResultStats, ResultStore
 from .dlq import DEFAULT_DEAD_LETTER_QUEUE
 
 __all__ = [
     "CancelResult",
+    "Horizon",
     "LimitInfo",
     "Management",
     "PeekedMessage",
@@ -82,7 +91,8 @@ class QueueStats:
     locked); ``dead_letters`` counts the dead-letter queue's messages from this queue;
     ``bands`` has one entry per PGMQ queue (band floor ``band``; one entry without
     priorities); ``limits``: the queue's limits and their use (None: not limited, or
-    not read: see :meth:`Management.queues`).
+    not read: see :meth:`Management.queues`); ``dead_tuples``: dead row versions of its
+    tables (None: no statistics yet).
     """
 
     name: str
@@ -97,6 +107,7 @@ class QueueStats:
     paused: bool
     bands: tuple[BandStats, ...]
     limits: LimitInfo | None = None
+    dead_tuples: int | None = None
 
     @property
     def messages(self) -> int:
@@ -128,6 +139,7 @@ class QueueStats:
                 for b in self.bands
             ],
             "limits": None if self.limits is None else self.limits.as_dict(queue=False),
+            "dead_tuples": self.dead_tuples,
         }
 
 
@@ -156,6 +168,12 @@ def queue_stats(rows: Iterable[BandStats]) -> list[QueueStats]:
             )
         )
     return result
+
+
+def _summed(dead: Mapping[str, int], bands: Iterable[BandStats]) -> int | None:
+    """Dead tuples of a queue's band tables (None: none has statistics yet)."""
+    found = [dead[b.pgmq_queue] for b in bands if b.pgmq_queue in dead]
+    return sum(found) if found else None
 
 
 def _headers(text: str | None) -> dict[str, Any]:
@@ -366,7 +384,10 @@ class Management:
         from ._naming import pgmq_queue_name
 
         rows = self._admin.queue_stats(pgmq_queue_name(self.dead_letter_queue), exact_archive_below)
-        stats = queue_stats(rows)
+        dead = HorizonStore(self._db).dead_tuples()
+        stats = [
+            dataclasses.replace(q, dead_tuples=_summed(dead, q.bands)) for q in queue_stats(rows)
+        ]
         if not limits or not self.limits_readable():
             return stats
         try:
@@ -376,6 +397,13 @@ class Management:
             self._limits_readable = False
             return stats
         return [dataclasses.replace(q, limits=found.get(q.name)) for q in stats]
+
+    def horizon(self) -> Horizon | None:
+        """The oldest holder of the database's xmin horizon other than this connection
+        (None: none): while it is old, VACUUM removes none of the dead rows deliveries
+        and acks leave (``QueueStats.dead_tuples``). See
+        :class:`~kombu_pgmq._db.horizon.Horizon`."""
+        return HorizonStore(self._db).oldest_holder()
 
     # -- limits (kombu_pgmq.limits, migration 0021) ----------------------------------------
 

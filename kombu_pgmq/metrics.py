@@ -36,6 +36,17 @@ summed; see :mod:`kombu_pgmq.management` for the states):
                                                  PostgreSQL's estimate above 100,000
 ``kombu_pgmq_consumers{queue}``                  live consumers (heartbeat not stale)
 ``kombu_pgmq_queue_paused{queue}``               1 while ``kombu-pgmq queue pause``-d
+``kombu_pgmq_queue_dead_tuples{queue}``          dead row versions in its tables, not
+                                                 vacuumed yet (server statistics)
+``kombu_pgmq_xmin_horizon_age_seconds``          seconds since the oldest holder of the
+                                                 database's xmin horizon began its
+                                                 transaction (0: none; absent when the
+                                                 server hides it: ``pg_read_all_stats``)
+``kombu_pgmq_xmin_horizon_age_xids``             transactions since that holder's xmin
+``kombu_pgmq_xmin_horizon_holder{kind,pid,application_name,state,name}``  1 for that
+                                                 holder (``kind``: ``session``,
+                                                 ``replication_slot``,
+                                                 ``prepared_transaction``)
 ``kombu_pgmq_queue_limit{queue,limit}``          a limited queue's limits across every
                                                  worker (:mod:`kombu_pgmq.limits`);
                                                  ``limit``: ``concurrency``,
@@ -122,6 +133,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from . import errors
 from ._db.beat import LeaderInfo, StoredEntry
+from ._db.horizon import Horizon
 from ._metrics_limits import limit_families
 from ._stats import FIELDS, STATS
 from .dlq import DEFAULT_DEAD_LETTER_QUEUE
@@ -242,11 +254,27 @@ class QueueCollector(Collector):
             stats, up = [], 0
         else:
             up = 1
+        horizon = self._read_horizon() if up else None
         results = self._read_results() if up else []
         beat = self._read_beat() if up else _Beat()
         return _Snapshot(
-            stats, up=up, seconds=time.monotonic() - taken, taken=taken, results=results, beat=beat
+            stats,
+            up=up,
+            seconds=time.monotonic() - taken,
+            taken=taken,
+            results=results,
+            beat=beat,
+            horizon=horizon,
         )
+
+    def _read_horizon(self) -> Horizon | None:
+        """The oldest holder of the xmin horizon (None: none, or it could not be read:
+        logged)."""
+        try:
+            return self._management.horizon()
+        except errors.KombuPgmqError as exc:
+            logger.warning("kombu_pgmq metrics: could not read the xmin horizon: %s", exc)
+        return None
 
     def _read_results(self) -> list[ResultStats]:
         """The result backend's statistics; none (logged once) when the database has no
@@ -309,6 +337,11 @@ class QueueCollector(Collector):
         paused = GaugeMetricFamily(
             "kombu_pgmq_queue_paused", "1 if the queue is paused", labels=["queue"]
         )
+        dead_tuples = GaugeMetricFamily(
+            "kombu_pgmq_queue_dead_tuples",
+            "Dead row versions in a queue's tables, not vacuumed yet (server statistics)",
+            labels=["queue"],
+        )
         for q in snapshot.stats:
             for state in _STATES:
                 messages.add_metric([q.name, state], getattr(q, state))
@@ -322,7 +355,10 @@ class QueueCollector(Collector):
                 archive.add_metric([q.name], q.archived)
             consumers.add_metric([q.name], q.consumers)
             paused.add_metric([q.name], 1 if q.paused else 0)
-        yield from (messages, bands, age, dead, archive, consumers, paused)
+            if q.dead_tuples is not None:
+                dead_tuples.add_metric([q.name], q.dead_tuples)
+        yield from (messages, bands, age, dead, archive, consumers, paused, dead_tuples)
+        yield from _horizon_families(snapshot.horizon)
         yield from limit_families(snapshot.stats)
         results = GaugeMetricFamily(
             "kombu_pgmq_results",
@@ -371,6 +407,7 @@ class _Snapshot:
     taken: float
     results: list[ResultStats] = field(default_factory=list)
     beat: _Beat = field(default_factory=lambda: _Beat())
+    horizon: Horizon | None = None
 
     @property
     def finished(self) -> float:
@@ -384,6 +421,41 @@ class _Beat:
 
     leader: LeaderInfo | None = None
     entries: list[StoredEntry] = field(default_factory=list)
+
+
+def _horizon_families(horizon: Horizon | None) -> Iterator[Metric]:
+    """The xmin horizon's age (0: nothing else holds one) and its holder."""
+    seconds = GaugeMetricFamily(
+        "kombu_pgmq_xmin_horizon_age_seconds",
+        "Seconds since the oldest holder of the database's xmin horizon started its "
+        "transaction (0: none; absent: hidden from this role, see the xids gauge)",
+    )
+    xids = GaugeMetricFamily(
+        "kombu_pgmq_xmin_horizon_age_xids",
+        "Transactions since the xmin the oldest holder of the horizon keeps (0: none)",
+    )
+    holder = GaugeMetricFamily(
+        "kombu_pgmq_xmin_horizon_holder",
+        "1 for the oldest holder of the xmin horizon (kind: session, replication_slot, "
+        "prepared_transaction)",
+        labels=["kind", "pid", "application_name", "state", "name"],
+    )
+    if horizon is None:
+        seconds.add_metric([], 0.0)
+        xids.add_metric([], 0)
+    else:
+        if horizon.age_seconds is not None:
+            seconds.add_metric([], horizon.age_seconds)
+        xids.add_metric([], horizon.xmin_age_xids)
+        labels = [
+            horizon.kind,
+            "" if horizon.pid is None else str(horizon.pid),
+            horizon.application_name or "",
+            horizon.state or "",
+            horizon.name or "",
+        ]
+        holder.add_metric(labels, 1)
+    yield from (seconds, xids, holder)
 
 
 def _beat_families(beat: _Beat) -> Iterator[Metric]:

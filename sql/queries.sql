@@ -807,6 +807,49 @@ WHERE s.schemaname = 'pgmq' AND s.relname = ANY(%(tables)s::text[])
   AND coalesce(greatest(s.last_vacuum, s.last_autovacuum), '-infinity')
       < now() - make_interval(secs => %(min_interval_seconds)s::float8)
 
+-- name: xmin_horizon
+-- Who holds this database's xmin horizon (what VACUUM may remove, what index scans may
+-- skip): the holder with the oldest xmin among sessions of this database (a snapshot:
+-- backend_xmin; a transaction that wrote: backend_xid), WAL senders (a standby with
+-- hot_standby_feedback), replication slots (xmin: physical slots; a logical slot holds
+-- only catalog_xmin, not queue tables) and prepared transactions of this database; none
+-- when nothing but this session holds one. age_seconds: since the holder's transaction
+-- started (NULL where pg_stat_activity hides it from this role: grant pg_read_all_stats;
+-- since PREPARE for a prepared transaction); state and query likewise.
+WITH holders AS (
+    SELECT 'session'::text AS kind, a.pid, a.application_name, a.usename::text AS role,
+           a.state, coalesce(a.backend_xmin, a.backend_xid) AS xmin, a.xact_start AS since,
+           left(a.query, 200) AS query, NULL::text AS name
+    FROM pg_stat_activity a
+    WHERE a.pid <> pg_backend_pid()
+      AND (a.datname = current_database() OR a.backend_type = 'walsender')
+      AND coalesce(a.backend_xmin, a.backend_xid) IS NOT NULL
+    UNION ALL
+    SELECT 'replication_slot', s.active_pid, NULL, NULL,
+           CASE WHEN s.active THEN 'active' ELSE 'inactive' END, s.xmin, NULL, NULL,
+           s.slot_name::text
+    FROM pg_replication_slots s
+    WHERE s.xmin IS NOT NULL
+    UNION ALL
+    SELECT 'prepared_transaction', NULL, NULL, p.owner::text, 'prepared', p.transaction,
+           p.prepared, NULL, p.gid
+    FROM pg_prepared_xacts p
+    WHERE p.database = current_database()
+)
+SELECT kind, pid, application_name, role, state, xmin::text AS xmin,
+       age(xmin) AS xmin_age_xids,
+       extract(epoch FROM clock_timestamp() - since)::float8 AS age_seconds, query, name
+FROM holders
+ORDER BY age(xmin) DESC, since
+LIMIT 1
+
+-- name: queue_table_dead_tuples
+-- Dead row versions of every PGMQ queue table (cumulative statistics, a few seconds
+-- behind; readable by any role).
+SELECT substr(s.relname, 3) AS pgmq_queue, s.n_dead_tup AS dead_tuples
+FROM pg_stat_user_tables s
+WHERE s.schemaname = 'pgmq' AND left(s.relname, 2) = 'q_'
+
 -- name: vacuum
 -- {queue_table} composed with psycopg.sql.Identifier. SKIP_LOCKED: another consumer's
 -- VACUUM (or autovacuum) is already at it. Cannot run inside a transaction block.

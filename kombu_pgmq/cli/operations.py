@@ -27,6 +27,10 @@ from ._limit_text import summary as limit_summary
 
 T = TypeVar("T")
 
+#: A queue whose tables hold this many dead rows is named as held back by an old holder
+#: of the xmin horizon (``kombu-pgmq queues``).
+HELD_DEAD_ROWS = 1_000
+
 dlq_option = click.option(
     "--dlq",
     "dlq_name",
@@ -83,27 +87,35 @@ def _table(title: str, columns: list[tuple[str, str]]) -> Table:
 @json_option
 def queues(url: str | None, dlq_name: str, everything: bool, as_json: bool) -> None:
     """Every queue: ready, in flight, delayed, oldest age, consumers, archive, DLQ,
-    limits.
+    dead rows, limits.
 
     ready: visible now; in flight: delivered, held by a consumer's visibility timeout;
     delayed: countdown/ETA not due yet. Oldest: age since publish of the oldest ready or
     in-flight message. Archive: acked messages (an estimate above 100,000, marked ~).
-    DLQ: dead letters that came from the queue. Limits (shown when a queue has some):
+    DLQ: dead letters that came from the queue. Dead rows (shown when a queue has 1,000
+    or more): row versions deliveries and acks left in its tables, not vacuumed yet;
+    when an old transaction holds the database's xmin horizon (VACUUM can remove none
+    of them), it is named below the table (JSON: dead_tuples, dead_tuples_held_by).
+    Limits (shown when a queue has some):
     conc 3/5 = 3 in flight of a concurrency limit of 5, a rate (100/s), key 2 = 2 per key,
     fifo = a FIFO queue (see kombu-pgmq queue limit QUEUE).
     """
-    stats = _with_management(url, lambda m: m.queues(), dlq_name)
+    stats, holder = _with_management(url, lambda m: (m.queues(), m.horizon()), dlq_name)
     if not everything:
         stats = [q for q in stats if not _is_celery_internal(q)]
+    held = holder if holder is not None and holder.old is not False else None
     if as_json:
         for q in stats:
-            click.echo(json.dumps(q.as_dict()))
+            by = held if held is not None and (q.dead_tuples or 0) >= HELD_DEAD_ROWS else None
+            row = q.as_dict() | {"dead_tuples_held_by": None if by is None else by._asdict()}
+            click.echo(json.dumps(row))
         return
     console = _console()
     if not stats:
         console.print("no queues (a worker or a publish declares them)")
         return
     limited = any(q.limits is not None for q in stats)
+    dead = any((q.dead_tuples or 0) >= HELD_DEAD_ROWS for q in stats)
     table = _table(
         "queues",
         [
@@ -115,6 +127,7 @@ def queues(url: str | None, dlq_name: str, everything: bool, as_json: bool) -> N
             ("consumers", "right"),
             ("archive", "right"),
             ("DLQ", "right"),
+            *([("dead rows", "right")] if dead else []),
             ("state", "left"),
             *([("limits", "left")] if limited else []),
         ],
@@ -132,10 +145,18 @@ def queues(url: str | None, dlq_name: str, everything: bool, as_json: bool) -> N
             str(q.consumers),
             archive,
             f"{q.dead_letters:,}",
+            *([f"{q.dead_tuples or 0:,}"] if dead else []),
             "[yellow]paused[/yellow]" if q.paused else "",
             *([limit_summary(q.limits)] if limited else []),
         )
     console.print(table)
+    if held is not None and dead:
+        console.print(
+            f"[yellow]dead rows stay[/yellow]: {held.describe()} holds the database's xmin "
+            "horizon; VACUUM removes none of the dead rows until it ends, and reads walk "
+            "them (docs: Long transactions)",
+            highlight=False,
+        )
 
 
 def _is_celery_internal(q: QueueStats) -> bool:

@@ -400,7 +400,9 @@ line (:mod:`kombu_pgmq._worker_checks`).
   (checked every ``consumer_heartbeat_interval``). Every delivery and ack leaves one; a
   busy queue collects them faster than autovacuum (once a minute at best, and sometimes
   off) removes them. Only tables the role owns (roles granted as workers leave them to
-  autovacuum).
+  autovacuum). While an old transaction holds the database's xmin horizon, a table
+  already VACUUMed under it is skipped (another VACUUM would remove nothing) and the
+  holder is logged once it is a minute old (docs: Long transactions).
 * ``install_schema`` (bool, default True): on connect, install PGMQ (extension, or the
   bundled SQL-only form) and kombu_pgmq's migrations if missing. When False, PGMQ and
   the migrations must already be there (roles granted as producer or worker).

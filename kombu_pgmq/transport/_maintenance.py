@@ -17,6 +17,13 @@ Every ``consumer_heartbeat_interval`` seconds while the connection has consumers
   other, and not within :data:`VACUUM_MIN_INTERVAL_SECONDS` of the last VACUUM of the
   table (the statistics lag: many consumers of one table ran VACUUMs back to back). A
   refusal (the role does not own the table) is logged once per table.
+* backs off while an old snapshot holds the database's xmin horizon: a VACUUM removes
+  only row versions that died before the horizon, so once a table was VACUUMed under
+  the current horizon, another VACUUM of it would remove nothing and is skipped until
+  the horizon moves. The holder (session pid, ``application_name``, state, age and
+  query, or the replication slot, standby or prepared transaction) is logged once, as a
+  warning, once it is :data:`~kombu_pgmq._db.horizon.OLD_SECONDS` old; once it is gone, an
+  INFO line says so and VACUUMs resume.
 
 The thread has a PostgreSQL connection of its own with ``lock_timeout`` set
 (:class:`~kombu_pgmq.transport._service.Service`): a heartbeat or reaper blocked by a lock
@@ -35,6 +42,7 @@ from collections.abc import Callable
 from .. import errors
 from .._db.connector import Connector
 from .._db.consumers import Consumers
+from .._db.horizon import Horizon, HorizonStore
 from ._service import Service
 
 logger = logging.getLogger(__name__)
@@ -42,6 +50,11 @@ logger = logging.getLogger(__name__)
 #: A table VACUUMed (by any process, or autovacuum) less than this long ago is not
 #: VACUUMed again yet: its statistics lag, and every consumer of it checks them.
 VACUUM_MIN_INTERVAL_SECONDS = 1.0
+
+#: Rounds a holder of the xmin horizon whose age the server hides from this role keeps
+#: tables from being VACUUMed before it is logged (with its age known: once it is
+#: :data:`~kombu_pgmq._db.horizon.OLD_SECONDS` old).
+HIDDEN_AGE_ROUNDS = 3
 
 
 class Maintainer(Service):
@@ -74,6 +87,16 @@ class Maintainer(Service):
         self._consumed_tables = consumed_tables
         self.vacuum_threshold = vacuum_threshold
         self._refused: set[str] = set()
+        #: table -> the horizon's xmin when it was last VACUUMed here (None: no holder)
+        self._vacuumed_under: dict[str, str | None] = {}
+        #: the holder that keeps tables from being VACUUMed, rounds it did, and whether
+        #: it was logged
+        self._holder: Horizon | None = None
+        self._held_rounds = 0
+        self._warned = False
+        #: VACUUMs run and skipped under an unmoved horizon (for tests and diagnostics)
+        self.vacuums = 0
+        self.vacuums_skipped = 0
 
     def round(self) -> None:
         """One round: heartbeat, reap, VACUUM what is due (skipped without consumers).
@@ -93,12 +116,27 @@ class Maintainer(Service):
             self.vacuum(consumers, tables)
 
     def vacuum(self, consumers: Consumers, tables: list[str]) -> None:
-        """VACUUM consumed queue tables with more than ``vacuum_threshold`` dead tuples."""
+        """VACUUM consumed queue tables with more than ``vacuum_threshold`` dead tuples,
+        except those already VACUUMed under the current xmin horizon (nothing more to
+        remove until it moves)."""
+        dead = consumers.dead_tuples(tables, VACUUM_MIN_INTERVAL_SECONDS)
         due = [
             name
-            for name, dead in consumers.dead_tuples(tables, VACUUM_MIN_INTERVAL_SECONDS).items()
-            if dead > self.vacuum_threshold and name not in self._refused
+            for name, count in dead.items()
+            if count > self.vacuum_threshold and name not in self._refused
         ]
+        if not due:
+            self._horizon_moved(None)
+            return
+        holder = HorizonStore(self.connector).oldest_holder()
+        xmin = holder.xmin if holder is not None else None
+        held = [n for n in due if xmin is not None and self._vacuumed_under.get(n) == xmin]
+        if held and holder is not None:
+            self.vacuums_skipped += len(held)
+            self._held_by(holder, {n: dead[n] for n in held})
+        else:
+            self._horizon_moved(holder)
+        due = [n for n in due if n not in held]
         if not due:
             return
         vacuumer = Connector(self._dsn, role="vacuum")
@@ -106,6 +144,8 @@ class Maintainer(Service):
             for name in due:
                 try:
                     Consumers(vacuumer).vacuum(name)
+                    self.vacuums += 1
+                    self._vacuumed_under[name] = xmin
                 except errors.QueueNotFound:
                     continue
                 except errors.BrokerConnectionError:
@@ -120,3 +160,38 @@ class Maintainer(Service):
                     )
         finally:
             vacuumer.close()
+
+    def _held_by(self, holder: Horizon, held: dict[str, int]) -> None:
+        """Tables ``held`` ({PGMQ queue: dead rows}) were skipped: ``holder`` keeps their
+        dead rows; logged once per holder, once it held long enough."""
+        if self._holder is None or self._holder.key != holder.key:
+            self._holder, self._held_rounds, self._warned = holder, 0, False
+        self._held_rounds += 1
+        old = holder.old
+        old_enough = old if old is not None else self._held_rounds >= HIDDEN_AGE_ROUNDS
+        if self._warned or not old_enough:
+            return
+        self._warned = True
+        tables = ", ".join(f"pgmq.q_{n} ({d:,} dead rows)" for n, d in sorted(held.items()))
+        logger.warning(
+            "VACUUM cannot remove the dead rows of %s: %s holds the database's xmin "
+            "horizon, so every delivery and ack leaves row versions that stay and reads "
+            "walk them; VACUUM of these tables waits until it ends (end or time out long "
+            "transactions: idle_in_transaction_session_timeout, statement_timeout; see "
+            "kombu-pgmq queues)",
+            tables,
+            holder.describe(),
+        )
+
+    def _horizon_moved(self, holder: Horizon | None) -> None:
+        """The holder that kept tables from being VACUUMed is gone (``holder``: the
+        oldest one now, or None)."""
+        if self._holder is None or (holder is not None and holder.key == self._holder.key):
+            return
+        if self._warned:
+            logger.info(
+                "the xmin horizon moved on (%s no longer holds it): VACUUM of the queue "
+                "tables resumes",
+                self._holder.describe(),
+            )
+        self._holder, self._held_rounds, self._warned = None, 0, False
