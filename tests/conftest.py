@@ -10,6 +10,8 @@ without a Docker engine). Unit tests never start one.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -346,14 +348,15 @@ def spark_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
 def _warm_up(url: str) -> None:
     """Run one small job on the Spark Connect server at ``url``, so that no test's first
     job pays the server's cold start (first plans and code generation: seconds on 2
-    cores) inside a time limit it measures."""
-    from pyspark.sql import SparkSession
-
-    spark = SparkSession.builder.remote(url).getOrCreate()
-    try:
-        spark.range(1000).selectExpr("sum(id)").collect()
-    finally:
-        spark.stop()
+    cores) inside a time limit it measures. In a process of its own: a Spark Connect
+    session sets variables in ``os.environ`` (``SPARK_CONNECT_MODE_ENABLED``) that every
+    process the tests start would inherit."""
+    code = (
+        "import sys; from pyspark.sql import SparkSession; "
+        "spark = SparkSession.builder.remote(sys.argv[1]).getOrCreate(); "
+        "spark.range(1000).selectExpr('sum(id)').collect(); spark.stop()"
+    )
+    subprocess.run([sys.executable, "-c", code, url], check=True, timeout=300)
 
 
 @dataclass(frozen=True)
