@@ -126,7 +126,6 @@ class Maintainer(Service):
             if count > self.vacuum_threshold and name not in self._refused
         ]
         if not due:
-            self._horizon_moved(None)
             return
         holder = HorizonStore(self.connector).oldest_holder()
         xmin = holder.xmin if holder is not None else None
