@@ -68,32 +68,27 @@ URLS = {
 
 def _producer(target: str, url: str, rate: float, stop: Any, published: Any, lag: Any) -> None:
     """Publish ``{"t": time.time()}`` at ``rate`` per second until ``stop`` is set."""
-    gap = 1.0 / rate
-    if target == "pgmq":
-        with psycopg.connect(url, autocommit=True) as conn:
-            start = time.monotonic()
-            n = 0
-            while not stop.is_set():
-                due = start + n * gap
-                now = time.monotonic()
-                if due > now:
-                    time.sleep(due - now)
-                else:
-                    lag.value = now - due
-                conn.execute(
-                    "SELECT pgmq.send(%s, %s::jsonb)", (QUEUE, json.dumps({"t": time.time()}))
-                )
-                n += 1
-                published.value = n
-        return
-    from kombu import Connection, Producer, Queue
+    with contextlib.ExitStack() as stack:
+        if target == "pgmq":
+            conn = stack.enter_context(psycopg.connect(url, autocommit=True))
 
-    import kombu_pgmq  # noqa: F401
+            def send() -> None:
+                body = json.dumps({"t": time.time()})
+                conn.execute("SELECT pgmq.send(%s, %s::jsonb)", (QUEUE, body))
 
-    with Connection(url) as conn:
-        producer = Producer(conn.channel(), routing_key=QUEUE)
-        queue = Queue(QUEUE, routing_key=QUEUE)
-        queue(conn.default_channel).declare()
+        else:
+            from kombu import Connection, Producer, Queue
+
+            import kombu_pgmq  # noqa: F401
+
+            connection = stack.enter_context(Connection(url))
+            producer = Producer(connection.channel(), routing_key=QUEUE)
+            Queue(QUEUE, routing_key=QUEUE)(connection.default_channel).declare()
+
+            def send() -> None:
+                producer.publish({"t": time.time()}, routing_key=QUEUE, serializer="json")
+
+        gap = 1.0 / rate
         start = time.monotonic()
         n = 0
         while not stop.is_set():
@@ -102,8 +97,8 @@ def _producer(target: str, url: str, rate: float, stop: Any, published: Any, lag
             if due > now:
                 time.sleep(due - now)
             else:
-                lag.value = now - due
-            producer.publish({"t": time.time()}, routing_key=QUEUE, serializer="json")
+                lag.value = now - due  # behind schedule: published late
+            send()
             n += 1
             published.value = n
 
