@@ -164,6 +164,10 @@ class Interrupted:
     spark_pid: int
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_main_job_interrupted(run: FreshRun, tmp_path: Path, *args: str) -> Interrupted:
     """Run the main job as in a terminal and press Ctrl-C once the Spark Connect server its
     first Spark task started accepts connections (the pipeline runs)."""
@@ -180,6 +184,9 @@ def run_main_job_interrupted(run: FreshRun, tmp_path: Path, *args: str) -> Inter
             # The job and its children in a process group of their own, as a terminal's
             # foreground job: Ctrl-C signals that group.
             start_new_session=True,
+            # and with Ctrl-C's default action, as in a terminal, even when this test runs
+            # in a background job of a shell (which starts it with SIGINT ignored)
+            preexec_fn=_sigint_default,
         )
     try:
         wait_for(
