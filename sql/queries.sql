@@ -332,7 +332,7 @@ set_config('synchronous_commit', coalesce(%(commit)s::text,
     AS synchronous_commit
 
 -- name: hold_slots_cte
--- The {hold} of read_limited_queue and ack_queue for a limited queue (migration 0024): the
+-- The {hold} of read_limited_queue and ack_queue for a limited queue: the
 -- acks of tasks that run on hold their concurrency slots (kombu_pgmq.held_slots) in the
 -- ack's own transaction, from the rows it archives (never seen free), when the queue has a
 -- concurrency or key concurrency limit; key: the limit_key header. A data-modifying CTE
