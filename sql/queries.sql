@@ -135,7 +135,22 @@ FROM kombu_pgmq.read(%(queues)s::text[], %(vt_seconds)s::integer, %(qty)s::integ
 -- a.last_read_at, or NULL for PGMQ < 1.11. {commit_mode}: read_commit_mode, the commit
 -- mode of this statement's own transaction (no session SET: through a transaction pooler
 -- the session is not ours; issue 30).
-WITH acked AS (
+-- Position (kombu_pgmq/_db/positions.py): the scan of the vt index starts at bounds.scan_from,
+-- %(scan_from)s (epoch seconds; -Infinity: the start of the index), or earlier at the bound
+-- of a transaction in progress at the last read (%(watch_xids)s, %(watch_bounds)s) that has
+-- committed since: so it walks no dead row versions older than that, however many an old
+-- snapshot keeps. The last row (acked NULL) says where the read got to: its snapshot, its
+-- own transaction id (%(stamp)s: assign one if it has none), its statement's start,
+-- scan_from, and scanned_to: the vt up to which every visible row was taken (the last row
+-- taken when the batch filled; scan_from when a pause or a limit took nothing).
+WITH bounds AS MATERIALIZED (
+    SELECT clock_timestamp() AS scan_to,
+           least(to_timestamp(%(scan_from)s::float8),
+                 (SELECT min(to_timestamp(w.bound))
+                  FROM unnest(%(watch_xids)s::text[]::xid8[], %(watch_bounds)s::float8[])
+                       AS w(xid, bound)
+                  WHERE pg_visible_in_snapshot(w.xid, pg_current_snapshot()))) AS scan_from
+), acked AS (
     DELETE FROM {queue_table} AS t
     USING unnest(%(ack_ids)s::bigint[], %(ack_cts)s::integer[],
                  %(ack_enqueued)s::timestamptz[]) AS h(id, ct, at)
@@ -147,8 +162,9 @@ WITH acked AS (
     ON CONFLICT DO NOTHING
     RETURNING msg_id
 ), picked AS (
-    SELECT msg_id FROM {queue_table}
-    WHERE vt <= (SELECT clock_timestamp()) AND msg_id <> ALL(%(ack_ids)s::bigint[])
+    SELECT msg_id, vt FROM {queue_table}
+    WHERE vt >= (SELECT scan_from FROM bounds) AND vt <= (SELECT scan_to FROM bounds)
+      AND msg_id <> ALL(%(ack_ids)s::bigint[])
       AND NOT EXISTS (SELECT 1 FROM kombu_pgmq.paused p WHERE p.pgmq_queue = %(queue)s)
       AND NOT EXISTS (SELECT 1 FROM kombu_pgmq.limited l WHERE l.pgmq_queue = %(queue)s)
     ORDER BY vt, msg_id
@@ -164,10 +180,12 @@ WITH acked AS (
 )
 SELECT msg_id, read_ct, enqueued_at, message::text AS message, headers::text AS headers,
        extract(epoch FROM clock_timestamp() - enqueued_at)::float8 AS age_seconds,
-       false AS acked, {commit_mode}
+       false AS acked, {commit_mode},
+       NULL::text AS snapshot, NULL::text AS read_xid, NULL::float8 AS read_at,
+       NULL::float8 AS scan_from, NULL::float8 AS scanned_to
 FROM delivered
 UNION ALL
-SELECT a.msg_id, a.read_ct, a.enqueued_at, NULL, NULL, NULL, true, {commit_mode}
+SELECT a.msg_id, a.read_ct, a.enqueued_at, NULL, NULL, NULL, true, {commit_mode}, NULL, NULL, NULL, NULL, NULL
 FROM acked a
 WHERE CASE WHEN a.msg_id IN (SELECT msg_id FROM archived) THEN true
            ELSE kombu_pgmq.archive_under_new_id(%(queue)s, a.msg_id, a.read_ct, a.enqueued_at,
@@ -175,8 +193,23 @@ WHERE CASE WHEN a.msg_id IN (SELECT msg_id FROM archived) THEN true
                                                 {last_read_at}) IS NOT NULL
       END
 UNION ALL
-SELECT NULL, 0, NULL, NULL, NULL, NULL, false, NULL
+SELECT NULL, 0, NULL, NULL, NULL, NULL, false, NULL, NULL, NULL, NULL, NULL, NULL
 FROM kombu_pgmq.limited l WHERE l.pgmq_queue = %(queue)s
+UNION ALL
+SELECT NULL, 0, NULL, NULL, NULL, NULL, NULL, {commit_mode},
+       pg_current_snapshot()::text,
+       (CASE WHEN %(stamp)s::boolean THEN pg_current_xact_id()
+             ELSE pg_current_xact_id_if_assigned() END)::text,
+       extract(epoch FROM statement_timestamp())::float8,
+       extract(epoch FROM b.scan_from)::float8,
+       extract(epoch FROM CASE WHEN (SELECT count(*) FROM picked) >= %(qty)s THEN (SELECT max(vt) FROM picked)
+                                 WHEN EXISTS (SELECT 1 FROM kombu_pgmq.paused p
+                                              WHERE p.pgmq_queue = %(queue)s)
+                                      OR EXISTS (SELECT 1 FROM kombu_pgmq.limited l
+                                                 WHERE l.pgmq_queue = %(queue)s)
+                                 THEN b.scan_from
+                                 ELSE b.scan_to END)::float8
+FROM bounds b
 ORDER BY acked, msg_id
 
 -- name: read_queue_without_acks
@@ -185,31 +218,56 @@ ORDER BY acked, msg_id
 -- empty; through a transaction pooler, where nothing is prepared, that is paid on every
 -- read). Up to qty visible rows, oldest visibility first (the vt index, PGMQ's
 -- q_<name>_vt_idx: rows in flight, whose vt is in the future, are never walked past;
--- (SELECT clock_timestamp()) is computed once, so it bounds the index scan), msg_id
--- breaking ties; nothing from a paused queue (migration 0012); a limited one (migration
--- 0021) delivers nothing and says so with its marker row (msg_id NULL), as read_queue.
--- Placeholders as read_queue's.
-WITH delivered AS (
+-- bounds.scan_to is computed once, so it bounds the index scan, as scan_from does below),
+-- msg_id breaking ties; nothing from a paused queue; a limited one delivers nothing and
+-- says so with its marker row (msg_id NULL), as read_queue. Placeholders, position and
+-- position row as read_queue's.
+WITH bounds AS MATERIALIZED (
+    SELECT clock_timestamp() AS scan_to,
+           least(to_timestamp(%(scan_from)s::float8),
+                 (SELECT min(to_timestamp(w.bound))
+                  FROM unnest(%(watch_xids)s::text[]::xid8[], %(watch_bounds)s::float8[])
+                       AS w(xid, bound)
+                  WHERE pg_visible_in_snapshot(w.xid, pg_current_snapshot()))) AS scan_from
+), picked AS (
+    SELECT msg_id, vt FROM {queue_table}
+    WHERE vt >= (SELECT scan_from FROM bounds) AND vt <= (SELECT scan_to FROM bounds)
+      AND NOT EXISTS (SELECT 1 FROM kombu_pgmq.paused p WHERE p.pgmq_queue = %(queue)s)
+      AND NOT EXISTS (SELECT 1 FROM kombu_pgmq.limited l WHERE l.pgmq_queue = %(queue)s)
+    ORDER BY vt, msg_id
+    LIMIT %(qty)s
+    FOR UPDATE SKIP LOCKED
+), delivered AS (
     UPDATE {queue_table} AS m
     SET vt = clock_timestamp() + make_interval(secs => %(vt_seconds)s::integer),
         read_ct = m.read_ct + 1{touch}
-    WHERE m.msg_id = ANY(ARRAY(
-        SELECT msg_id FROM {queue_table}
-        WHERE vt <= (SELECT clock_timestamp())
-          AND NOT EXISTS (SELECT 1 FROM kombu_pgmq.paused p WHERE p.pgmq_queue = %(queue)s)
-          AND NOT EXISTS (SELECT 1 FROM kombu_pgmq.limited l WHERE l.pgmq_queue = %(queue)s)
-        ORDER BY vt, msg_id
-        LIMIT %(qty)s
-        FOR UPDATE SKIP LOCKED))
+    WHERE m.msg_id = ANY(ARRAY(SELECT msg_id FROM picked))
     RETURNING m.msg_id, m.read_ct, m.enqueued_at, m.message, m.headers
 )
 SELECT msg_id, read_ct, enqueued_at, message::text AS message, headers::text AS headers,
        extract(epoch FROM clock_timestamp() - enqueued_at)::float8 AS age_seconds,
-       false AS acked, {commit_mode}
+       false AS acked, {commit_mode},
+       NULL::text AS snapshot, NULL::text AS read_xid, NULL::float8 AS read_at,
+       NULL::float8 AS scan_from, NULL::float8 AS scanned_to
 FROM delivered
 UNION ALL
-SELECT NULL, 0, NULL, NULL, NULL, NULL, false, NULL
+SELECT NULL, 0, NULL, NULL, NULL, NULL, false, NULL, NULL, NULL, NULL, NULL, NULL
 FROM kombu_pgmq.limited l WHERE l.pgmq_queue = %(queue)s
+UNION ALL
+SELECT NULL, 0, NULL, NULL, NULL, NULL, NULL, {commit_mode},
+       pg_current_snapshot()::text,
+       (CASE WHEN %(stamp)s::boolean THEN pg_current_xact_id()
+             ELSE pg_current_xact_id_if_assigned() END)::text,
+       extract(epoch FROM statement_timestamp())::float8,
+       extract(epoch FROM b.scan_from)::float8,
+       extract(epoch FROM CASE WHEN (SELECT count(*) FROM picked) >= %(qty)s THEN (SELECT max(vt) FROM picked)
+                                 WHEN EXISTS (SELECT 1 FROM kombu_pgmq.paused p
+                                              WHERE p.pgmq_queue = %(queue)s)
+                                      OR EXISTS (SELECT 1 FROM kombu_pgmq.limited l
+                                                 WHERE l.pgmq_queue = %(queue)s)
+                                 THEN b.scan_from
+                                 ELSE b.scan_to END)::float8
+FROM bounds b
 ORDER BY msg_id
 
 -- name: read_limited_queue
@@ -230,12 +288,20 @@ ORDER BY msg_id
 -- marker: the queue is not limited (read as read_queue). The limit logic lives in the
 -- two functions, whose statements' plans PL/pgSQL caches: this statement is planned at
 -- every call (custom plans, as read_queue), and each CTE here costs planning time.
--- Placeholders as read_queue's; {hold}: hold_slots_cte (%(hold_ids)s: the acks whose tasks
+-- Placeholders, position and position row as read_queue's (scanned_to: the vt of the
+-- first row the limits left, when they left one); {hold}: hold_slots_cte (%(hold_ids)s: the acks whose tasks
 -- run on, their slots held for %(hold_seconds)s seconds). %(freed_ids)s: the other acks,
 -- whose slots they free: limit_take leaves them out of what is in flight (its statements
 -- still see the rows this one deletes, and not the slots it holds: a held ack's row
 -- counts in their place), limit_done wakes waiting consumers if one was settled.
-WITH acked AS (
+WITH bounds AS MATERIALIZED (
+    SELECT clock_timestamp() AS scan_to,
+           least(to_timestamp(%(scan_from)s::float8),
+                 (SELECT min(to_timestamp(w.bound))
+                  FROM unnest(%(watch_xids)s::text[]::xid8[], %(watch_bounds)s::float8[])
+                       AS w(xid, bound)
+                  WHERE pg_visible_in_snapshot(w.xid, pg_current_snapshot()))) AS scan_from
+), acked AS (
     DELETE FROM {queue_table} AS t
     USING unnest(%(ack_ids)s::bigint[], %(ack_cts)s::integer[],
                  %(ack_enqueued)s::timestamptz[]) AS h(id, ct, at)
@@ -251,7 +317,8 @@ WITH acked AS (
     FROM kombu_pgmq.limit_take(%(queue)s, %(qty)s::integer, %(freed_ids)s::bigint[])
 ), picked AS (
     SELECT msg_id, vt FROM {queue_table}
-    WHERE vt <= (SELECT clock_timestamp()) AND msg_id <> ALL(%(ack_ids)s::bigint[])
+    WHERE vt >= (SELECT scan_from FROM bounds) AND vt <= (SELECT scan_to FROM bounds)
+      AND msg_id <> ALL(%(ack_ids)s::bigint[])
       AND NOT EXISTS (SELECT 1 FROM kombu_pgmq.paused p WHERE p.pgmq_queue = %(queue)s)
     ORDER BY vt, msg_id
     LIMIT %(qty)s
@@ -278,10 +345,12 @@ WITH acked AS (
 )
 SELECT msg_id, read_ct, enqueued_at, message::text AS message, headers::text AS headers,
        extract(epoch FROM clock_timestamp() - enqueued_at)::float8 AS age_seconds,
-       false AS acked, {commit_mode}
+       false AS acked, {commit_mode},
+       NULL::text AS snapshot, NULL::text AS read_xid, NULL::float8 AS read_at,
+       NULL::float8 AS scan_from, NULL::float8 AS scanned_to
 FROM delivered
 UNION ALL
-SELECT a.msg_id, a.read_ct, a.enqueued_at, NULL, NULL, NULL, true, {commit_mode}
+SELECT a.msg_id, a.read_ct, a.enqueued_at, NULL, NULL, NULL, true, {commit_mode}, NULL, NULL, NULL, NULL, NULL
 FROM acked a
 WHERE CASE WHEN a.msg_id IN (SELECT msg_id FROM archived) THEN true
            ELSE kombu_pgmq.archive_under_new_id(%(queue)s, a.msg_id, a.read_ct, a.enqueued_at,
@@ -289,8 +358,25 @@ WHERE CASE WHEN a.msg_id IN (SELECT msg_id FROM archived) THEN true
                                                 {last_read_at}) IS NOT NULL
       END
 UNION ALL
-SELECT NULL, m.state::integer, NULL, NULL, NULL, m.retry_seconds, false, {commit_mode}
+SELECT NULL, m.state::integer, NULL, NULL, NULL, m.retry_seconds, false, {commit_mode}, NULL, NULL, NULL, NULL, NULL
 FROM marker m
+UNION ALL
+SELECT NULL, 0, NULL, NULL, NULL, NULL, NULL, {commit_mode},
+       pg_current_snapshot()::text,
+       (CASE WHEN %(stamp)s::boolean THEN pg_current_xact_id()
+             ELSE pg_current_xact_id_if_assigned() END)::text,
+       extract(epoch FROM statement_timestamp())::float8,
+       extract(epoch FROM b.scan_from)::float8,
+       extract(epoch FROM CASE WHEN (SELECT count(*) FROM chosen) < (SELECT count(*) FROM picked)
+                                 THEN (SELECT min(p.vt) FROM picked p
+                                       WHERE p.msg_id NOT IN (SELECT msg_id FROM chosen))
+                                 WHEN (SELECT count(*) FROM picked) >= %(qty)s
+                                 THEN (SELECT max(vt) FROM picked)
+                                 WHEN EXISTS (SELECT 1 FROM kombu_pgmq.paused p
+                                              WHERE p.pgmq_queue = %(queue)s)
+                                 THEN b.scan_from
+                                 ELSE b.scan_to END)::float8
+FROM bounds b
 ORDER BY acked, msg_id
 
 -- name: ack_queue

@@ -21,6 +21,7 @@ from .connector import Connector
 from .declarations import Declarations
 from .external import ExternalConnector
 from .nowait import Nowait
+from .positions import ReadPosition, ReadPositions
 from .rows import (
     KEY_LIMITED,
     QueueInfo,
@@ -41,6 +42,9 @@ logger = logging.getLogger(__name__)
 
 _ARCHIVE_COLUMNS = ("msg_id", "read_ct", "enqueued_at", "last_read_at", "vt", "message", "headers")
 
+
+#: read statements' position parameters for a read of nothing (acks alone)
+_NO_SCAN = {"scan_from": float("inf"), "watch_xids": [], "watch_bounds": [], "stamp": False}
 
 __all__ = ["Broker", "QueueInfo", "Receipt", "RoutingTable", "Row"]
 
@@ -69,6 +73,8 @@ class Broker(Declarations, Nowait):
         #: reach it (a NOTIFY, a hand-over) before their WAL flush and return after it
         #: (transport option ``visible_before_flush``; :meth:`_flushed`).
         self.visible_before_flush = False
+        #: Where the reads of each queue start their walk of the vt index.
+        self.positions = ReadPositions()
 
     def database_identity(self) -> tuple[str, Any]:
         """``(database name, server start time)`` of the database this connection
@@ -312,19 +318,24 @@ class Broker(Declarations, Nowait):
             # the commit mode of the statement's own transaction (no session SET)
             "commit": None if durable else "off",
             **slot_holds(acks),
+            **(self.positions.params(queue) if qty else _NO_SCAN),
         }
         if limited:
             name = "read_limited_queue"
         else:  # the read alone plans in a third of the time (sql/queries.sql)
             name = "read_queue" if acks else "read_queue_without_acks"
-        rows = self._fetch_direct(
-            name,
-            queue,
-            lambda: self._compose_read_queue(queue, name),
-            params,
-            ReadRow,
-            synchronous=True if durable else None,
-        )
+        try:
+            rows = self._fetch_direct(
+                name,
+                queue,
+                lambda: self._compose_read_queue(queue, name),
+                params,
+                ReadRow,
+                synchronous=True if durable else None,
+            )
+        except QueueNotFound:
+            self.positions.forget(queue)
+            raise
         delivered = Reads(
             Row(
                 r.msg_id,
@@ -336,10 +347,16 @@ class Broker(Declarations, Nowait):
                 r.enqueued_at,
             )
             for r in rows
-            if not r.acked and r.msg_id is not None
+            if r.acked is False and r.msg_id is not None
         )
         for r in rows:
-            if r.msg_id is None:
+            if r.snapshot is not None:
+                if qty:
+                    self.positions.advance(
+                        queue,
+                        ReadPosition(r.snapshot, r.read_xid, r.read_at, r.scan_from, r.scanned_to),
+                    )
+            elif r.msg_id is None:
                 delivered.limits[queue] = Throttle(r.read_ct, r.age_seconds)
         return delivered, [int(r.msg_id) for r in rows if r.acked]
 

@@ -207,7 +207,13 @@ class ReadRow(NamedTuple):
     message: str | None
     headers: str | None
     age_seconds: float | None
-    acked: bool
+    acked: bool | None
+    #: the position row's (acked NULL): see kombu_pgmq._db.positions.ReadPosition
+    snapshot: str | None = None
+    read_xid: str | None = None
+    read_at: float | None = None
+    scan_from: float | None = None
+    scanned_to: float | None = None
 
 
 #: Columns pgmq.archive moves to the archive (those the tables have: PGMQ < 1.11 has no

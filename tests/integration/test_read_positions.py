@@ -1,0 +1,192 @@
+"""Reads that start at a position in PGMQ's vt index, against a real PostgreSQL: while an
+old snapshot keeps every dead row version, a read walks the index entries of the last
+moments only, not all of them; and no row a bounded read cannot see yet is lost (a
+transaction that commits a message late, a delayed message, a lease that lapses, a
+``pgmq.send`` with a past visibility time)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+
+from kombu_pgmq._db import positions
+from kombu_pgmq._db.broker import Broker
+from kombu_pgmq._db.connector import Connector
+from kombu_pgmq._db.rows import Receipt
+from kombu_pgmq._naming import pgmq_queue_name
+
+from .helpers import connect, sql, wait_for
+
+
+@pytest.fixture(autouse=True)
+def no_full_scans(monkeypatch):
+    """Every read of these tests is bounded by its position (the periodic read from the
+    start of the index would hide a missed row), unless a test says otherwise."""
+    monkeypatch.setattr(positions, "FULL_SCAN_SECONDS", 3600.0)
+
+
+@contextlib.contextmanager
+def broker(dsn: str, queue: str) -> Iterator[Broker]:
+    with connect(dsn) as conn:
+        conn.channel().queue_declare(queue)
+    db = Connector(dsn)
+    try:
+        yield Broker(db)
+    finally:
+        db.close()
+
+
+@contextlib.contextmanager
+def held(dsn: str, *, write: bool = False) -> Iterator[psycopg.Connection]:
+    """A session idle in an old REPEATABLE READ transaction (``write``: one that has
+    written, so its transaction id is in progress too)."""
+    with psycopg.connect(dsn, application_name="report_job") as holder:
+        holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        holder.execute("SELECT count(*) FROM pg_class")
+        if write:
+            holder.execute("CREATE TEMP TABLE scratch (n int)")
+            holder.execute("INSERT INTO scratch VALUES (1)")
+        yield holder
+        holder.rollback()
+
+
+def cycle(pgmq: Broker, queue: str, n: int) -> None:
+    """Publish ``n`` messages, read them and archive them: each leaves dead versions."""
+    for i in range(n):
+        pgmq.send(queue, json.dumps({"n": i}), "{}", deduplicated=False)
+    rows = pgmq.read_many([queue], 30, n)
+    assert len(rows) == n
+    ids = [r.msg_id for r in rows]
+    pgmq.db.connection.execute("SELECT pgmq.archive(%s, %s::bigint[])", (queue, ids))
+
+
+def entries_walked(pgmq: Broker, dsn: str, queue: str) -> int:
+    """Index entries of the queue's vt index one empty read walks (pg_stat_user_indexes
+    idx_tup_read: every entry the scan returned, dead or alive)."""
+
+    def walked() -> int:
+        pgmq.db.connection.execute("SELECT pg_stat_force_next_flush()")
+        pgmq.db.connection.execute("SELECT 1")  # the flush happens at its end
+        ((n,),) = sql(
+            dsn,
+            "SELECT idx_tup_read FROM pg_stat_user_indexes "
+            "WHERE schemaname = 'pgmq' AND indexrelname = %s",
+            (f"q_{queue}_vt_idx",),
+        )
+        return int(n)
+
+    before = walked()
+    assert pgmq.read_many([queue], 30, 10) == []
+    return walked() - before
+
+
+def test_reads_walk_the_same_few_entries_however_long_a_snapshot_is_held(db_dsn):
+    queue = pgmq_queue_name("walk")
+    with broker(db_dsn, "walk") as pgmq, held(db_dsn):
+        for _ in range(5):
+            cycle(pgmq, queue, 200)
+        early = entries_walked(pgmq, db_dsn, queue)
+        for _ in range(45):
+            cycle(pgmq, queue, 200)
+        late = entries_walked(pgmq, db_dsn, queue)
+        pgmq.positions.forget(queue)
+        from_start = entries_walked(pgmq, db_dsn, queue)
+    # 10,000 messages delivered and archived behind the snapshot, all still in the index:
+    # a read from the start walks them all, a read from its position about one cycle's.
+    assert from_start >= 10_000
+    assert late <= 2 * early + 200, (early, late)
+    assert late < 2_000, late
+
+
+def test_a_long_transaction_that_has_written_does_not_hold_the_position_back(db_dsn):
+    queue = pgmq_queue_name("writer")
+    with broker(db_dsn, "writer") as pgmq, held(db_dsn, write=True):
+        for _ in range(5):
+            cycle(pgmq, queue, 200)
+        early = entries_walked(pgmq, db_dsn, queue)
+        for _ in range(25):
+            cycle(pgmq, queue, 200)
+        late = entries_walked(pgmq, db_dsn, queue)
+    assert late <= 2 * early + 200, (early, late)
+    assert late < 2_000, late
+
+
+@pytest.mark.parametrize("when", ["id-before-reads", "id-at-send", "commit-before-listed"])
+def test_a_message_committed_late_is_delivered(db_dsn, when):
+    """A transaction publishes (vt = the time of its INSERT) and commits only after reads
+    moved past that time: the read after its commit delivers it. id-before-reads: the
+    transaction has had its id since before those reads (it is in their snapshots'
+    in-progress list); id-at-send: it gets its id with the INSERT; commit-before-listed:
+    it commits right after one read whose snapshot did not list it yet (its id is above
+    that snapshot's xmax: no transaction with a later id had ended)."""
+    queue = pgmq_queue_name("late")
+    with broker(db_dsn, "late") as pgmq:
+        cycle(pgmq, queue, 5)
+        with psycopg.connect(db_dsn) as app:
+            if when == "id-before-reads":
+                app.execute("SELECT pg_current_xact_id()")
+                cycle(pgmq, queue, 5)
+            app.execute("SELECT pgmq.send(%s, '{\"late\": true}'::jsonb)", (queue,))
+            if when == "commit-before-listed":
+                time.sleep(0.05)
+                assert pgmq.read_many([queue], 30, 10) == []  # moves on past its vt
+            else:
+                for _ in range(20):  # the position moves on past the late message's vt
+                    cycle(pgmq, queue, 5)
+                    time.sleep(0.05)
+                assert pgmq.read_many([queue], 30, 10) == []
+            app.commit()
+        rows = pgmq.read_many([queue], 30, 10)
+        assert [json.loads(r.message) for r in rows] == [{"late": True}]
+
+
+def test_messages_that_become_visible_again_below_the_position_are_delivered(db_dsn):
+    """A delayed message, a lease that lapses and a requeue with a delay come due while
+    reads move on: each is delivered when due, without a read from the start."""
+    queue = pgmq_queue_name("due")
+    with broker(db_dsn, "due") as pgmq:
+        pgmq.send(queue, '{"delayed": true}', "{}", 2, deduplicated=False)
+        pgmq.send(queue, '{"leased": true}', "{}", deduplicated=False)
+        pgmq.send(queue, '{"requeued": true}', "{}", deduplicated=False)
+        _leased, requeued = pgmq.read_many([queue], 1, 10)  # invisible for 1 s
+        receipt = Receipt(queue, requeued.msg_id, requeued.read_ct, requeued.enqueued_at)
+        assert pgmq.requeue([receipt], 2) == {(queue, requeued.msg_id)}
+        got: list[dict[str, bool]] = []
+        deadline = time.monotonic() + 10
+        while len(got) < 3 and time.monotonic() < deadline:
+            for i in range(3):
+                pgmq.send(queue, json.dumps({"n": i}), "{}", deduplicated=False)
+            rows = pgmq.read_many([queue], 30, 10)
+            ids = [r.msg_id for r in rows]
+            pgmq.db.connection.execute("SELECT pgmq.archive(%s, %s::bigint[])", (queue, ids))
+            got += [m for m in (json.loads(r.message) for r in rows) if "n" not in m]
+            time.sleep(0.1)
+        assert sorted(got, key=str) == [{"delayed": True}, {"leased": True}, {"requeued": True}]
+
+
+def test_a_past_visibility_time_is_found_by_the_periodic_read_from_the_start(db_dsn, monkeypatch):
+    """``pgmq.send`` with a timestamp in the past writes a row below every position: the
+    read from the start of the index (every FULL_SCAN_SECONDS) delivers it."""
+    monkeypatch.setattr(positions, "FULL_SCAN_SECONDS", 1.0)
+    queue = pgmq_queue_name("past")
+    with broker(db_dsn, "past") as pgmq:
+        cycle(pgmq, queue, 5)
+        sql(
+            db_dsn,
+            "SELECT pgmq.send(%s, '{\"past\": true}'::jsonb, now() - interval '1 hour')",
+            (queue,),
+        )
+        got: list[object] = []
+        wait_for(
+            lambda: (
+                got.extend(json.loads(r.message) for r in pgmq.read_many([queue], 30, 10)) or got
+            ),
+            5,
+            "the message sent with a past visibility time",
+        )
+        assert got == [{"past": True}]
