@@ -486,17 +486,19 @@ SELECT queue, unsettled, due_in_seconds, server_epoch
 FROM kombu_pgmq.wait_for_due(%(owner)s, %(queues)s::text[])
 
 -- name: wait_for_handoff
--- wait_for, offering one hand-over slot (migration 0023) on those of the queues whose
+-- wait_for, offering one hand-over slot (migrations 0023, 0026) on those of the queues whose
 -- consumers take messages with acks: publishes then hand a message to this connection in
 -- its NOTIFY (channel, held by the session advisory lock lock_key on the LISTEN
--- connection), delivered with a visibility timeout of vt_seconds.
+-- connection, claimed on its sequence kombu_pgmq.handoff_<seq>), delivered with a
+-- visibility timeout of vt_seconds.
 SELECT queue, unsettled, due_in_seconds, server_epoch
 FROM kombu_pgmq.wait_for_handoff(%(owner)s, %(queues)s::text[], %(handoff_queues)s::text[],
-                                 %(channel)s, %(lock_key)s::bigint, %(vt_seconds)s::integer)
+                                 %(channel)s, %(lock_key)s::bigint, %(vt_seconds)s::integer,
+                                 %(seq)s::integer)
 
 -- name: rearm_handoff
--- Offer a hand-over slot again on queues this connection still waits on (migration 0023);
--- returns those it still waits on.
+-- Offer this connection's hand-over slot again on queues (migrations 0023, 0026): the
+-- queues it offers from now on; returns those it still waits on.
 SELECT queue FROM kombu_pgmq.rearm_handoff(%(owner)s, %(queues)s::text[]) AS queue
 
 -- name: visible_probe
@@ -512,8 +514,10 @@ WHERE EXISTS (SELECT 1 FROM {queue_table} WHERE vt <= (SELECT clock_timestamp())
 
 -- name: handoff_lock
 -- The LISTEN connection's session advisory lock, held while it listens for hand-overs
--- (migration 0023): publishers skip the slots of a connection that no longer holds it.
-SELECT pg_advisory_lock(%(lock_key)s::bigint)
+-- (migration 0023): publishers skip the slots of a connection that no longer holds it; and
+-- the lease of the sequence its slot is claimed on (kombu_pgmq.handoff_<seq>, migration
+-- 0026), for the life of the session.
+SELECT kombu_pgmq.handoff_lease(%(lock_key)s::bigint) AS seq
 
 -- name: round_trip
 -- Nothing but a round trip: notifications committed before it are read before its result.

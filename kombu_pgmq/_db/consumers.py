@@ -33,12 +33,15 @@ class HandoffSlot(NamedTuple):
     """A hand-over slot offered with :meth:`Consumers.wait_for` (migration 0023): the
     LISTEN connection's NOTIFY ``channel`` and the session advisory lock ``lock_key`` it
     holds while listening (:func:`kombu_pgmq._db.handoff.new_slot`), the visibility
-    timeout of a handed message (``vt_seconds``), and the PGMQ ``queues`` offered."""
+    timeout of a handed message (``vt_seconds``), the PGMQ ``queues`` offered, and the
+    number of the sequence the slot is claimed on (``seq``:
+    :meth:`Consumers.hold_handoff_lock`)."""
 
     channel: str
     lock_key: int
     vt_seconds: int
     queues: Sequence[str]
+    seq: int
 
 
 class _Wait(NamedTuple):
@@ -105,6 +108,7 @@ class Consumers:
                 channel=handoff.channel,
                 lock_key=handoff.lock_key,
                 vt_seconds=handoff.vt_seconds,
+                seq=handoff.seq,
             )
             rows = self.db.fetch("wait_for_handoff", params, _Wait)
         now = (sent + time.time()) / 2.0
@@ -175,10 +179,11 @@ class Consumers:
             on_error=on_error,
         )
 
-    def hold_handoff_lock(self, lock_key: int) -> None:
+    def hold_handoff_lock(self, lock_key: int) -> int:
         """Take the session advisory lock a LISTEN connection holds while it listens for
-        hand-overs (see :class:`HandoffSlot`)."""
-        self.db.execute("handoff_lock", {"lock_key": lock_key})
+        hand-overs (see :class:`HandoffSlot`), and lease the sequence its slot is claimed
+        on for the life of the session; returns that sequence's number."""
+        return int(self.db.column("handoff_lock", {"lock_key": lock_key})[0])
 
     def stop_waiting(self, owner: str, queues: Sequence[str] | None = None) -> None:
         """Publishers need not notify ``owner`` for ``queues`` (None: any queue) any more."""

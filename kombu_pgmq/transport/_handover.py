@@ -44,15 +44,17 @@ class Handover:
         #: Queues whose slot is offered again by :meth:`rearm_now` (``defer_rearm``).
         self.rearm_pending: set[str] = set()
 
-    def slot(self, slot: tuple[str, int] | None, names: Iterable[str]) -> HandoffSlot | None:
-        """The slot to offer with ``wait_for`` on PGMQ queues ``names``: those of them
-        consumed with acks (``no_ack`` consumers pop instead). None without a LISTEN
-        connection (``slot`` None) or with the transport option ``handover=False``."""
-        if slot is None or not self.transport.options.handover:
+    def slot(self, listener: Listener, names: Iterable[str]) -> HandoffSlot | None:
+        """The slot of ``listener``'s connection to offer with ``wait_for`` on PGMQ queues
+        ``names``: those of them consumed with acks (``no_ack`` consumers pop instead).
+        None without a LISTEN connection (or before it leased its sequence) or with the
+        transport option ``handover=False``."""
+        slot, seq = listener.slot, listener.slot_seq
+        if slot is None or seq is None or not self.transport.options.handover:
             return None
         queues = sorted(n for n in names if self._consumer(n, acks=True) is not None)
         vt = self.transport.options.vt_seconds
-        return HandoffSlot(slot[0], slot[1], vt, queues)
+        return HandoffSlot(slot[0], slot[1], vt, queues, seq)
 
     def _consumer(self, name: str, *, acks: bool = False) -> tuple[Any, str] | None:
         """``(channel, kombu queue)`` consuming PGMQ queue ``name`` (a band of it), or
@@ -127,8 +129,11 @@ class Handover:
         given until it is read; a queue no longer waited on then leaves ``waiting``, to
         be waited on again when next found empty)."""
 
+        # the slot is one per connection: every queue it is to be offered on is named
+        offer = sorted(set(names) | self.armed)
+
         def offered(still: set[str]) -> None:
-            gone = set(names) - still
+            gone = set(offer) - still
             self.armed.difference_update(gone)
             waiting.difference_update(gone)
 
@@ -138,7 +143,7 @@ class Handover:
         consumers = Consumers(self.transport.broker().db)
         try:
             consumers.rearm_handoff_nowait(
-                self.transport.owner, names, on_offered=offered, on_error=failed
+                self.transport.owner, offer, on_offered=offered, on_error=failed
             )
         except errors.KombuPgmqError:
             to_read.update(names)  # read and wait again the usual way

@@ -67,6 +67,9 @@ class Listener:
         #: ``(channel, advisory lock key)`` of this connection's hand-overs (migration
         #: 0023), the same across reconnects; None when :attr:`polling`.
         self.slot: tuple[str, int] | None = None if dsn is None else handoff.new_slot()
+        #: The number of the sequence this connection's slot is claimed on, leased with
+        #: its lock (None until the LISTEN connection is open).
+        self.slot_seq: int | None = None
         self._queues: set[str] = set()
         self._pipe_r, self._pipe_w = os.pipe()
         os.set_blocking(self._pipe_r, False)
@@ -109,7 +112,7 @@ class Listener:
                 if self.slot is not None:
                     # LISTEN first: once the lock is held, publishers may hand over
                     consumers.listen([self.slot[0]])
-                    consumers.hold_handoff_lock(self.slot[1])
+                    self.slot_seq = consumers.hold_handoff_lock(self.slot[1])
             except BaseException:
                 connector.close()
                 raise
@@ -302,6 +305,7 @@ class Listener:
 
     def _drop(self) -> None:
         self._probed = set()  # the caller reads every queue after a lost connection
+        self.slot_seq = None  # the lease ended with the session
         connector, self._connector = self._connector, None
         if connector is not None:
             connector.close()
@@ -311,6 +315,7 @@ class Listener:
         the server (the connector abandons it) and close this process's copies of the
         pipe."""
         self._connector, connector = None, self._connector
+        self.slot_seq = None
         if connector is not None:
             connector.close()  # in a child, the connector abandons: nothing is sent
         self.close()

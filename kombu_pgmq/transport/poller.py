@@ -362,15 +362,17 @@ class Poller(Recovery, DueReads):
             self._waiting.difference_update(to_busy)
             self.handover.armed.difference_update(to_busy)
         listener = self.listener()
-        rearm = self.handover.slot(listener.slot, (drained & self._waiting) - self.handover.armed)
+        rearm = self.handover.slot(listener, (drained & self._waiting) - self.handover.armed)
         if rearm is not None and rearm.queues:  # took a handed message, found empty now
             consumers = Consumers(transport.broker().db)
-            offered = consumers.rearm_handoff(transport.owner, rearm.queues)
-            self.handover.armed |= offered
-            self._waiting -= set(rearm.queues) - offered  # not waited on: wait_for again
+            # the slot is one per connection: every queue it is to be offered on is named
+            offer = set(rearm.queues) | self.handover.armed
+            offered = consumers.rearm_handoff(transport.owner, sorted(offer))
+            self.handover.armed = offered
+            self._waiting -= offer - offered  # not waited on: wait_for again
         if to_wait:
             listener.fileno()  # LISTEN before publishers can see us waiting
-            slot = self.handover.slot(listener.slot, to_wait)
+            slot = self.handover.slot(listener, to_wait)
             waiting = Consumers(transport.broker().db).wait_for(
                 transport.owner, sorted(to_wait), slot
             )

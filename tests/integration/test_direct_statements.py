@@ -234,7 +234,7 @@ def test_a_handed_over_row_is_pgmq_s_delivered_row(
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and not sql(
             url,
-            "SELECT 1 FROM kombu_pgmq.waiting WHERE pgmq_queue = %s AND handoff_slots = 1",
+            "SELECT 1 FROM kombu_pgmq.handoff_offers WHERE pgmq_queue = %s",
             (PGMQ,),
         ):
             with contextlib.suppress(TimeoutError):

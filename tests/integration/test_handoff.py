@@ -34,7 +34,9 @@ def slots(db_dsn: str, queue: str) -> list[int]:
     """Hand-over slots offered on the queue, one entry per waiting connection."""
     found = sql(
         db_dsn,
-        "SELECT handoff_slots FROM kombu_pgmq.waiting WHERE pgmq_queue = %s ORDER BY since",
+        "SELECT (o.owner IS NOT NULL)::int FROM kombu_pgmq.waiting w "
+        "LEFT JOIN kombu_pgmq.handoff_offers o USING (pgmq_queue, owner) "
+        "WHERE w.pgmq_queue = %s ORDER BY w.since",
         (pgmq_queue_name(queue),),
     )
     return [r[0] for r in found]
@@ -83,6 +85,35 @@ def wait_until_offered(conn: Connection, db_dsn: str, queue: str, count: int = 1
         with contextlib.suppress(TimeoutError):
             conn.drain_events(timeout=0.2)
     assert slots(db_dsn, queue).count(1) >= count, slots(db_dsn, queue)
+
+
+def test_claims_and_offers_write_no_waiting_row(db_dsn):
+    """A claim (nextval) and the offer that follows (setval) change the consumer's
+    sequence, not its kombu_pgmq.waiting row: the row keeps its version (ctid, xmin)
+    through 30 hand-overs, so no dead versions pile up for publishes to walk while a long
+    transaction holds the xmin horizon."""
+    got: list[Any] = []
+    with (
+        connect(db_dsn, polling_interval=NO_FALLBACK) as conn,
+        connect(db_dsn) as producer,
+        Consumer(
+            conn.channel(),
+            [Queue("ho_rows", routing_key="ho_rows")],
+            on_message=lambda m: (got.append(m), m.ack()),
+        ),
+    ):
+        wait_until_offered(conn, db_dsn, "ho_rows")
+        version = "SELECT ctid::text, xmin::text FROM kombu_pgmq.waiting WHERE pgmq_queue = %s"
+        (before_version,) = sql(db_dsn, version, (pgmq_queue_name("ho_rows"),))
+        before = STATS.handovers
+        send = Sender(producer, "ho_rows")
+        for n in range(30):
+            send({"n": n})
+            drain_until(conn, got, n + 1, timeout=5)
+            wait_until_offered(conn, db_dsn, "ho_rows")
+        assert [m.decode() for m in got] == [{"n": n} for n in range(30)]
+        assert STATS.handovers == before + 30
+        assert sql(db_dsn, version, (pgmq_queue_name("ho_rows"),)) == [before_version]
 
 
 def test_a_waiting_consumer_is_handed_the_message_and_offers_its_slot_again(db_dsn):
@@ -331,8 +362,7 @@ def test_one_slot_per_connection_across_priority_bands(db_dsn):
         deadline = time.monotonic() + 10
         bands = sql(
             db_dsn,
-            "SELECT count(*) FROM kombu_pgmq.waiting WHERE handoff_slots = 1 AND pgmq_queue "
-            "LIKE %s",
+            "SELECT count(*) FROM kombu_pgmq.handoff_offers WHERE pgmq_queue LIKE %s",
             (pgmq_queue_name("ho_prio") + "%",),
         )
         while bands[0][0] < 3 and time.monotonic() < deadline:
@@ -340,8 +370,7 @@ def test_one_slot_per_connection_across_priority_bands(db_dsn):
                 conn.drain_events(timeout=0.2)
             bands = sql(
                 db_dsn,
-                "SELECT count(*) FROM kombu_pgmq.waiting WHERE handoff_slots = 1 AND "
-                "pgmq_queue LIKE %s",
+                "SELECT count(*) FROM kombu_pgmq.handoff_offers WHERE pgmq_queue LIKE %s",
                 (pgmq_queue_name("ho_prio") + "%",),
             )
         assert bands == [(3,)]  # a slot offered on each of the three bands
@@ -354,8 +383,7 @@ def test_one_slot_per_connection_across_priority_bands(db_dsn):
         send.publish("high", routing_key="ho_prio", priority=9)
         handed = sql(
             db_dsn,
-            "SELECT count(*) FROM kombu_pgmq.waiting WHERE handoff_slots = 1 AND pgmq_queue "
-            "LIKE %s",
+            "SELECT count(*) FROM kombu_pgmq.handoff_offers WHERE pgmq_queue LIKE %s",
             (pgmq_queue_name("ho_prio") + "%",),
         )
         assert handed == [(0,)]  # the one slot went with the first hand-over
