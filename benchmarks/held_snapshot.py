@@ -15,8 +15,13 @@ transaction, runs one ``SELECT`` and stays open for ``--hold`` seconds (what an
 analytics query, ``pg_dump`` or a session idle in transaction does to the xmin
 horizon), then commits; the run goes on ``--after`` seconds. Every ``--interval``
 seconds a line: published/s, consumed/s, publish-to-consume latency p50 / p99 (ms, from
-the timestamp in the message), the queue table's dead tuples and size, and the backlog
+the timestamp in the message), the queue table's dead tuples and size (``table_bytes``
+with its indexes, ``heap_bytes`` without), and the backlog
 (published - consumed).
+
+``--consumer celery``: a Celery worker (solo pool, late acks, prefetch 10) runs a task per
+message (sent with ``send_task``) instead of the Kombu consumer; ``--no-hold``: the same
+phases with nothing held (the pair of a held run).
 
 Targets (``--target``, repeatable; each runs on its own, one after the other):
 
@@ -41,6 +46,8 @@ import contextlib
 import datetime as dt
 import json
 import multiprocessing as mp
+import os
+import signal
 import statistics
 import sys
 import time
@@ -66,10 +73,39 @@ URLS = {
 # -- producer and consumer processes ---------------------------------------------------
 
 
-def _producer(target: str, url: str, rate: float, stop: Any, published: Any, lag: Any) -> None:
-    """Publish ``{"t": time.time()}`` at ``rate`` per second until ``stop`` is set."""
+def _celery_app(url: str) -> Any:
+    """The Celery app of ``--consumer celery``: one task, ``held.seen(t)``, on queue
+    QUEUE; no result backend (the latency is measured where the task runs)."""
+    from celery import Celery
+
+    import kombu_pgmq  # noqa: F401
+
+    app = Celery("held", broker=url)
+    app.conf.update(
+        task_default_queue=QUEUE,
+        task_acks_late=True,
+        worker_prefetch_multiplier=10,
+        worker_hijack_root_logger=False,
+        broker_connection_retry_on_startup=True,
+        worker_send_task_events=False,
+        task_ignore_result=True,
+    )
+    return app
+
+
+def _producer(
+    target: str, url: str, rate: float, stop: Any, published: Any, lag: Any, celery: bool
+) -> None:
+    """Publish ``{"t": time.time()}`` at ``rate`` per second until ``stop`` is set
+    (``celery``: a task ``held.seen(t)`` sent with ``send_task``)."""
     with contextlib.ExitStack() as stack:
-        if target == "pgmq":
+        if celery:
+            app = _celery_app(url)
+
+            def send() -> None:
+                app.send_task("held.seen", args=[time.time()], queue=QUEUE)
+
+        elif target == "pgmq":
             conn = stack.enter_context(psycopg.connect(url, autocommit=True))
 
             def send() -> None:
@@ -103,9 +139,12 @@ def _producer(target: str, url: str, rate: float, stop: Any, published: Any, lag
             published.value = n
 
 
-def _consumer(target: str, url: str, stop: Any, consumed: Any, latencies: Any) -> None:
+def _consumer(
+    target: str, url: str, stop: Any, consumed: Any, latencies: Any, celery: bool
+) -> None:
     """Consume and ack until ``stop`` is set; latencies (ms) go to ``latencies`` in
-    batches."""
+    batches (``celery``: a Celery worker, solo pool, late acks, prefetch 10, runs
+    ``held.seen`` in this process)."""
     batch: list[float] = []
     last_flush = time.monotonic()
 
@@ -118,6 +157,21 @@ def _consumer(target: str, url: str, stop: Any, consumed: Any, latencies: Any) -
             batch.clear()
             last_flush = time.monotonic()
 
+    if celery:
+        import threading
+
+        app = _celery_app(url)
+        app.task(name="held.seen")(seen)
+        worker = app.Worker(pool="solo", concurrency=1, loglevel="WARNING", quiet=True)
+
+        def stopper() -> None:
+            stop.wait()
+            os.kill(os.getpid(), signal.SIGTERM)  # the worker's warm shutdown
+
+        threading.Thread(target=stopper, daemon=True).start()
+        worker.start()
+        latencies.put(list(batch))
+        return
     if target == "pgmq":
         with psycopg.connect(url, autocommit=True) as conn:
             while not stop.is_set():
@@ -194,13 +248,19 @@ def _phase_statements(
 def _table_stats(dsn: str) -> dict[str, Any]:
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute(
-            "SELECT n_dead_tup, n_live_tup, pg_total_relation_size(relid)"
+            "SELECT n_dead_tup, n_live_tup, pg_total_relation_size(relid),"
+            " pg_relation_size(relid)"
             " FROM pg_stat_user_tables WHERE schemaname = 'pgmq' AND relname = %s",
             (f"q_{QUEUE}",),
         ).fetchone()
     if row is None:
-        return {"dead_tuples": None, "live_tuples": None, "table_bytes": None}
-    return {"dead_tuples": row[0], "live_tuples": row[1], "table_bytes": row[2]}
+        return {"dead_tuples": None, "live_tuples": None, "table_bytes": None, "heap_bytes": None}
+    return {
+        "dead_tuples": row[0],
+        "live_tuples": row[1],
+        "table_bytes": row[2],
+        "heap_bytes": row[3],
+    }
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -243,8 +303,10 @@ def run(target: str, url: str, pg: str, args: argparse.Namespace) -> dict[str, A
     lag = ctx.Value("d", 0.0)
     latencies: Any = ctx.Queue()
     procs = [
-        ctx.Process(target=_consumer, args=(target, url, stop, consumed, latencies)),
-        ctx.Process(target=_producer, args=(target, url, args.rate, stop, published, lag)),
+        ctx.Process(target=_consumer, args=(target, url, stop, consumed, latencies, args.celery)),
+        ctx.Process(
+            target=_producer, args=(target, url, args.rate, stop, published, lag, args.celery)
+        ),
     ]
     for p in procs:
         p.start()
@@ -261,19 +323,21 @@ def run(target: str, url: str, pg: str, args: argparse.Namespace) -> dict[str, A
         next_at = start + args.interval
         while time.monotonic() - start < total:
             elapsed = time.monotonic() - start
-            if holder is None and phase == "before" and elapsed >= args.before:
+            if phase == "before" and elapsed >= args.before:
                 if pg_stats:
                     marks["before"] = _statements(pg)
-                holder = psycopg.connect(pg, application_name="held_snapshot")
-                holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
-                holder.execute("SELECT count(*) FROM pg_class")
+                if not args.no_hold:  # --no-hold: the same phases, nothing held
+                    holder = psycopg.connect(pg, application_name="held_snapshot")
+                    holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+                    holder.execute("SELECT count(*) FROM pg_class")
                 phase = "held"
-            elif holder is not None and elapsed >= args.before + args.hold:
+            elif phase == "held" and elapsed >= args.before + args.hold:
                 if pg_stats:
                     marks["held"] = _statements(pg)
-                holder.commit()
-                holder.close()
-                holder = None
+                if holder is not None:
+                    holder.commit()
+                    holder.close()
+                    holder = None
                 phase = "after"
             time.sleep(max(0.0, min(next_at, start + total) - time.monotonic()))
             while not latencies.empty():
@@ -353,8 +417,20 @@ def main() -> None:
     parser.add_argument("--after", type=float, default=300.0, help="seconds after the release")
     parser.add_argument("--interval", type=float, default=10.0, help="seconds per line")
     parser.add_argument("--private-server", action="store_true")
+    parser.add_argument(
+        "--consumer",
+        choices=["kombu", "celery"],
+        default="kombu",
+        help="celery: a Celery worker (solo pool, late acks, prefetch 10) and send_task",
+    )
+    parser.add_argument(
+        "--no-hold", action="store_true", help="the same run without the held snapshot"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    args.celery = args.consumer == "celery"
+    if args.celery and "pgmq" in (args.target or []):
+        parser.error("--consumer celery runs on Kombu brokers: not with --target pgmq")
     urls = dict(URLS) | dict(u.split("=", 1) for u in args.url)
     server = None
     if args.private_server:
