@@ -473,7 +473,11 @@ class Broker(Declarations, Nowait):
         ``read_ct`` is left alone, migration 0015). Returns the ``(queue, msg_id)``
         settled."""
         params = {**receipt_handles(receipts), "vt_seconds": vt_seconds, "uncount": uncount}
-        return {(r.queue, int(r.msg_id)) for r in self.db.fetch("requeue", params, Renewed)}
+        settled = {(r.queue, int(r.msg_id)) for r in self.db.fetch("requeue", params, Renewed)}
+        if vt_seconds <= 0:  # back to their place, below where the reads start
+            for queue in {q for q, _ in settled}:
+                self.positions.forget(queue)
+        return settled
 
     def discard(self, receipts: Sequence[Receipt]) -> list[int]:
         """Delete, for good (no archive), the messages these deliveries still hold

@@ -65,9 +65,11 @@ def _visible_probe(branch: str, queues: tuple[str, ...]) -> bytes:
         sql.SQL(" UNION ALL ")
         .join(
             sql.SQL(branch).format(
-                queue_name=sql.Literal(q), queue_table=sql.Identifier("pgmq", f"q_{q}")
+                queue_name=sql.Literal(q),
+                queue_table=sql.Identifier("pgmq", f"q_{q}"),
+                scan_from=sql.SQL(f"${i}"),
             )
-            for q in queues
+            for i, q in enumerate(queues, 1)
         )
         .as_bytes(None)
     )
@@ -156,12 +158,14 @@ class Consumers:
     def visible_nowait(
         self,
         queues: Sequence[str],
+        scan_from: Sequence[float],
         *,
         on_visible: Callable[[set[str]], None],
         on_error: Callable[[KombuPgmqError], None],
     ) -> None:
-        """Ask which of PGMQ queues ``queues`` hold a visible message (statement
-        ``visible_probe``, a branch per queue), without waiting for the answer: it is
+        """Ask which of PGMQ queues ``queues`` hold a visible message with a ``vt`` at or
+        after ``scan_from`` (aligned with ``queues``: epoch seconds, ``-inf`` for any;
+        statement ``visible_probe``, a branch per queue), without waiting for the answer: it is
         read before this connection's next statement or by :meth:`Connector.free`;
         ``on_visible`` gets the queues that do, ``on_error`` a failure (e.g.
         :class:`~kombu_pgmq.errors.PermissionDenied`: a role without rights on PGMQ's
@@ -174,7 +178,7 @@ class Consumers:
         self.db.send_nowait(
             None,
             _visible_probe(self.db.statement("visible_probe"), tuple(queues)),
-            [],
+            [repr(float(x)).encode() for x in scan_from],
             on_result=lambda rows: on_visible({str(r[0]) for r in rows}),
             on_error=on_error,
         )

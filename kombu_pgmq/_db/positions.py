@@ -29,9 +29,15 @@ progress at this snapshot (its ``xip``) that has committed by the next read's sn
 transaction that has written keeps no read back while it runs; its commit costs one read
 that starts at its bound.
 
-Rows outside these rules (a ``pgmq.send`` with a ``vt`` in the past given as a timestamp, a
-row a rolled-back read had locked, a clock stepped back) are found by a read from the
-start of the index every ``FULL_SCAN_SECONDS``, and by the first read of each queue.
+A message requeued to its place (``vt`` = its ``enqueued_at``: Kombu's reject with requeue,
+unacked messages of a closed channel) lies below every position: ``kombu_pgmq.requeue``
+sends NOTIFY payload ``rewind`` on the queue's channel, and each consuming connection's
+next read of the queue starts at the beginning (:meth:`ReadPositions.forget`), as does
+every read after its LISTEN connection was lost (a rewind may have been missed). Rows
+outside every rule (a ``pgmq.send`` or ``pgmq.set_vt`` given a ``vt`` in the past, a row a
+rolled-back read had locked, a clock stepped back) are found by the first read of each
+queue and by a read from the start every ``FULL_SCAN_SECONDS``. The fallback poll's probe
+for visible rows (Celery's event loop) starts at :meth:`ReadPositions.probe_from`.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ __all__ = ["FULL_SCAN_SECONDS", "MARGIN_SECONDS", "ReadPosition", "ReadPositions
 #: Seconds between reads of a queue from the start of its vt index (what the bounded
 #: reads cannot see: see the module docstring). Such a read costs as much as every read
 #: did without positions (a walk of every dead row version the horizon keeps).
-FULL_SCAN_SECONDS = 10.0
+FULL_SCAN_SECONDS = 60.0
 #: Seconds a row's ``vt`` may be computed before its transaction's id is assigned (the
 #: write's own statement: BEFORE triggers, a wait for the relation extension lock).
 MARGIN_SECONDS = 0.25
@@ -113,6 +119,16 @@ class ReadPositions:
             "watch_bounds": state.watch_bounds,
             "stamp": stamp,
         }
+
+    def probe_from(self, queue: str) -> float:
+        """The oldest ``vt`` a visible row the next read of ``queue`` takes can have
+        (epoch seconds; ``-inf`` when that read starts at the beginning of the index): what
+        a probe for visible rows (the fallback poll) need look at. It counts every id in
+        progress at the last read as committed since."""
+        state = self._queues.get(queue)
+        if state is None or time.monotonic() - state.full_at >= FULL_SCAN_SECONDS:
+            return _UNBOUNDED
+        return min([state.scan_from, *state.watch_bounds])
 
     def advance(self, queue: str, position: ReadPosition) -> None:
         """Record what a read of ``queue`` returned; the next read starts from it."""

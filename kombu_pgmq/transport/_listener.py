@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import os
 import selectors
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from .._db import handoff
 from .._db.broker import Broker
@@ -63,6 +63,9 @@ class Listener:
         self._dsn = dsn
         self._connector: Connector | None = None
         self._notified: list[tuple[str, str]] = []
+        #: Queues where a message was requeued to its place (NOTIFY payload 'rewind'),
+        #: below the position reads start at: read from the start (:meth:`take_rewound`).
+        self._rewound: set[str] = set()
         self._handed: list[Row] = []
         #: ``(channel, advisory lock key)`` of this connection's hand-overs (migration
         #: 0023), the same across reconnects; None when :attr:`polling`.
@@ -151,9 +154,10 @@ class Listener:
             connector.poll_notifies()
         return self.take_handed()
 
-    def probe(self, queues: Iterable[str]) -> bool:
+    def probe(self, queues: Iterable[str], scan_from: Callable[[str], float] | None = None) -> bool:
         """Ask the server, without waiting, which of PGMQ queues ``queues`` hold a
-        visible message (the fallback poll in Celery's event loop; statement
+        visible message at or after ``scan_from(queue)`` (epoch seconds; None: any: see
+        :meth:`ReadPositions.probe_from`) (the fallback poll in Celery's event loop; statement
         ``visible_probe`` on the LISTEN connection, whose socket the loop watches). The
         answer comes in a later :meth:`collect`'s ready queues (every queue asked about,
         if the probe failed). False, sending nothing, where a probe does not apply (no
@@ -172,8 +176,9 @@ class Listener:
         try:
             if not connector.free():
                 return False
+            froms = [scan_from(n) if scan_from else float("-inf") for n in names]
             Consumers(connector).visible_nowait(
-                names, on_visible=self._probed.update, on_error=failed
+                names, froms, on_visible=self._probed.update, on_error=failed
             )
         except KombuPgmqError:
             return False  # a lost connection: the next collect() finds out
@@ -260,6 +265,10 @@ class Listener:
             if not channel.startswith(CHANNEL_PREFIX):
                 continue
             queue = channel[cut:]
+            if payload == "rewind":
+                self._rewound.add(queue)
+                ready.add(queue)
+                continue
             try:
                 when = float(payload) if payload else None
             except ValueError:
@@ -269,6 +278,13 @@ class Listener:
             elif queue not in due or when < due[queue]:
                 due[queue] = when
         return ready, due
+
+    def take_rewound(self) -> set[str]:
+        """The queues collected (:meth:`collect`) where a message was requeued to its
+        place, below where reads start (see :mod:`kombu_pgmq._db.positions`), since the
+        last call."""
+        rewound, self._rewound = self._rewound, set()
+        return rewound
 
     def wait(self, timeout: float | None) -> None:
         """Block until a notification, a :meth:`wake`, or ``timeout`` seconds."""

@@ -261,11 +261,19 @@ class Poller(Recovery, DueReads):
         collected = listener.collect()
         self.handover.handed += listener.take_handed()
         now = monotonic()
+        broker = self.transport.broker_if_connected()
+        if broker is not None:
+            # rows requeued to their place lie below where the reads start
+            for name in listener.take_rewound():
+                broker.positions.forget(name)
         if collected is None:
             # A new LISTEN connection: the database may have restarted and forgotten our
-            # waiting rows; record them again as queues are found empty.
+            # waiting rows; record them again as queues are found empty. A rewind may
+            # have been missed too: read every queue from the start.
             self._waiting.clear()
             self.handover.armed.clear()
+            if broker is not None:
+                broker.positions.forget()
         else:
             notified, due = collected
             for name, epoch in due.items():
@@ -280,7 +288,9 @@ class Poller(Recovery, DueReads):
             # meanwhile (a slow p99, issue 30).
             in_loop = collected is not None and self._hub is not None
             consumed = self.consumed()
-            if not (in_loop and listener.probe(consumed)):
+            positions = broker.positions if broker is not None else None
+            probe_from = positions.probe_from if positions is not None else None
+            if not (in_loop and listener.probe(consumed, probe_from)):
                 self._ready |= consumed
             elif (broker := self.transport.broker_if_connected()) is not None:
                 # No read now: collect a result sent without waiting instead (never

@@ -10,6 +10,7 @@ import contextlib
 import json
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import psycopg
 import pytest
@@ -20,7 +21,7 @@ from kombu_pgmq._db.connector import Connector
 from kombu_pgmq._db.rows import Receipt
 from kombu_pgmq._naming import pgmq_queue_name
 
-from .helpers import connect, sql, wait_for
+from .helpers import connect, publish, sql, wait_for
 
 
 @pytest.fixture(autouse=True)
@@ -190,3 +191,35 @@ def test_a_past_visibility_time_is_found_by_the_periodic_read_from_the_start(db_
             "the message sent with a past visibility time",
         )
         assert got == [{"past": True}]
+
+
+def test_a_message_requeued_to_its_place_by_another_connection_is_read_at_once(db_dsn):
+    """Another connection's consumer rejects a message with requeue: it goes back to its
+    place (vt = its enqueued_at, below this consumer's position), and the requeue's NOTIFY
+    ('rewind') makes this consumer read the queue from the start."""
+    from kombu import Consumer, Queue
+
+    queue = Queue("rewound", routing_key="rewound")
+    held: list[Any] = []
+    got: list[Any] = []
+    with (
+        connect(db_dsn, polling_interval=60) as first,
+        connect(db_dsn, polling_interval=60) as other,
+    ):
+        publish(first, "rewound", [{"n": 0}])
+        with Consumer(first.channel(), [queue], on_message=held.append, prefetch_count=1):
+            wait_for(lambda: _drain(first) or held, 5, "the first delivery")
+        time.sleep(2 * (positions.STAMP_SECONDS + positions.MARGIN_SECONDS))
+        with Consumer(other.channel(), [queue], on_message=lambda m: (got.append(m), m.ack())):
+            for n in range(1, 6):  # this consumer's position moves on, past message 0's
+                time.sleep(positions.STAMP_SECONDS)
+                publish(first, "rewound", [{"n": n}])
+                wait_for(lambda n=n: _drain(other) or len(got) >= n, 5, f"message {n}")
+            held[0].reject(requeue=True)
+            wait_for(lambda: _drain(other) or len(got) >= 6, 5, "the requeued message")
+    assert [m.decode() for m in got] == [{"n": n} for n in (1, 2, 3, 4, 5, 0)]
+
+
+def _drain(conn: Any) -> None:
+    with contextlib.suppress(TimeoutError):
+        conn.drain_events(timeout=0.1)
