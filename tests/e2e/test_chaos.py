@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 
 from tests.e2e import chaos
@@ -63,4 +64,44 @@ def test_no_task_lost_when_workers_are_killed_and_postgresql_crashes(
     # ambiguous answer); every other task must be published.
     assert result.publish_errors <= 1, report
     assert result.lost == 0, report  # every published task ran
+    assert result.distinct >= result.published, report
+
+
+def test_no_task_lost_when_workers_are_killed_behind_a_held_snapshot(
+    crashable_server: pgserver.LocalServer, tmp_path: Path
+) -> None:
+    """The same faults without the crash, while a session sits idle in a REPEATABLE READ
+    transaction for the whole run: every row version the deliveries, acks and kills leave
+    stays, and the reads start at their positions (a message handed back by a lapsed
+    visibility timeout comes due below them). Every published task runs."""
+    url = crashable_server.dsn.replace("/postgres?", "/chaos?")
+    with psycopg.connect(url, application_name="report_job") as holder:
+        holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        holder.execute("SELECT count(*) FROM pg_class")
+        result = chaos.run(
+            chaos.ChaosConfig(
+                broker_url=url,
+                transport_options={"visibility_timeout": 5},
+                tasks=1_500,
+                workers=2,
+                concurrency=2,
+                kill_every_s=2.0,
+                kill_tail_s=2.0,
+                task_ms=2,
+                settle_timeout_s=120.0,
+                workdir=tmp_path,
+            )
+        )
+        with psycopg.connect(url, autocommit=True) as observer:
+            holding = observer.execute(
+                "SELECT backend_xmin IS NOT NULL, state FROM pg_stat_activity WHERE pid = %s",
+                (holder.info.backend_pid,),
+            ).fetchall()
+        holder.rollback()
+    report = json.dumps(result.as_dict(), indent=1)
+    assert holding == [(True, "idle in transaction")], holding  # held the whole run
+    assert not [e for e in result.errors if e.startswith("run:")], report
+    assert result.kills >= 2, report
+    assert result.published == 1_500, report
+    assert result.lost == 0, report
     assert result.distinct >= result.published, report
