@@ -30,8 +30,9 @@ Dead rows and the xmin horizon (:meth:`Management.horizon`): ``QueueStats.dead_t
 counts the dead row versions of a queue's tables (the server's statistics, a few seconds
 behind), and :meth:`Management.horizon` names the oldest holder of the database's xmin
 horizon (a session's snapshot, a standby or replication slot, a prepared transaction):
-while one is old, VACUUM removes none of the rows deliveries and acks leave, and reads
-walk them (see :mod:`kombu_pgmq._db.horizon`).
+while one is old, VACUUM removes none of the rows deliveries and acks leave (see
+:mod:`kombu_pgmq._db.horizon`; reads of one queue start at a position and do not walk
+them: :mod:`kombu_pgmq._db.positions`).
 
 Cancelling (:meth:`Management.cancel_task`) is a durable revoke: the task's messages no
 consumer holds (ready, delayed, or whose lease lapsed) are removed from their queue and

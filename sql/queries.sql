@@ -507,13 +507,16 @@ SELECT queue FROM kombu_pgmq.rearm_handoff(%(owner)s, %(queues)s::text[]) AS que
 -- visibility timeout, a publish whose wake-up was missed). Branches are joined with
 -- UNION ALL, one per consumed queue, and sent on the LISTEN connection without waiting
 -- for the result: Celery's event loop goes on while the server looks, and reads only
--- the queues named. One probe of PGMQ's vt index per queue, from {scan_from} (a $n
--- placeholder: epoch seconds, the oldest vt the queue's next read may take, '-inf' for
--- the start of the index: kombu_pgmq/_db/positions.py) up to (SELECT clock_timestamp()),
--- computed once; nothing is locked or changed.
-SELECT {queue_name}::text AS queue
+-- the queues named. One probe of PGMQ's vt index per branch, from {scan_from} up to
+-- before {scan_to} ($n placeholders: epoch seconds, '-inf'/'inf' for no bound) and
+-- (SELECT clock_timestamp()), computed once; nothing is locked or changed. {below}: false
+-- for a queue's everyday branch (from the oldest vt its next read may take:
+-- kombu_pgmq/_db/positions.py), true for a look below its position (a visible row there
+-- rewinds its reads).
+SELECT {queue_name}::text AS queue, {below}::boolean AS below
 WHERE EXISTS (SELECT 1 FROM {queue_table}
               WHERE vt >= to_timestamp({scan_from}::float8)
+                AND vt < to_timestamp({scan_to}::float8)
                 AND vt <= (SELECT clock_timestamp()))
 
 -- name: handoff_lock

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 from psycopg import sql
@@ -57,19 +57,23 @@ class _DeadTuples(NamedTuple):
 
 
 @functools.lru_cache(maxsize=64)
-def _visible_probe(branch: str, queues: tuple[str, ...]) -> bytes:
-    """Statement ``visible_probe`` (text ``branch``) for PGMQ queues ``queues``: a branch
-    per queue, UNION ALL (composed once per set of queues: the fallback poll's probe
-    goes out every ``polling_interval`` with the same set)."""
+def _visible_probe(branch: str, queues: tuple[str, ...], below: tuple[str, ...]) -> bytes:
+    """Statement ``visible_probe`` (text ``branch``) for PGMQ queues ``queues``, and a look
+    below the positions of ``below``: a branch per queue and look, UNION ALL, with two
+    placeholders each (composed once per set of queues: the fallback poll's probe goes
+    out every ``polling_interval`` with the same set)."""
+    looks = [(q, False) for q in queues] + [(q, True) for q in below]
     return (
         sql.SQL(" UNION ALL ")
         .join(
             sql.SQL(branch).format(
                 queue_name=sql.Literal(q),
                 queue_table=sql.Identifier("pgmq", f"q_{q}"),
-                scan_from=sql.SQL(f"${i}"),
+                below=sql.Literal(is_below),
+                scan_from=sql.SQL(f"${2 * i - 1}"),
+                scan_to=sql.SQL(f"${2 * i}"),
             )
-            for i, q in enumerate(queues, 1)
+            for i, (q, is_below) in enumerate(looks, 1)
         )
         .as_bytes(None)
     )
@@ -160,26 +164,37 @@ class Consumers:
         queues: Sequence[str],
         scan_from: Sequence[float],
         *,
-        on_visible: Callable[[set[str]], None],
+        below: Mapping[str, float] | None = None,
+        on_visible: Callable[[set[str], set[str]], None],
         on_error: Callable[[KombuPgmqError], None],
     ) -> None:
         """Ask which of PGMQ queues ``queues`` hold a visible message with a ``vt`` at or
-        after ``scan_from`` (aligned with ``queues``: epoch seconds, ``-inf`` for any;
-        statement ``visible_probe``, a branch per queue), without waiting for the answer: it is
-        read before this connection's next statement or by :meth:`Connector.free`;
-        ``on_visible`` gets the queues that do, ``on_error`` a failure (e.g.
-        :class:`~kombu_pgmq.errors.PermissionDenied`: a role without rights on PGMQ's
-        tables). Sent unnamed (once a fallback poll: a plan cached for each set of
-        queues would only pile up on the session).
+        after ``scan_from`` (aligned with ``queues``: epoch seconds, ``-inf`` for any),
+        and which of ``below`` (queue: epoch seconds) hold one with a ``vt`` before that
+        (statement ``visible_probe``, a branch per look), without waiting for the answer:
+        it is read before this connection's next statement or by
+        :meth:`Connector.free`; ``on_visible(visible, below)`` gets the queues that do,
+        ``on_error`` a failure (e.g. :class:`~kombu_pgmq.errors.PermissionDenied`: a role
+        without rights on PGMQ's tables). Sent unnamed (once a fallback poll: a plan
+        cached for each set of queues would only pile up on the session).
 
         Raises:
             BrokerConnectionError: the statement could not be sent.
         """
+        below = below or {}
+        params = [repr(float(x)).encode() for f in scan_from for x in (f, float("inf"))]
+        params += [repr(float(x)).encode() for b in below.values() for x in (float("-inf"), b)]
+
+        def answered(rows: list[tuple[str | None, ...]]) -> None:
+            on_visible(
+                {str(r[0]) for r in rows if r[1] != "t"}, {str(r[0]) for r in rows if r[1] == "t"}
+            )
+
         self.db.send_nowait(
             None,
-            _visible_probe(self.db.statement("visible_probe"), tuple(queues)),
-            [repr(float(x)).encode() for x in scan_from],
-            on_result=lambda rows: on_visible({str(r[0]) for r in rows}),
+            _visible_probe(self.db.statement("visible_probe"), tuple(queues), tuple(below)),
+            params,
+            on_result=answered,
             on_error=on_error,
         )
 

@@ -36,14 +36,19 @@ next read of the queue starts at the beginning (:meth:`ReadPositions.forget`), a
 every read after its LISTEN connection was lost (a rewind may have been missed). Rows
 outside every rule (a ``pgmq.send`` or ``pgmq.set_vt`` given a ``vt`` in the past, a row a
 rolled-back read had locked, a clock stepped back) are found by the first read of each
-queue and by a read from the start every ``FULL_SCAN_SECONDS``. The fallback poll's probe
-for visible rows (Celery's event loop) starts at :meth:`ReadPositions.probe_from`.
+queue and by a read from the start every ``FULL_SCAN_SECONDS``; in Celery's event loop,
+where that read would hold up the loop while it walks every dead row version, by the
+fallback poll's probe instead (on the LISTEN connection, the loop going on): it looks
+below the positions every ``FULL_SCAN_SECONDS`` (:meth:`ReadPositions.below_due`), and a
+row found there rewinds the queue. Its everyday probe for visible rows starts at
+:meth:`ReadPositions.probe_from`.
 """
 
 from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Iterable
 from typing import NamedTuple
 
 __all__ = ["FULL_SCAN_SECONDS", "MARGIN_SECONDS", "ReadPosition", "ReadPositions"]
@@ -82,9 +87,10 @@ class ReadPosition(NamedTuple):
 
 
 class _Queue:
-    __slots__ = ("full_at", "scan_from", "watch_bounds", "watch_xids")
+    __slots__ = ("advanced_at", "full_at", "scan_from", "watch_bounds", "watch_xids")
 
     def __init__(self) -> None:
+        self.advanced_at = 0.0  # time.monotonic() of the last read
         self.full_at = 0.0  # time.monotonic() of the last read from the start
         self.scan_from = _UNBOUNDED
         self.watch_xids: list[str] = []
@@ -102,6 +108,10 @@ class ReadPositions:
         self._xids: list[int] = []
         self._times: list[float] = []
         self._stamped = 0.0  # time.monotonic() when the newest id was recorded
+        #: True while a probe on another connection looks below the positions every
+        #: FULL_SCAN_SECONDS (:meth:`below_due`; Celery's event loop): reads then start
+        #: from the beginning only when told to (:meth:`forget`), never by the clock.
+        self.full_scan_by_probe = False
 
     def params(self, queue: str) -> dict[str, object]:
         """The read statement's parameters for ``queue``: ``scan_from`` (epoch seconds,
@@ -111,7 +121,12 @@ class ReadPositions:
         now = time.monotonic()
         state = self._queues.get(queue)
         stamp = now - self._stamped >= STAMP_SECONDS
-        if state is None or now - state.full_at >= FULL_SCAN_SECONDS:
+        due = (
+            not self.full_scan_by_probe and now - state.full_at >= FULL_SCAN_SECONDS
+            if state
+            else True
+        )
+        if state is None or due:
             return {"scan_from": _UNBOUNDED, "watch_xids": [], "watch_bounds": [], "stamp": stamp}
         return {
             "scan_from": state.scan_from,
@@ -126,9 +141,27 @@ class ReadPositions:
         a probe for visible rows (the fallback poll) need look at. It counts every id in
         progress at the last read as committed since."""
         state = self._queues.get(queue)
-        if state is None or time.monotonic() - state.full_at >= FULL_SCAN_SECONDS:
+        if state is None:
             return _UNBOUNDED
         return min([state.scan_from, *state.watch_bounds])
+
+    def below_due(self, queue: str) -> float | None:
+        """With ``full_scan_by_probe``: the position of ``queue`` (epoch seconds) when it
+        is time to look below it for visible rows (every ``FULL_SCAN_SECONDS``), else
+        None. The caller that sent the look calls :meth:`looked_below`; one that finds a
+        row there calls :meth:`forget`."""
+        state = self._queues.get(queue)
+        if state is None or time.monotonic() - state.full_at < FULL_SCAN_SECONDS:
+            return None
+        return min([state.scan_from, *state.watch_bounds])
+
+    def looked_below(self, queues: Iterable[str]) -> None:
+        """A probe below the positions of ``queues`` was sent (:meth:`below_due`)."""
+        now = time.monotonic()
+        for queue in queues:
+            state = self._queues.get(queue)
+            if state is not None:
+                state.full_at = now
 
     def advance(self, queue: str, position: ReadPosition) -> None:
         """Record what a read of ``queue`` returned; the next read starts from it."""
@@ -137,14 +170,23 @@ class ReadPositions:
         state = self._queues.get(queue)
         if state is None:
             state = self._queues[queue] = _Queue()
+        state.advanced_at = time.monotonic()
         if position.scan_from == _UNBOUNDED:
-            state.full_at = time.monotonic()
+            state.full_at = state.advanced_at
         xmin, xmax, xip = position.snapshot.split(":")
         del xmin  # every id below it is settled: seen, or never to commit
         reached = position.scanned_to if position.scanned_to is not None else position.scan_from
         state.scan_from = min(reached, self._bound(int(xmax)))
         state.watch_xids = xip.split(",") if xip else []
         state.watch_bounds = [self._bound(int(x)) for x in state.watch_xids]
+
+    def age(self, queue: str) -> float | None:
+        """Seconds since the last read of ``queue`` moved its position; None if it has
+        none (never read by position, or forgotten). The dead row versions a read walks
+        are those left since the position: a queue whose messages are all handed over
+        is read now and then so that it stays fresh."""
+        state = self._queues.get(queue)
+        return None if state is None else time.monotonic() - state.advanced_at
 
     def forget(self, queue: str | None = None) -> None:
         """Read ``queue`` (None: every queue) from the start next time."""

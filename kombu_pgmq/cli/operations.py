@@ -153,8 +153,8 @@ def queues(url: str | None, dlq_name: str, everything: bool, as_json: bool) -> N
     if held is not None and dead:
         console.print(
             f"[yellow]dead rows stay[/yellow]: {held.describe()} holds the database's xmin "
-            "horizon; VACUUM removes none of the dead rows until it ends, and reads walk "
-            "them (docs: Long transactions)",
+            "horizon; VACUUM removes none of the dead rows until it ends (docs: Long "
+            "transactions)",
             highlight=False,
         )
 

@@ -173,6 +173,20 @@ transaction and a least-privilege role
 (``kombu-pgmq schema grant``, no rights on PGMQ's tables) go through kombu_pgmq's SQL
 functions as before.
 
+Long transactions
+=================
+
+A transaction left open anywhere in the database (an analytics query, a session idle in
+transaction, ``pg_dump``) keeps every row version deliveries and acks leave. The reads of
+one queue start at a position in PGMQ's ``vt`` index instead of its beginning, so they do
+not walk those versions (:mod:`kombu_pgmq._db.positions`: a transaction that commits a
+message late is still delivered; a message requeued to its place makes the consumers read
+from the start, as does a read every 60 seconds); a publish hands a message to a waiting
+consumer by ``nextval`` on that consumer's sequence, writing no row. Reads through
+``kombu_pgmq.read`` (several queues or bands, FIFO, key limits, least privilege) still
+walk them. ``kombu-pgmq queues``, the metrics and the worker's log name what holds the
+horizon (docs: Long transactions).
+
 Reads are coalesced: while a channel holds messages it reads again only once half its
 prefetch window is free (the window first set, e.g. Celery's
 ``worker_prefetch_multiplier`` x concurrency), so a worker draining a backlog reads

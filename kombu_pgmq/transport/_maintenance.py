@@ -174,8 +174,8 @@ class Maintainer(Service):
         tables = ", ".join(f"pgmq.q_{n} ({d:,} dead rows)" for n, d in sorted(held.items()))
         logger.warning(
             "VACUUM cannot remove the dead rows of %s: %s holds the database's xmin "
-            "horizon, so every delivery and ack leaves row versions that stay and reads "
-            "walk them; VACUUM of these tables waits until it ends (end or time out long "
+            "horizon, so every delivery and ack leaves row versions that stay; VACUUM of "
+            "these tables waits until it ends (end or time out long "
             "transactions: idle_in_transaction_session_timeout, statement_timeout; see "
             "kombu-pgmq queues)",
             tables,

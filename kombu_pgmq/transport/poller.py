@@ -47,6 +47,12 @@ __all__ = ["RECONNECT_SECONDS", "Poller"]
 
 logger = logging.getLogger(__name__)
 
+#: Seconds after which the fallback poll in Celery's event loop reads a queue instead of
+#: probing it, when no read has moved the queue's position since (its messages all
+#: handed over): reads and probes walk the dead row versions left since the position,
+#: which a long transaction elsewhere keeps (kombu_pgmq._db.positions).
+REFRESH_SECONDS = 2.0
+
 
 class Poller(Recovery, DueReads):
     """Wake-ups, polling rounds and event-loop registration of one transport."""
@@ -290,12 +296,30 @@ class Poller(Recovery, DueReads):
             consumed = self.consumed()
             positions = broker.positions if broker is not None else None
             probe_from = positions.probe_from if positions is not None else None
-            if not (in_loop and listener.probe(consumed, probe_from)):
+            below: dict[str, float] = {}
+            if positions is not None and in_loop:
+                # A queue whose messages are all handed over is never read: read it now
+                # and then, so that its position stays fresh (a read, and this probe,
+                # walk the dead row versions left since the position).
+                stale = {n for n in consumed if (positions.age(n) or 0.0) >= REFRESH_SECONDS}
+                self._ready |= stale
+                consumed -= stale
+                dues = ((n, positions.below_due(n)) for n in sorted(self.consumed()))
+                below = {n: b for n, b in dues if b is not None}
+            probed = in_loop and listener.probe(consumed, probe_from, below)
+            if positions is not None:
+                # The probe looks below the positions now and then, where a read from
+                # the start would hold up the loop while it walks every dead row version.
+                positions.full_scan_by_probe = probed
+            if not probed:
                 self._ready |= consumed
-            elif (broker := self.transport.broker_if_connected()) is not None:
-                # No read now: collect a result sent without waiting instead (never
-                # blocks), so acks whose statement failed are kept and sent again.
-                broker.db.free()
+            else:
+                if positions is not None:
+                    positions.looked_below(below)
+                if broker is not None:
+                    # No read now: collect a result sent without waiting instead (never
+                    # blocks), so acks whose statement failed are kept and sent again.
+                    broker.db.free()
         for name, deadline in list(self._due.items()):
             if deadline <= now:
                 # Due: read it now; if it is found empty, wait_for runs again and tells

@@ -223,3 +223,40 @@ def test_a_message_requeued_to_its_place_by_another_connection_is_read_at_once(d
 def _drain(conn: Any) -> None:
     with contextlib.suppress(TimeoutError):
         conn.drain_events(timeout=0.1)
+
+
+def test_in_the_event_loop_a_probe_looks_below_the_positions(db_dsn, monkeypatch):
+    """In Celery's event loop no read starts from the beginning by the clock (it would hold
+    up the loop while it walks every dead row version): the fallback poll's probe looks
+    below the positions every FULL_SCAN_SECONDS instead, on the LISTEN connection, and a
+    visible row found there (a ``pgmq.send`` with a past visibility time) rewinds the
+    queue: it is delivered."""
+    from kombu import Consumer, Queue
+
+    from .helpers import FakeHub
+
+    monkeypatch.setattr(positions, "FULL_SCAN_SECONDS", 1.0)
+    queue = pgmq_queue_name("below")
+    got: list[Any] = []
+    with connect(db_dsn, polling_interval=0.2) as conn, conn.channel() as channel:
+        hub = FakeHub()
+        conn.transport.register_with_event_loop(conn.connection, hub)
+        poller = conn.transport.poller
+        with Consumer(channel, [Queue("below")], on_message=lambda m: (got.append(m), m.ack())):
+            publish(conn, "below", [{"n": 1}])
+            deadline = time.monotonic() + 10
+            while not got and time.monotonic() < deadline:
+                hub.run_once()
+            assert got, "the first message"
+            sql(
+                db_dsn,
+                "SELECT pgmq.send(%s, '{\"past\": true}'::jsonb, now() - interval '1 hour')",
+                (queue,),
+            )
+            deadline = time.monotonic() + 10
+            while len(got) < 2 and time.monotonic() < deadline:
+                poller._on_hub_fallback()  # the hub's repeating timer (FakeHub has none)
+                hub.run_once()
+            assert conn.transport.broker().positions.full_scan_by_probe
+        poller.unregister_from_event_loop()
+    assert [m.decode() for m in got] == [{"n": 1}, {"past": True}]
