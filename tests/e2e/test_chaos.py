@@ -85,8 +85,9 @@ def test_no_task_lost_when_workers_are_killed_behind_a_held_snapshot(
                 tasks=1_500,
                 workers=2,
                 concurrency=2,
-                kill_every_s=2.0,
-                kill_tail_s=2.0,
+                # kills go on for the publishing (under a second) and 4 s more: >= 3
+                kill_every_s=1.0,
+                kill_tail_s=4.0,
                 task_ms=2,
                 settle_timeout_s=120.0,
                 workdir=tmp_path,
