@@ -494,7 +494,7 @@ SELECT queue, unsettled, due_in_seconds, server_epoch
 FROM kombu_pgmq.wait_for_due(%(owner)s, %(queues)s::text[])
 
 -- name: wait_for_handoff
--- wait_for, offering one hand-over slot (migrations 0023, 0026) on those of the queues whose
+-- wait_for, offering one hand-over slot on those of the queues whose
 -- consumers take messages with acks: publishes then hand a message to this connection in
 -- its NOTIFY (channel, held by the session advisory lock lock_key on the LISTEN
 -- connection, claimed on its sequence kombu_pgmq.handoff_<seq>), delivered with a
@@ -505,7 +505,7 @@ FROM kombu_pgmq.wait_for_handoff(%(owner)s, %(queues)s::text[], %(handoff_queues
                                  %(seq)s::integer)
 
 -- name: rearm_handoff
--- Offer this connection's hand-over slot again on queues (migrations 0023, 0026): the
+-- Offer this connection's hand-over slot again on queues: the
 -- queues it offers from now on; returns those it still waits on.
 SELECT queue FROM kombu_pgmq.rearm_handoff(%(owner)s, %(queues)s::text[]) AS queue
 
@@ -529,9 +529,9 @@ WHERE EXISTS (SELECT 1 FROM {queue_table}
 
 -- name: handoff_lock
 -- The LISTEN connection's session advisory lock, held while it listens for hand-overs
--- (migration 0023): publishers skip the slots of a connection that no longer holds it; and
--- the lease of the sequence its slot is claimed on (kombu_pgmq.handoff_<seq>, migration
--- 0026), for the life of the session.
+-- (publishers skip the slots of a connection that no longer holds it), and the lease of
+-- the sequence its slot is claimed on (kombu_pgmq.handoff_<seq>), for the life of the
+-- session.
 SELECT kombu_pgmq.handoff_lease(%(lock_key)s::bigint) AS seq
 
 -- name: round_trip
