@@ -145,7 +145,7 @@ FROM kombu_pgmq.read(%(queues)s::text[], %(vt_seconds)s::integer, %(qty)s::integ
 -- of a transaction in progress at the last read (%(watch_xids)s, %(watch_bounds)s) that has
 -- committed since: so it walks no dead row versions older than that, however many an old
 -- snapshot keeps. The last row (acked NULL) says where the read got to: its snapshot, its
--- own transaction id (%(stamp)s: assign one if it has none), its statement's start,
+-- own transaction id (%(stamp)s: assign one if it has none), its transaction's start,
 -- scan_from, and scanned_to: the vt up to which every visible row was taken (the last row
 -- taken when the batch filled; scan_from when a pause or a limit took nothing).
 WITH bounds AS MATERIALIZED (
@@ -207,7 +207,7 @@ SELECT NULL, 0, NULL, NULL, NULL, NULL, NULL, {commit_mode},
        pg_current_snapshot()::text,
        (CASE WHEN %(stamp)s::boolean THEN pg_current_xact_id()
              ELSE pg_current_xact_id_if_assigned() END)::text,
-       extract(epoch FROM statement_timestamp())::float8,
+       extract(epoch FROM transaction_timestamp())::float8,
        extract(epoch FROM b.scan_from)::float8,
        extract(epoch FROM CASE WHEN (SELECT count(*) FROM picked) >= %(qty)s THEN (SELECT max(vt) FROM picked)
                                  WHEN EXISTS (SELECT 1 FROM kombu_pgmq.paused p
@@ -265,7 +265,7 @@ SELECT NULL, 0, NULL, NULL, NULL, NULL, NULL, {commit_mode},
        pg_current_snapshot()::text,
        (CASE WHEN %(stamp)s::boolean THEN pg_current_xact_id()
              ELSE pg_current_xact_id_if_assigned() END)::text,
-       extract(epoch FROM statement_timestamp())::float8,
+       extract(epoch FROM transaction_timestamp())::float8,
        extract(epoch FROM b.scan_from)::float8,
        extract(epoch FROM CASE WHEN (SELECT count(*) FROM picked) >= %(qty)s THEN (SELECT max(vt) FROM picked)
                                  WHEN EXISTS (SELECT 1 FROM kombu_pgmq.paused p
@@ -372,7 +372,7 @@ SELECT NULL, 0, NULL, NULL, NULL, NULL, NULL, {commit_mode},
        pg_current_snapshot()::text,
        (CASE WHEN %(stamp)s::boolean THEN pg_current_xact_id()
              ELSE pg_current_xact_id_if_assigned() END)::text,
-       extract(epoch FROM statement_timestamp())::float8,
+       extract(epoch FROM transaction_timestamp())::float8,
        extract(epoch FROM b.scan_from)::float8,
        extract(epoch FROM CASE WHEN (SELECT count(*) FROM chosen) < (SELECT count(*) FROM picked)
                                  THEN (SELECT min(p.vt) FROM picked p

@@ -17,13 +17,17 @@ PgQ's ticks keep a txid snapshot so that a late commit is never skipped:
   visibility timeout: ``pgmq.send``, ``pgmq.set_vt``, kombu_pgmq's publish, read and
   requeue), at most ``MARGIN_SECONDS`` before its transaction's id is assigned, or later;
 * transaction ids are assigned in increasing order, so a transaction whose id is above the
-  id of one of our reads was assigned its id after that read's statement began
-  (``statement_timestamp()``): its rows have ``vt`` at or after that time, less the margin;
-* each read returns its snapshot (``pg_current_snapshot()``) and its own transaction id;
-  the ids our reads had, with their start times, bound when any later id was assigned.
+  id of one of our reads was assigned its id after that read's transaction began
+  (``transaction_timestamp()``): its rows have ``vt`` at or after that time, less the
+  margin; so was every id at or above the ``xmax`` of a read's snapshot (the snapshot is
+  taken after its transaction began);
+* each read returns its snapshot (``pg_current_snapshot()``), its own transaction id and
+  its transaction's start; the ids our reads had, with those starts, bound when any later
+  id was assigned.
 
-The next read of the queue then starts at the oldest of: where this one got to; the bound
-of the ids at or above this snapshot's ``xmax`` (not yet known to it); and, for each id in
+The next read of the queue then starts at the oldest of: where this one got to; this
+read's start less the margin (ids at or above its snapshot's ``xmax``, not yet known to
+it); and, for each id in
 progress at this snapshot (its ``xip``) that has committed by the next read's snapshot
 (``pg_visible_in_snapshot``, checked by the statement itself), that id's bound. A long
 transaction that has written keeps no read back while it runs; its commit costs one read
@@ -62,7 +66,8 @@ FULL_SCAN_SECONDS = 60.0
 MARGIN_SECONDS = 0.25
 #: A read with nothing to write has no transaction id; one is asked for
 #: (``pg_current_xact_id()``) when the newest id known is older than this many seconds, so
-#: that the bound of new ids stays this fresh on a queue whose reads find nothing.
+#: that the bound of an id in progress at a read (one that commits later) stays this
+#: fresh on a queue whose reads find nothing.
 STAMP_SECONDS = 0.25
 #: Read ids kept (one per ``STAMP_SECONDS`` at most, about 30 minutes' worth); an id in
 #: progress older than all of them is bounded by the start of the index.
@@ -75,7 +80,7 @@ class ReadPosition(NamedTuple):
     """What a read of one queue returns about its scan (the statement's position row):
     ``snapshot``: ``pg_current_snapshot()`` as text (``xmin:xmax:xip,...``);
     ``read_xid``: the read's own transaction id, None if it had none; ``read_at``: its
-    statement's start (epoch seconds, server clock); ``scan_from``: where its scan of the
+    transaction's start (epoch seconds, server clock); ``scan_from``: where its scan of the
     vt index started (epoch seconds, ``-inf``: at the start); ``scanned_to``: the ``vt``
     up to which it saw every visible row (epoch seconds)."""
 
@@ -174,9 +179,10 @@ class ReadPositions:
         if position.scan_from == _UNBOUNDED:
             state.full_at = state.advanced_at
         xmin, xmax, xip = position.snapshot.split(":")
-        del xmin  # every id below it is settled: seen, or never to commit
+        del xmin, xmax  # below xmin: settled (seen, or never to commit); at or above
+        # xmax: assigned after this read's transaction began (bounded by read_at)
         reached = position.scanned_to if position.scanned_to is not None else position.scan_from
-        state.scan_from = min(reached, self._bound(int(xmax)))
+        state.scan_from = min(reached, position.read_at - MARGIN_SECONDS)
         state.watch_xids = xip.split(",") if xip else []
         state.watch_bounds = [self._bound(int(x)) for x in state.watch_xids]
 

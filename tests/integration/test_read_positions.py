@@ -57,10 +57,12 @@ def held(dsn: str, *, write: bool = False) -> Iterator[psycopg.Connection]:
 
 
 def cycle(pgmq: Broker, queue: str, n: int) -> None:
-    """Publish ``n`` messages, read them and archive them: each leaves dead versions."""
+    """Publish ``n`` messages, read them and archive them: each leaves dead versions (the
+    delivered ones with a visibility timeout far beyond the test, so that only the sent
+    versions lie in the index below now)."""
     for i in range(n):
         pgmq.send(queue, json.dumps({"n": i}), "{}", deduplicated=False)
-    rows = pgmq.read_many([queue], 30, n)
+    rows = pgmq.read_many([queue], 3600, n)
     assert len(rows) == n
     ids = [r.msg_id for r in rows]
     pgmq.db.connection.execute("SELECT pgmq.archive(%s, %s::bigint[])", (queue, ids))
@@ -108,10 +110,10 @@ def test_reads_walk_the_same_few_entries_however_long_a_snapshot_is_held(db_dsn)
         from_start = entries_walked(pgmq, db_dsn, queue, settle=False)
     # 10,000 messages delivered and archived behind the snapshot, all still in the index:
     # a read from the start walks them all, a read from its position what the last
-    # moments left, however many were consumed before
-    # (here about a thousand entries: the position trails the reads by a moment)
+    # moments left (none: the position trails the reads by MARGIN_SECONDS), however many
+    # were consumed before
     assert from_start >= 10_000
-    assert late < from_start / 2, (early, late, from_start)
+    assert late < 200, (early, late, from_start)
 
 
 def test_a_long_transaction_that_has_written_does_not_hold_the_position_back(db_dsn):
@@ -127,7 +129,7 @@ def test_a_long_transaction_that_has_written_does_not_hold_the_position_back(db_
         from_start = entries_walked(pgmq, db_dsn, queue, settle=False)
     # held back to the writer's start, the read would walk all of them
     assert from_start >= 6_000
-    assert late < from_start / 2, (early, late, from_start)
+    assert late < 200, (early, late, from_start)
 
 
 @pytest.mark.parametrize("when", ["id-before-reads", "id-at-send", "commit-before-listed"])
