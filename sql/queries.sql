@@ -100,26 +100,31 @@ FROM sent s LEFT JOIN handed h ON true
 
 -- name: read
 -- Deliver up to qty visible messages of one queue, hiding them for vt_seconds
--- (kombu_pgmq.read: pgmq.read, FOR UPDATE SKIP LOCKED; concurrent consumers never get
--- the same message). message and headers come back as text: the JSON body goes to Kombu
+-- (kombu_pgmq.read: FOR UPDATE SKIP LOCKED, concurrent consumers never get the same
+-- message; the walk of the vt index starts at the queue's position, %(positions)s, as in
+-- read_many). message and headers come back as text: the JSON body goes to Kombu
 -- unparsed. age_seconds (server clock) serves x-message-ttl and per-message expiration.
-SELECT queue, msg_id, read_ct, enqueued_at, message, headers, age_seconds
+SELECT queue, msg_id, read_ct, enqueued_at, message, headers, age_seconds,
+       snapshot, read_xid, read_at, scan_from, scanned_to
 FROM kombu_pgmq.read(ARRAY[%(queue)s]::text[], %(vt_seconds)s::integer, %(qty)s::integer,
-                     fifo_queues => %(fifo_queues)s::text[])
+                     positions => %(positions)s::jsonb, stamp => %(stamp)s::boolean)
 
 -- name: read_many
 -- Archive acked messages (receipt handles: queue, msg_id, read_ct, enqueued_at; a stale
--- one is not applied, migration 0007), then read up to qty messages from several queues,
--- in one round trip (kombu_pgmq.read). Rows carry their PGMQ queue name. FIFO queues
--- (fifo_queues) are read one message per group at a time (migration 0011). ack_holds
+-- one is not applied), then read up to qty messages from several queues, in the order
+-- given, in one round trip (kombu_pgmq.read). Rows carry their PGMQ queue name. ack_holds
 -- (aligned with the acks): acks whose tasks run on; their concurrency slots are held for
--- hold_seconds (kombu_pgmq.ack).
-SELECT queue, msg_id, read_ct, enqueued_at, message, headers, age_seconds
+-- hold_seconds (kombu_pgmq.ack). A queue without limits is read from its position
+-- (%(positions)s: kombu_pgmq/_db/positions.py, {PGMQ queue: {scan_from, watch_xids,
+-- watch_bounds}}) and its position row follows its rows (msg_id NULL, snapshot set;
+-- %(stamp)s: assign the read a transaction id).
+SELECT queue, msg_id, read_ct, enqueued_at, message, headers, age_seconds,
+       snapshot, read_xid, read_at, scan_from, scanned_to
 FROM kombu_pgmq.read(%(queues)s::text[], %(vt_seconds)s::integer, %(qty)s::integer,
                      %(ack_queues)s::text[], %(ack_ids)s::bigint[], %(ack_cts)s::integer[],
                      %(ack_enqueued)s::timestamptz[], %(durable_acks)s::boolean,
-                     %(fifo_queues)s::text[], %(ack_holds)s::boolean[],
-                     %(hold_seconds)s::integer)
+                     %(ack_holds)s::boolean[], %(hold_seconds)s::integer,
+                     %(positions)s::jsonb, %(stamp)s::boolean)
 
 -- name: read_queue
 -- The read of one queue straight on PGMQ's tables (issue 17): what read_many does for a

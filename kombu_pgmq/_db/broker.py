@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from psycopg import sql
+from psycopg.types.json import Jsonb
 
 from ..errors import PermissionDenied, QueueNotFound
 from . import handoff
@@ -24,6 +25,7 @@ from .nowait import Nowait
 from .positions import ReadPosition, ReadPositions
 from .rows import (
     KEY_LIMITED,
+    PositionedRow,
     QueueInfo,
     ReadRow,
     Reads,
@@ -129,8 +131,15 @@ class Broker(Declarations, Nowait):
     def read(self, queue: str, vt_seconds: int, qty: int) -> Reads:
         """Deliver up to ``qty`` visible messages, invisible for ``vt_seconds`` afterwards
         (within the queue's limits, if it has any: ``Reads.limits``)."""
-        params = {"queue": queue, "vt_seconds": vt_seconds, "qty": qty, "fifo_queues": []}
-        reads = Reads.of(self.db.fetch("read", params, Row, synchronous=None))
+        positions, stamp = self.positions.positions([queue])
+        params = {
+            "queue": queue,
+            "vt_seconds": vt_seconds,
+            "qty": qty,
+            "positions": Jsonb(positions),
+            "stamp": stamp,
+        }
+        reads = self._positioned(self.db.fetch("read", params, PositionedRow, synchronous=None))
         self._learn_limits([queue], reads, complete=len(reads) < qty)
         return reads
 
@@ -181,14 +190,40 @@ class Broker(Declarations, Nowait):
             "ack_cts": [a.read_ct for a in acks],
             "ack_enqueued": [a.enqueued_at for a in acks],
             "durable_acks": durable_acks,
-            "fifo_queues": [],
         }
         holds = slot_holds(acks)
         params["ack_holds"], params["hold_seconds"] = holds["holds"], holds["hold_seconds"]
+        positions, params["stamp"] = self.positions.positions(queues if qty else ())
+        params["positions"] = Jsonb(positions)
         # kombu_pgmq.read sets synchronous_commit itself
-        reads = Reads.of(self.db.fetch("read_many", params, Row, synchronous=None))
+        rows = self.db.fetch("read_many", params, PositionedRow, synchronous=None)
+        reads = self._positioned(rows)
         self._learn_limits(queues, reads, complete=len(reads) < qty)
         return reads
+
+    def _positioned(self, rows: Sequence[PositionedRow]) -> Reads:
+        """The rows of ``kombu_pgmq.read``: its position rows advance the positions of
+        their queues, the rest are :meth:`Reads.of`."""
+        messages: list[Row] = []
+        for r in rows:
+            if r.snapshot is not None:
+                position = ReadPosition(
+                    r.snapshot, r.read_xid, r.read_at or 0.0, r.scan_from or 0.0, r.scanned_to
+                )
+                self.positions.advance(r.queue, position)
+            else:
+                messages.append(
+                    Row(
+                        r.msg_id,  # type: ignore[arg-type]  # None: a limited queue's marker
+                        r.read_ct or 0,
+                        r.message or "",
+                        r.headers,
+                        r.age_seconds,  # type: ignore[arg-type]
+                        r.queue,
+                        r.enqueued_at,
+                    )
+                )
+        return Reads.of(messages)
 
     def _learn_limits(self, queues: Sequence[str], reads: Reads, *, complete: bool) -> None:
         """Remember which of ``queues`` are limited (their reads skip statement

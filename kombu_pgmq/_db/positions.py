@@ -76,6 +76,11 @@ HISTORY = 8192
 _UNBOUNDED = float("-inf")
 
 
+def _finite(bound: object) -> float | None:
+    """A bound for JSON (no infinities): None for the start of the index."""
+    return None if bound == _UNBOUNDED else bound  # type: ignore[return-value]
+
+
 class ReadPosition(NamedTuple):
     """What a read of one queue returns about its scan (the statement's position row):
     ``snapshot``: ``pg_current_snapshot()`` as text (``xmin:xmax:xip,...``);
@@ -140,6 +145,22 @@ class ReadPositions:
             "stamp": stamp,
         }
 
+    def positions(self, queues: Iterable[str]) -> tuple[dict[str, dict[str, object]], bool]:
+        """``kombu_pgmq.read``'s ``positions`` (``{queue: {scan_from, watch_xids,
+        watch_bounds}}``, JSON: ``null`` for the start of the index) and ``stamp``, for a
+        read of ``queues``."""
+        result: dict[str, dict[str, object]] = {}
+        stamp = False
+        for queue in queues:
+            params = self.params(queue)
+            stamp = stamp or bool(params["stamp"])
+            result[queue] = {
+                "scan_from": _finite(params["scan_from"]),
+                "watch_xids": params["watch_xids"],
+                "watch_bounds": [_finite(b) for b in params["watch_bounds"]],  # type: ignore[attr-defined]
+            }
+        return result, stamp
+
     def probe_from(self, queue: str) -> float:
         """The oldest ``vt`` a visible row the next read of ``queue`` takes can have
         (epoch seconds; ``-inf`` when that read starts at the beginning of the index): what
@@ -203,7 +224,9 @@ class ReadPositions:
 
     def _record(self, xid: int, started: float) -> None:
         xids = self._xids
-        if xids and xid <= xids[-1]:  # a server with other ids (restored, a failover)
+        if xids and xid == xids[-1]:
+            return  # another queue of the same read
+        if xids and xid < xids[-1]:  # a server with other ids (restored, a failover)
             self._xids, self._times = [], []
             self._queues.clear()
         elif xids and started - self._times[-1] < STAMP_SECONDS:

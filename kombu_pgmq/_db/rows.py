@@ -216,6 +216,26 @@ class ReadRow(NamedTuple):
     scanned_to: float | None = None
 
 
+class PositionedRow(NamedTuple):
+    """A row of ``kombu_pgmq.read``: a delivered message (see :class:`Row`), a limited
+    queue's marker (``msg_id`` None, ``snapshot`` None: see :class:`Throttle`), or a
+    queue's position row (``snapshot`` set: see
+    :class:`kombu_pgmq._db.positions.ReadPosition`)."""
+
+    queue: str
+    msg_id: int | None
+    read_ct: int | None
+    enqueued_at: datetime | None
+    message: str | None
+    headers: str | None
+    age_seconds: float | None
+    snapshot: str | None = None
+    read_xid: str | None = None
+    read_at: float | None = None
+    scan_from: float | None = None
+    scanned_to: float | None = None
+
+
 #: Columns pgmq.archive moves to the archive (those the tables have: PGMQ < 1.11 has no
 #: last_read_at; archived_at takes its default).
 class Renewed(NamedTuple):

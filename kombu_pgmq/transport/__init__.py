@@ -182,9 +182,10 @@ one queue start at a position in PGMQ's ``vt`` index instead of its beginning, s
 not walk those versions (:mod:`kombu_pgmq._db.positions`: a transaction that commits a
 message late is still delivered; a message requeued to its place makes the consumers read
 from the start, as does a read every 60 seconds); a publish hands a message to a waiting
-consumer by ``nextval`` on that consumer's sequence, writing no row. Reads through
-``kombu_pgmq.read`` (several queues or bands, FIFO, key limits, least privilege) still
-walk them. ``kombu-pgmq queues``, the metrics and the worker's log name what holds the
+consumer by ``nextval`` on that consumer's sequence, writing no row. Reads of several
+queues or bands and of least-privilege roles (``kombu_pgmq.read``) start at positions
+too; reads of a queue with limits (rate, concurrency, key limits, FIFO groups) still walk
+them. ``kombu-pgmq queues``, the metrics and the worker's log name what holds the
 horizon (docs: Long transactions).
 
 Reads are coalesced: while a channel holds messages it reads again only once half its

@@ -31,13 +31,20 @@ def no_full_scans(monkeypatch):
     monkeypatch.setattr(positions, "FULL_SCAN_SECONDS", 3600.0)
 
 
+#: How a read of one queue reaches the table: statement read_queue, or kombu_pgmq.read
+#: (several queues or priority bands in one read, least-privilege roles).
+READS = pytest.mark.parametrize("direct", [True, False], ids=["read_queue", "kombu_pgmq.read"])
+
+
 @contextlib.contextmanager
-def broker(dsn: str, queue: str) -> Iterator[Broker]:
+def broker(dsn: str, queue: str, *, direct: bool = True) -> Iterator[Broker]:
     with connect(dsn) as conn:
         conn.channel().queue_declare(queue)
     db = Connector(dsn)
     try:
-        yield Broker(db)
+        pgmq = Broker(db)
+        pgmq.direct_reads = direct
+        yield pgmq
     finally:
         db.close()
 
@@ -97,9 +104,10 @@ def entries_walked(pgmq: Broker, dsn: str, queue: str, *, settle: bool = True) -
     return index_entries_read(pgmq, dsn, f"q_{queue}_vt_idx") - before
 
 
-def test_reads_walk_the_same_few_entries_however_long_a_snapshot_is_held(db_dsn):
+@READS
+def test_reads_walk_the_same_few_entries_however_long_a_snapshot_is_held(db_dsn, direct):
     queue = pgmq_queue_name("walk")
-    with broker(db_dsn, "walk") as pgmq, held(db_dsn):
+    with broker(db_dsn, "walk", direct=direct) as pgmq, held(db_dsn):
         for _ in range(5):
             cycle(pgmq, queue, 200)
         early = entries_walked(pgmq, db_dsn, queue)
@@ -116,9 +124,10 @@ def test_reads_walk_the_same_few_entries_however_long_a_snapshot_is_held(db_dsn)
     assert late < 200, (early, late, from_start)
 
 
-def test_a_long_transaction_that_has_written_does_not_hold_the_position_back(db_dsn):
+@READS
+def test_a_long_transaction_that_has_written_does_not_hold_the_position_back(db_dsn, direct):
     queue = pgmq_queue_name("writer")
-    with broker(db_dsn, "writer") as pgmq, held(db_dsn, write=True):
+    with broker(db_dsn, "writer", direct=direct) as pgmq, held(db_dsn, write=True):
         for _ in range(5):
             cycle(pgmq, queue, 200)
         early = entries_walked(pgmq, db_dsn, queue)
@@ -132,8 +141,43 @@ def test_a_long_transaction_that_has_written_does_not_hold_the_position_back(db_
     assert late < 200, (early, late, from_start)
 
 
+def test_a_read_of_several_queues_walks_few_entries_of_each(db_dsn):
+    """Several queues in one read (a consumer of two queues, priority bands): each
+    queue's walk starts at its own position."""
+    names = [pgmq_queue_name("bands"), pgmq_queue_name("bands.1")]
+    with broker(db_dsn, "bands") as pgmq, held(db_dsn):
+        with connect(db_dsn) as conn:
+            conn.channel().queue_declare("bands.1")
+
+        def walked() -> int:
+            return sum(index_entries_read(pgmq, db_dsn, f"q_{q}_vt_idx") for q in names)
+
+        for _ in range(20):
+            for q in names:
+                for i in range(100):
+                    pgmq.send(q, json.dumps({"n": i}), "{}", deduplicated=False)
+            rows = pgmq.read_many(names, 3600, 400)
+            assert len(rows) == 200
+            for q in names:
+                ids = [r.msg_id for r in rows if r.queue == q]
+                pgmq.db.connection.execute("SELECT pgmq.archive(%s, %s::bigint[])", (q, ids))
+        time.sleep(2 * (positions.STAMP_SECONDS + positions.MARGIN_SECONDS))
+        assert pgmq.read_many(names, 30, 10) == []
+        time.sleep(2 * (positions.STAMP_SECONDS + positions.MARGIN_SECONDS))
+        before = walked()
+        assert pgmq.read_many(names, 30, 10) == []
+        late = walked() - before
+        pgmq.positions.forget()
+        before = walked()
+        assert pgmq.read_many(names, 30, 10) == []
+        from_start = walked() - before
+    assert from_start >= 4_000
+    assert late < 200, (late, from_start)
+
+
+@READS
 @pytest.mark.parametrize("when", ["id-before-reads", "id-at-send", "commit-before-listed"])
-def test_a_message_committed_late_is_delivered(db_dsn, when):
+def test_a_message_committed_late_is_delivered(db_dsn, when, direct):
     """A transaction publishes (vt = the time of its INSERT) and commits only after reads
     moved past that time: the read after its commit delivers it. id-before-reads: the
     transaction has had its id since before those reads (it is in their snapshots'
@@ -141,7 +185,7 @@ def test_a_message_committed_late_is_delivered(db_dsn, when):
     it commits right after one read whose snapshot did not list it yet (its id is above
     that snapshot's xmax: no transaction with a later id had ended)."""
     queue = pgmq_queue_name("late")
-    with broker(db_dsn, "late") as pgmq:
+    with broker(db_dsn, "late", direct=direct) as pgmq:
         cycle(pgmq, queue, 5)
         with psycopg.connect(db_dsn) as app:
             if when == "id-before-reads":
@@ -161,11 +205,12 @@ def test_a_message_committed_late_is_delivered(db_dsn, when):
         assert [json.loads(r.message) for r in rows] == [{"late": True}]
 
 
-def test_messages_that_become_visible_again_below_the_position_are_delivered(db_dsn):
+@READS
+def test_messages_that_become_visible_again_below_the_position_are_delivered(db_dsn, direct):
     """A delayed message, a lease that lapses and a requeue with a delay come due while
     reads move on: each is delivered when due, without a read from the start."""
     queue = pgmq_queue_name("due")
-    with broker(db_dsn, "due") as pgmq:
+    with broker(db_dsn, "due", direct=direct) as pgmq:
         pgmq.send(queue, '{"delayed": true}', "{}", 2, deduplicated=False)
         pgmq.send(queue, '{"leased": true}', "{}", deduplicated=False)
         pgmq.send(queue, '{"requeued": true}', "{}", deduplicated=False)

@@ -85,3 +85,10 @@ def test_forget_reads_the_queue_from_the_start():
     p.forget("q")
     assert p.params("q")["scan_from"] == -math.inf
     assert p.age("q") is None
+
+
+def test_the_queues_of_one_read_share_its_transaction_id():
+    p = ReadPositions()
+    p.advance("a", read("100:100:", "100", 1000.0, 1000.0))
+    p.advance("b", read("100:100:", "100", 1000.0, 1000.0))
+    assert p.params("a")["scan_from"] == p.params("b")["scan_from"] > -math.inf
