@@ -67,12 +67,32 @@ def cycle(pgmq: Broker, queue: str, n: int) -> None:
     """Publish ``n`` messages, read them and archive them: each leaves dead versions (the
     delivered ones with a visibility timeout far beyond the test, so that only the sent
     versions lie in the index below now)."""
-    for i in range(n):
-        pgmq.send(queue, json.dumps({"n": i}), "{}", deduplicated=False)
+    pgmq.db.connection.execute(
+        "SELECT pgmq.send_batch(%s, ARRAY(SELECT jsonb_build_object('n', i)"
+        " FROM generate_series(1, %s) AS i))",
+        (queue, n),
+    )
     rows = pgmq.read_many([queue], 3600, n)
     assert len(rows) == n
     ids = [r.msg_id for r in rows]
     pgmq.db.connection.execute("SELECT pgmq.archive(%s, %s::bigint[])", (queue, ids))
+
+
+def touched(pgmq: Broker, dsn: str, queue: str) -> tuple[int, int]:
+    """(index entries its vt index returned to scans, dead or alive; shared buffers its
+    table and indexes were read from), cumulative, with this broker's connection's counts
+    flushed (pg_stat_user_indexes.idx_tup_read; pg_statio_user_tables' hits and reads)."""
+    pgmq.db.connection.execute("SELECT pg_stat_force_next_flush()")
+    pgmq.db.connection.execute("SELECT 1")  # the flush happens at its end
+    ((entries, buffers),) = sql(
+        dsn,
+        "SELECT i.idx_tup_read,"
+        " t.heap_blks_hit + t.heap_blks_read + t.idx_blks_hit + t.idx_blks_read"
+        " FROM pg_stat_user_indexes i JOIN pg_statio_user_tables t USING (relid)"
+        " WHERE i.schemaname = 'pgmq' AND i.indexrelname = %s",
+        (f"q_{queue}_vt_idx",),
+    )
+    return int(entries), int(buffers)
 
 
 def index_entries_read(pgmq: Broker, dsn: str, index: str) -> int:
@@ -89,39 +109,49 @@ def index_entries_read(pgmq: Broker, dsn: str, index: str) -> int:
     return int(n)
 
 
-def entries_walked(pgmq: Broker, dsn: str, queue: str, *, settle: bool = True) -> int:
-    """Index entries of the queue's vt index one empty read walks, once the position
-    has moved past the last cycle: a read after a pause longer than the position's lag
-    behind the reads (their own transaction ids bound it: STAMP_SECONDS, MARGIN_SECONDS),
-    then the measured read after another."""
+def walk(pgmq: Broker, dsn: str, queue: str, *, settle: bool = True) -> tuple[int, int]:
+    """(index entries of the queue's vt index, shared buffers of its table and indexes)
+    one empty read touches, once the position has moved past the last cycle: a read after
+    a pause longer than the position's lag behind the reads (MARGIN_SECONDS), then the
+    measured read after another."""
     if settle:
         pause = 2 * (positions.STAMP_SECONDS + positions.MARGIN_SECONDS)
         time.sleep(pause)
         assert pgmq.read_many([queue], 30, 10) == []
         time.sleep(pause)
-    before = index_entries_read(pgmq, dsn, f"q_{queue}_vt_idx")
+    entries, buffers = touched(pgmq, dsn, queue)
     assert pgmq.read_many([queue], 30, 10) == []
-    return index_entries_read(pgmq, dsn, f"q_{queue}_vt_idx") - before
+    entries_after, buffers_after = touched(pgmq, dsn, queue)
+    return entries_after - entries, buffers_after - buffers
+
+
+def entries_walked(pgmq: Broker, dsn: str, queue: str, *, settle: bool = True) -> int:
+    return walk(pgmq, dsn, queue, settle=settle)[0]
 
 
 @READS
-def test_reads_walk_the_same_few_entries_however_long_a_snapshot_is_held(db_dsn, direct):
+def test_a_read_touches_as_much_after_50_000_messages_as_after_1_000(db_dsn, direct):
+    """Behind a held snapshot every delivery and ack leaves dead row versions that stay in
+    the vt index; one read by position walks and touches the same few entries and
+    buffers whether 1,000 or 50,000 messages went through, where a read from the start
+    walks all of them."""
     queue = pgmq_queue_name("walk")
     with broker(db_dsn, "walk", direct=direct) as pgmq, held(db_dsn):
-        for _ in range(5):
-            cycle(pgmq, queue, 200)
-        early = entries_walked(pgmq, db_dsn, queue)
-        for _ in range(45):
-            cycle(pgmq, queue, 200)
-        late = entries_walked(pgmq, db_dsn, queue)
+        for _ in range(2):
+            cycle(pgmq, queue, 500)
+        early = walk(pgmq, db_dsn, queue)
+        for _ in range(98):
+            cycle(pgmq, queue, 500)
+        late = walk(pgmq, db_dsn, queue)
         pgmq.positions.forget(queue)
-        from_start = entries_walked(pgmq, db_dsn, queue, settle=False)
-    # 10,000 messages delivered and archived behind the snapshot, all still in the index:
-    # a read from the start walks them all, a read from its position what the last
-    # moments left (none: the position trails the reads by MARGIN_SECONDS), however many
-    # were consumed before
-    assert from_start >= 10_000
-    assert late < 200, (early, late, from_start)
+        from_start = walk(pgmq, db_dsn, queue, settle=False)
+    # (entries, buffers): the position trails the reads by MARGIN_SECONDS, so the read
+    # walks none of the dead versions; its buffers are the index's descent (one level
+    # deeper at most as the index grows) and the catalog rows it checks
+    assert from_start[0] >= 50_000, (early, late, from_start)
+    assert late[0] < 200, (early, late, from_start)
+    assert late[1] <= early[1] + 3, (early, late, from_start)
+    assert from_start[1] > 10 * late[1], (early, late, from_start)
 
 
 @READS
@@ -339,3 +369,53 @@ def test_acks_probe_the_primary_key_after_a_vacuum_behind_a_held_snapshot(db_dsn
         assert pgmq.ack(receipts) == {(queue, r.msg_id) for r in rows}
         walked = index_entries_read(pgmq, db_dsn, f"q_{queue}_pkey") - before
     assert walked <= 100, walked
+
+
+def test_plain_pgmq_clients_and_a_least_privilege_worker_share_a_queue(least_privilege_db):
+    """On the SQL-only install and on the extension: a worker role granted with least
+    privilege reads by position (through kombu_pgmq.read) behind a held snapshot, while
+    the owner works the same queue with PGMQ's own functions: what pgmq.send writes is
+    delivered, what pgmq.read took is not, pgmq.set_vt makes a delivered message visible
+    again, and an ack of a message pgmq.archive took first is not applied."""
+    db = least_privilege_db
+    queue = pgmq_queue_name("shared")
+    with connect(db.owner_url) as conn:
+        conn.channel().queue_declare("shared")
+    worker = Connector(db.worker_url)
+    owner = psycopg.connect(db.owner_url, autocommit=True)
+    try:
+        pgmq = Broker(worker)
+
+        def read() -> list[Any]:
+            return list(pgmq.read_many([queue], 30, 10))
+
+        def plain(statement: str, *args: object) -> Any:
+            return owner.execute(statement, (queue, *args)).fetchall()
+
+        with held(db.admin_url):
+            plain("SELECT pgmq.send_batch(%s, ARRAY['{\"n\": 1}'::jsonb, '{\"n\": 2}'])")
+            first = read()
+            assert sorted(json.loads(r.message)["n"] for r in first) == [1, 2]
+            receipts = [Receipt(queue, r.msg_id, r.read_ct, r.enqueued_at) for r in first]
+            assert pgmq.ack(receipts) == {(queue, r.msg_id) for r in first}
+            assert not pgmq.direct_reads  # the worker may not touch PGMQ's tables
+            assert pgmq.positions.age(queue) is not None  # and it reads by position
+            time.sleep(2 * (positions.STAMP_SECONDS + positions.MARGIN_SECONDS))
+            assert read() == []
+            ((taken,),) = plain("SELECT pgmq.send(%s, '{\"n\": 3}')")
+            ((other,),) = plain("SELECT pgmq.send(%s, '{\"n\": 4}')")
+            assert plain("SELECT msg_id FROM pgmq.read(%s, 30, 1)") == [(taken,)]
+            (got,) = read()  # what pgmq.read took is invisible
+            assert got.msg_id == other
+            plain("SELECT pgmq.set_vt(%s, %s, 0)", other)  # visible now, above the position
+            (again,) = read()
+            assert (again.msg_id, again.read_ct) == (other, 2)
+            assert plain("SELECT pgmq.archive(%s, %s)", other) == [(True,)]
+            stale = Receipt(queue, again.msg_id, again.read_ct, again.enqueued_at)
+            assert pgmq.ack([stale]) == set()
+            assert plain("SELECT pgmq.archive(%s, %s)", taken) == [(True,)]
+            ((ready,),) = plain("SELECT queue_length FROM pgmq.metrics(%s)")
+            assert ready == 0
+    finally:
+        owner.close()
+        worker.close()
