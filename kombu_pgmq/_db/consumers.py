@@ -164,16 +164,14 @@ class Consumers:
         queues: Sequence[str],
         scan_from: Sequence[float],
         *,
-        below: Mapping[str, float] | None = None,
-        on_visible: Callable[[set[str], set[str]], None],
+        on_visible: Callable[[set[str]], None],
         on_error: Callable[[KombuPgmqError], None],
     ) -> None:
         """Ask which of PGMQ queues ``queues`` hold a visible message with a ``vt`` at or
-        after ``scan_from`` (aligned with ``queues``: epoch seconds, ``-inf`` for any),
-        and which of ``below`` (queue: epoch seconds) hold one with a ``vt`` before that
-        (statement ``visible_probe``, a branch per look), without waiting for the answer:
+        after ``scan_from`` (aligned with ``queues``: epoch seconds, ``-inf`` for any)
+        (statement ``visible_probe``, a branch per queue), without waiting for the answer:
         it is read before this connection's next statement or by
-        :meth:`Connector.free`; ``on_visible(visible, below)`` gets the queues that do,
+        :meth:`Connector.free`; ``on_visible(queues)`` gets the queues that do,
         ``on_error`` a failure (e.g. :class:`~kombu_pgmq.errors.PermissionDenied`: a role
         without rights on PGMQ's tables). Sent unnamed (once a fallback poll: a plan
         cached for each set of queues would only pile up on the session).
@@ -181,22 +179,41 @@ class Consumers:
         Raises:
             BrokerConnectionError: the statement could not be sent.
         """
-        below = below or {}
         params = [repr(float(x)).encode() for f in scan_from for x in (f, float("inf"))]
-        params += [repr(float(x)).encode() for b in below.values() for x in (float("-inf"), b)]
-
-        def answered(rows: list[tuple[str | None, ...]]) -> None:
-            on_visible(
-                {str(r[0]) for r in rows if r[1] != "t"}, {str(r[0]) for r in rows if r[1] == "t"}
-            )
-
         self.db.send_nowait(
             None,
-            _visible_probe(self.db.statement("visible_probe"), tuple(queues), tuple(below)),
+            _visible_probe(self.db.statement("visible_probe"), tuple(queues), ()),
             params,
-            on_result=answered,
+            on_result=lambda rows: on_visible({str(r[0]) for r in rows}),
             on_error=on_error,
         )
+
+    def visible_below(self, below: Mapping[str, float]) -> set[str]:
+        """Which of ``below`` ({PGMQ queue: its read position, epoch seconds}) hold a
+        visible message with a ``vt`` before that position (statement ``visible_probe``,
+        a look below per queue; it walks every dead row version there). Waits for the
+        answer.
+
+        Raises:
+            PermissionDenied: the role may not read PGMQ's tables.
+            BrokerConnectionError: the connection was lost.
+        """
+        if not below:
+            return set()
+        params = [repr(float(x)).encode() for b in below.values() for x in (float("-inf"), b)]
+        found: set[str] = set()
+        failure: list[KombuPgmqError] = []
+        self.db.send_nowait(
+            None,
+            _visible_probe(self.db.statement("visible_probe"), (), tuple(below)),
+            params,
+            on_result=lambda rows: found.update(str(r[0]) for r in rows),
+            on_error=failure.append,
+        )
+        self.db.collect()
+        if failure:
+            raise failure[0]
+        return found
 
     def hold_handoff_lock(self, lock_key: int) -> int:
         """Take the session advisory lock a LISTEN connection holds while it listens for

@@ -40,12 +40,13 @@ next read of the queue starts at the beginning (:meth:`ReadPositions.forget`), a
 every read after its LISTEN connection was lost (a rewind may have been missed). Rows
 outside every rule (a ``pgmq.send`` or ``pgmq.set_vt`` given a ``vt`` in the past, a row a
 rolled-back read had locked, a clock stepped back) are found by the first read of each
-queue and by a read from the start every ``FULL_SCAN_SECONDS``; in Celery's event loop,
-where that read would hold up the loop while it walks every dead row version, by the
-fallback poll's probe instead (on the LISTEN connection, the loop going on): it looks
-below the positions every ``FULL_SCAN_SECONDS`` (:meth:`ReadPositions.below_due`), and a
-row found there rewinds the queue. Its everyday probe for visible rows starts at
-:meth:`ReadPositions.probe_from`.
+queue and by a look below the positions every ``LOOK_SECONDS``: the heartbeat thread of a
+consuming connection asks, on its own connection, which queues hold a visible row below
+their positions (:meth:`ReadPositions.looks_due`; it walks every dead row version there,
+holding up no read or hand-over meanwhile), and a row found rewinds the queue. Where no
+look came for ``FULL_SCAN_SECONDS`` (no consumer, a role that may not read PGMQ's tables),
+the read itself starts from the beginning. The fallback poll's everyday probe for
+visible rows starts at :meth:`ReadPositions.probe_from`.
 """
 
 from __future__ import annotations
@@ -55,12 +56,16 @@ import time
 from collections.abc import Iterable
 from typing import NamedTuple
 
-__all__ = ["FULL_SCAN_SECONDS", "MARGIN_SECONDS", "ReadPosition", "ReadPositions"]
+__all__ = ["FULL_SCAN_SECONDS", "LOOK_SECONDS", "MARGIN_SECONDS", "ReadPosition", "ReadPositions"]
 
-#: Seconds between reads of a queue from the start of its vt index (what the bounded
-#: reads cannot see: see the module docstring). Such a read costs as much as every read
-#: did without positions (a walk of every dead row version the horizon keeps).
+#: Seconds after which a read of a queue starts from the beginning of its vt index when
+#: nothing looked below its position meanwhile (what the bounded reads cannot see: see
+#: the module docstring). Such a read costs as much as every read did without positions
+#: (a walk of every dead row version the horizon keeps).
 FULL_SCAN_SECONDS = 60.0
+#: Seconds after which the heartbeat thread looks below a queue's position (before the
+#: read would start from the beginning).
+LOOK_SECONDS = 30.0
 #: Seconds a row's ``vt`` may be computed before its transaction's id is assigned (the
 #: write's own statement: BEFORE triggers, a wait for the relation extension lock).
 MARGIN_SECONDS = 0.25
@@ -118,10 +123,6 @@ class ReadPositions:
         self._xids: list[int] = []
         self._times: list[float] = []
         self._stamped = 0.0  # time.monotonic() when the newest id was recorded
-        #: True while a probe on another connection looks below the positions every
-        #: FULL_SCAN_SECONDS (:meth:`below_due`; Celery's event loop): reads then start
-        #: from the beginning only when told to (:meth:`forget`), never by the clock.
-        self.full_scan_by_probe = False
 
     def params(self, queue: str) -> dict[str, object]:
         """The read statement's parameters for ``queue``: ``scan_from`` (epoch seconds,
@@ -131,12 +132,7 @@ class ReadPositions:
         now = time.monotonic()
         state = self._queues.get(queue)
         stamp = now - self._stamped >= STAMP_SECONDS
-        due = (
-            not self.full_scan_by_probe and now - state.full_at >= FULL_SCAN_SECONDS
-            if state
-            else True
-        )
-        if state is None or due:
+        if state is None or now - state.full_at >= FULL_SCAN_SECONDS:
             return {"scan_from": _UNBOUNDED, "watch_xids": [], "watch_bounds": [], "stamp": stamp}
         return {
             "scan_from": state.scan_from,
@@ -171,23 +167,26 @@ class ReadPositions:
             return _UNBOUNDED
         return min([state.scan_from, *state.watch_bounds])
 
-    def below_due(self, queue: str) -> float | None:
-        """With ``full_scan_by_probe``: the position of ``queue`` (epoch seconds) when it
-        is time to look below it for visible rows (every ``FULL_SCAN_SECONDS``), else
-        None. The caller that sent the look calls :meth:`looked_below`; one that finds a
-        row there calls :meth:`forget`."""
-        state = self._queues.get(queue)
-        if state is None or time.monotonic() - state.full_at < FULL_SCAN_SECONDS:
-            return None
-        return min([state.scan_from, *state.watch_bounds])
-
-    def looked_below(self, queues: Iterable[str]) -> None:
-        """A probe below the positions of ``queues`` was sent (:meth:`below_due`)."""
+    def looks_due(self) -> dict[str, float]:
+        """``{queue: its position}`` (epoch seconds) of the queues it is time to look below
+        for visible rows (nothing looked there for ``LOOK_SECONDS``). Safe to call from
+        another thread (the heartbeat thread's); the caller that looked calls
+        :meth:`looked_below`, one that finds a row there has the queue :meth:`forget`."""
         now = time.monotonic()
+        return {
+            queue: min([state.scan_from, *state.watch_bounds])
+            for queue, state in list(self._queues.items())  # a copy: another thread's
+            if now - state.full_at >= LOOK_SECONDS
+        }
+
+    def looked_below(self, queues: Iterable[str], started: float) -> None:
+        """A look below the positions of ``queues`` was made, sent at ``started``
+        (``time.monotonic()``): reads need not start from the beginning for another
+        ``FULL_SCAN_SECONDS``. Safe to call from another thread."""
         for queue in queues:
             state = self._queues.get(queue)
             if state is not None:
-                state.full_at = now
+                state.full_at = max(state.full_at, started)
 
     def advance(self, queue: str, position: ReadPosition) -> None:
         """Record what a read of ``queue`` returned; the next read starts from it."""

@@ -181,11 +181,11 @@ transaction, ``pg_dump``) keeps every row version deliveries and acks leave. The
 one queue start at a position in PGMQ's ``vt`` index instead of its beginning, so they do
 not walk those versions (:mod:`kombu_pgmq._db.positions`: a transaction that commits a
 message late is still delivered; a message requeued to its place makes the consumers read
-from the start, as does a read every 60 seconds); a publish hands a message to a waiting
-consumer by ``nextval`` on that consumer's sequence, writing no row. Reads of several
-queues or bands and of least-privilege roles (``kombu_pgmq.read``) start at positions
-too; reads of a queue with limits (rate, concurrency, key limits, FIFO groups) still walk
-them. ``kombu-pgmq queues``, the metrics and the worker's log name what holds the
+from the start, and the heartbeat thread looks below the positions every 30 seconds on
+its own connection); a publish hands a message to a waiting consumer by ``nextval`` on
+that consumer's sequence, writing no row. Reads of several queues or bands and of
+least-privilege roles (``kombu_pgmq.read``) start at positions too; reads of a queue with
+limits (rate, concurrency, key limits, FIFO groups) still walk them. ``kombu-pgmq queues``, the metrics and the worker's log name what holds the
 horizon (docs: Long transactions).
 
 Reads are coalesced: while a channel holds messages it reads again only once half its

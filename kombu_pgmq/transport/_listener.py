@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import os
 import selectors
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 
 from .._db import handoff
 from .._db.broker import Broker
@@ -158,23 +158,18 @@ class Listener:
         self,
         queues: Iterable[str],
         scan_from: Callable[[str], float] | None = None,
-        below: Mapping[str, float] | None = None,
     ) -> bool:
         """Ask the server, without waiting, which of PGMQ queues ``queues`` hold a
         visible message at or after ``scan_from(queue)`` (epoch seconds; None: any: see
-        :meth:`ReadPositions.probe_from`), and which of ``below`` (queue: its position,
-        epoch seconds) hold one before it (the fallback poll in Celery's event loop;
+        :meth:`ReadPositions.probe_from`) (the fallback poll in Celery's event loop;
         statement ``visible_probe`` on the LISTEN connection, whose socket the loop
         watches). The answer comes in a later :meth:`collect`'s ready queues (every queue
-        asked about, if the probe failed); a queue with a visible message below its
-        position is rewound too (:meth:`take_rewound`). False, sending nothing, where a
-        probe does not apply (no LISTEN connection, the last probe still unanswered, a
-        role that may not read PGMQ's tables, nothing to ask): the caller reads the
-        queues itself."""
+        asked about, if the probe failed). False, sending nothing, where a probe does not
+        apply (no LISTEN connection, the last probe still unanswered, a role that may not
+        read PGMQ's tables, nothing to ask): the caller reads the queues itself."""
         connector = self._connector
         names = sorted(queues)
-        below = dict(below or {})
-        if connector is None or not self.probes or not (names or below):
+        if connector is None or not self.probes or not names:
             return False
 
         def failed(error: KombuPgmqError) -> None:
@@ -182,16 +177,12 @@ class Listener:
                 self.probes = False
             self._probed.update(names)
 
-        def answered(visible: set[str], found_below: set[str]) -> None:
-            self._probed.update(visible | found_below)
-            self._rewound.update(found_below)
-
         try:
             if not connector.free():
                 return False
             froms = [scan_from(n) if scan_from else float("-inf") for n in names]
             Consumers(connector).visible_nowait(
-                names, froms, below=below, on_visible=answered, on_error=failed
+                names, froms, on_visible=lambda found: self._probed.update(found), on_error=failed
             )
         except KombuPgmqError:
             return False  # a lost connection: the next collect() finds out

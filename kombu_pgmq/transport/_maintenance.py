@@ -1,5 +1,5 @@
 """The heartbeat thread of a consuming connection: consumer heartbeats, the reaper of
-abandoned queues, and VACUUM of busy queue tables.
+abandoned queues, looks below the read positions, and VACUUM of busy queue tables.
 
 Every ``consumer_heartbeat_interval`` seconds while the connection has consumers:
 
@@ -8,6 +8,14 @@ Every ``consumer_heartbeat_interval`` seconds while the connection has consumers
   lifetime");
 * runs the reaper (``kombu_pgmq.reap``), which drops queues whose consumers' processes
   died and queues unused past ``x-expires``;
+* looks below the read positions of the consumed queues every
+  :data:`~kombu_pgmq._db.positions.LOOK_SECONDS` (a row outside the rules that bound
+  where reads start, e.g. a ``pgmq.send`` with a past visibility time: see
+  :mod:`kombu_pgmq._db.positions`). Behind an old snapshot the look walks every dead row
+  version below the positions; on this thread's connection it holds up no read and no
+  hand-over. A queue with a visible row there is read from the start. A role that may
+  not read PGMQ's tables does not look: its reads start from the beginning now and then
+  instead.
 * VACUUMs a consumed queue table whose statistics show more than ``vacuum_threshold``
   dead tuples. Each delivery updates a row (its visibility timeout) and each ack deletes
   it, so a busy queue table collects dead row versions faster than autovacuum (once a
@@ -37,12 +45,14 @@ snapshot taken under the transport's lock, never iterated while the main thread 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 from .. import errors
 from .._db.connector import Connector
 from .._db.consumers import Consumers
 from .._db.horizon import Horizon, HorizonStore
+from .._db.positions import ReadPositions
 from ._service import Service
 
 logger = logging.getLogger(__name__)
@@ -68,6 +78,9 @@ class Maintainer(Service):
         consumed_tables: PGMQ queue names of the consumed queues (every priority band),
             empty while the connection has no consumers (rounds are skipped then).
         vacuum_threshold: dead tuples above which a table is VACUUMed (0: never).
+        positions: the read positions of the connection's reads (None while it has no
+            broker connection).
+        found_below: gets the queues a look found a visible row below the position of.
     """
 
     name = "consumer heartbeat"
@@ -81,11 +94,17 @@ class Maintainer(Service):
         interval_seconds: float,
         consumed_tables: Callable[[], list[str]],
         vacuum_threshold: int,
+        positions: Callable[[], ReadPositions | None] = lambda: None,
+        found_below: Callable[[set[str]], None] = lambda queues: None,
     ) -> None:
         super().__init__(dsn, interval_seconds)
         self._owner = owner
         self._consumed_tables = consumed_tables
         self.vacuum_threshold = vacuum_threshold
+        self._positions = positions
+        self._found_below = found_below
+        #: False once the role turned out not to be allowed to read PGMQ's tables
+        self.looks = True
         self._refused: set[str] = set()
         #: table -> the horizon's xmin when it was last VACUUMed here (None: no holder)
         self._vacuumed_under: dict[str, str | None] = {}
@@ -112,8 +131,29 @@ class Maintainer(Service):
         dropped = consumers.reap()
         if dropped:
             logger.info("dropped %d abandoned queue(s): %s", len(dropped), ", ".join(dropped))
+        self.look_below(consumers)
         if self.vacuum_threshold:
             self.vacuum(consumers, tables)
+
+    def look_below(self, consumers: Consumers) -> None:
+        """Look below the read positions that are due (see the module docstring)."""
+        positions = self._positions()
+        if positions is None or not self.looks:
+            return
+        looks = positions.looks_due()
+        if not looks:
+            return
+        started = time.monotonic()
+        try:
+            found = consumers.visible_below(looks)
+        except errors.PermissionDenied:
+            self.looks = False  # its reads start from the beginning now and then
+            return
+        except errors.QueueNotFound:
+            return  # one is gone: the next round asks again
+        positions.looked_below(looks, started)
+        if found:
+            self._found_below(found)
 
     def vacuum(self, consumers: Consumers, tables: list[str]) -> None:
         """VACUUM consumed queue tables with more than ``vacuum_threshold`` dead tuples,

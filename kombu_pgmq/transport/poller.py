@@ -101,6 +101,19 @@ class Poller(Recovery, DueReads):
         self._retry_pending = False  # a reconnection attempt is scheduled in the event loop
         self._reads_deferred = False  # a timer of the loop reads after a hand-over's round
         self._reading_deferred = False  # in that timer's round
+        #: queues the heartbeat thread found holding a visible row below their positions
+        self._found_below: set[str] = set()
+        self._found_below_lock = threading.Lock()
+
+    def found_below(self, queues: set[str]) -> None:
+        """From any thread (the heartbeat thread's look below the positions): ``queues``
+        hold a visible row below where their reads start; the next round reads them
+        from the start."""
+        with self._found_below_lock:
+            self._found_below |= queues
+        listener = self._listener
+        if listener is not None:
+            listener.wake()
 
     @property
     def polling_interval(self) -> float:
@@ -268,9 +281,13 @@ class Poller(Recovery, DueReads):
         self.handover.handed += listener.take_handed()
         now = monotonic()
         broker = self.transport.broker_if_connected()
+        with self._found_below_lock:
+            found_below, self._found_below = self._found_below, set()
+        self._ready |= found_below
         if broker is not None:
-            # rows requeued to their place lie below where the reads start
-            for name in listener.take_rewound():
+            # rows requeued to their place, or found by the heartbeat thread's look, lie
+            # below where the reads start
+            for name in listener.take_rewound() | found_below:
                 broker.positions.forget(name)
         if collected is None:
             # A new LISTEN connection: the database may have restarted and forgotten our
@@ -296,7 +313,6 @@ class Poller(Recovery, DueReads):
             consumed = self.consumed()
             positions = broker.positions if broker is not None else None
             probe_from = positions.probe_from if positions is not None else None
-            below: dict[str, float] = {}
             if positions is not None and in_loop:
                 # A queue whose messages are all handed over is never read: read it now
                 # and then, so that its position stays fresh (a read, and this probe,
@@ -304,18 +320,10 @@ class Poller(Recovery, DueReads):
                 stale = {n for n in consumed if (positions.age(n) or 0.0) >= REFRESH_SECONDS}
                 self._ready |= stale
                 consumed -= stale
-                dues = ((n, positions.below_due(n)) for n in sorted(self.consumed()))
-                below = {n: b for n, b in dues if b is not None}
-            probed = in_loop and listener.probe(consumed, probe_from, below)
-            if positions is not None:
-                # The probe looks below the positions now and then, where a read from
-                # the start would hold up the loop while it walks every dead row version.
-                positions.full_scan_by_probe = probed
+            probed = in_loop and listener.probe(consumed, probe_from)
             if not probed:
                 self._ready |= consumed
             else:
-                if positions is not None:
-                    positions.looked_below(below)
                 if broker is not None:
                     # No read now: collect a result sent without waiting instead (never
                     # blocks), so acks whose statement failed are kept and sent again.

@@ -41,6 +41,7 @@ from .._db.broker import Broker
 from .._db.connector import Connector
 from .._db.consumers import Consumers
 from .._db.pooling import mark_pooled
+from .._db.positions import ReadPositions
 from ..schema import ensure_schema, verify
 from ._binding import BINDING_OPTION, current_binding
 from ._leases import LeaseKeeper, held_by
@@ -142,6 +143,8 @@ class Transport(virtual.Transport):
             interval_seconds=self.options.consumer_heartbeat_interval,
             consumed_tables=self._consumed_tables,
             vacuum_threshold=self.options.vacuum_threshold,
+            positions=self._read_positions,
+            found_below=self.poller.found_below,
         )
         _TRANSPORTS.add(self)
 
@@ -244,6 +247,11 @@ class Transport(virtual.Transport):
         if binding is not None:
             return binding.publisher_for(self)
         return self.broker()
+
+    def _read_positions(self) -> ReadPositions | None:
+        """The read positions of this connection's reads (None: not connected)."""
+        broker = self.broker_if_connected()
+        return None if broker is None else broker.positions
 
     def broker_if_connected(self) -> Broker | None:
         """:meth:`broker` without connecting (None when closed): for cleanup paths."""

@@ -315,28 +315,40 @@ def _drain(conn: Any) -> None:
         conn.drain_events(timeout=0.1)
 
 
-def test_in_the_event_loop_a_probe_looks_below_the_positions(db_dsn, monkeypatch):
-    """In Celery's event loop no read starts from the beginning by the clock (it would hold
-    up the loop while it walks every dead row version): the fallback poll's probe looks
-    below the positions every FULL_SCAN_SECONDS instead, on the LISTEN connection, and a
-    visible row found there (a ``pgmq.send`` with a past visibility time) rewinds the
-    queue: it is delivered."""
+@pytest.mark.parametrize("loop", ["event loop", "drain_events"])
+def test_the_heartbeat_thread_looks_below_the_positions(db_dsn, monkeypatch, loop):
+    """No read starts from the beginning by the clock while the heartbeat thread looks
+    below the positions every LOOK_SECONDS on its own connection (a read from the start
+    would hold up the consumer while it walks every dead row version): a visible row
+    found there (a ``pgmq.send`` with a past visibility time) rewinds the queue, and it
+    is delivered, in Celery's event loop and in ``drain_events``."""
     from kombu import Consumer, Queue
 
     from .helpers import FakeHub
 
-    monkeypatch.setattr(positions, "FULL_SCAN_SECONDS", 1.0)
+    monkeypatch.setattr(positions, "LOOK_SECONDS", 0.5)  # the reads never start over
     queue = pgmq_queue_name("below")
     got: list[Any] = []
-    with connect(db_dsn, polling_interval=0.2) as conn, conn.channel() as channel:
-        hub = FakeHub()
-        conn.transport.register_with_event_loop(conn.connection, hub)
+    options = {"polling_interval": 0.2, "consumer_heartbeat_interval": 0.2}
+    with connect(db_dsn, **options) as conn, conn.channel() as channel:
+        hub = FakeHub() if loop == "event loop" else None
+        if hub is not None:
+            conn.transport.register_with_event_loop(conn.connection, hub)
         poller = conn.transport.poller
+
+        def turn() -> None:
+            if hub is None:
+                with contextlib.suppress(TimeoutError, OSError):
+                    conn.drain_events(timeout=0.2)
+            else:
+                poller._on_hub_fallback()  # the hub's repeating timer (FakeHub has none)
+                hub.run_once()
+
         with Consumer(channel, [Queue("below")], on_message=lambda m: (got.append(m), m.ack())):
             publish(conn, "below", [{"n": 1}])
             deadline = time.monotonic() + 10
             while not got and time.monotonic() < deadline:
-                hub.run_once()
+                turn()
             assert got, "the first message"
             sql(
                 db_dsn,
@@ -345,30 +357,37 @@ def test_in_the_event_loop_a_probe_looks_below_the_positions(db_dsn, monkeypatch
             )
             deadline = time.monotonic() + 10
             while len(got) < 2 and time.monotonic() < deadline:
-                poller._on_hub_fallback()  # the hub's repeating timer (FakeHub has none)
-                hub.run_once()
-            assert conn.transport.broker().positions.full_scan_by_probe
-        poller.unregister_from_event_loop()
+                turn()
+        if hub is not None:
+            poller.unregister_from_event_loop()
     assert [m.decode() for m in got] == [{"n": 1}, {"past": True}]
 
 
-def test_acks_probe_the_primary_key_after_a_vacuum_behind_a_held_snapshot(db_dsn):
+@READS
+def test_settling_probes_the_primary_key_after_a_vacuum_behind_a_held_snapshot(db_dsn, direct):
     """A VACUUM behind the snapshot removes nothing and leaves pg_class.reltuples at the
-    few live rows: an ack (and the read it rides) still finds its rows by msg_id on the
-    primary key, not by a scan of the whole index (every dead entry of 4,000 messages)."""
+    few live rows: a lease renewal, an ack (and the read it rides) and a requeue still
+    find their rows by msg_id on the primary key, not by a scan of the whole index (every
+    dead entry of 4,000 messages). ``direct``: statement ack_queue, else kombu_pgmq.ack."""
     queue = pgmq_queue_name("probe_pk")
-    with broker(db_dsn, "probe_pk") as pgmq, held(db_dsn):
+    with broker(db_dsn, "probe_pk", direct=direct) as pgmq, held(db_dsn):
         for _ in range(20):
             cycle(pgmq, queue, 200)
         sql(db_dsn, f"VACUUM pgmq.q_{queue}")
-        for i in range(10):
+        for i in range(20):
             pgmq.send(queue, json.dumps({"n": i}), "{}", deduplicated=False)
-        rows = pgmq.read_many([queue], 30, 10)
+        rows = pgmq.read_many([queue], 30, 20)
         receipts = [Receipt(queue, r.msg_id, r.read_ct, r.enqueued_at) for r in rows]
-        before = index_entries_read(pgmq, db_dsn, f"q_{queue}_pkey")
-        assert pgmq.ack(receipts) == {(queue, r.msg_id) for r in rows}
-        walked = index_entries_read(pgmq, db_dsn, f"q_{queue}_pkey") - before
-    assert walked <= 100, walked
+        walked = {}
+        for step, settle in (
+            ("renew", lambda: pgmq.renew(receipts, 60)),
+            ("ack", lambda: pgmq.ack(receipts[:10])),
+            ("requeue", lambda: pgmq.requeue(receipts[10:], 5)),
+        ):
+            before = index_entries_read(pgmq, db_dsn, f"q_{queue}_pkey")
+            assert len(settle()) == (20 if step == "renew" else 10)
+            walked[step] = index_entries_read(pgmq, db_dsn, f"q_{queue}_pkey") - before
+    assert max(walked.values()) <= 100, walked
 
 
 def test_plain_pgmq_clients_and_a_least_privilege_worker_share_a_queue(least_privilege_db):

@@ -62,21 +62,26 @@ def test_ids_going_back_forget_every_position():
     assert p.params("r")["scan_from"] == 1001.0 - MARGIN_SECONDS
 
 
-def test_a_read_from_the_start_is_due_every_full_scan_period(monkeypatch):
+def test_a_read_starts_from_the_beginning_when_nothing_looked_below(monkeypatch):
     clock = [0.0]
     monkeypatch.setattr(positions.time, "monotonic", lambda: clock[0])
     p = ReadPositions()
     p.advance("q", ReadPosition("100:100:", "100", 1000.0, -math.inf, 1000.0))
-    clock[0] = positions.FULL_SCAN_SECONDS - 1
+    assert p.looks_due() == {}
+    clock[0] = positions.LOOK_SECONDS
+    # the heartbeat thread's look is due first, at the position
+    assert p.looks_due() == {"q": 1000.0 - MARGIN_SECONDS}
     assert p.params("q")["scan_from"] > -math.inf
     clock[0] = positions.FULL_SCAN_SECONDS
-    assert p.params("q")["scan_from"] == -math.inf
-    # unless a probe looks below the positions instead (Celery's event loop)
-    p.full_scan_by_probe = True
+    assert p.params("q")["scan_from"] == -math.inf  # no look came: the read starts over
+    # a look sent a moment ago keeps the read at its position, and the next look is due
+    # LOOK_SECONDS after it was sent
+    sent = clock[0] - 1
+    p.looked_below(["q"], sent)
     assert p.params("q")["scan_from"] > -math.inf
-    assert p.below_due("q") == 1000.0 - MARGIN_SECONDS
-    p.looked_below(["q"])
-    assert p.below_due("q") is None
+    assert p.looks_due() == {}
+    clock[0] = sent + positions.LOOK_SECONDS
+    assert p.looks_due() == {"q": 1000.0 - MARGIN_SECONDS}
 
 
 def test_forget_reads_the_queue_from_the_start():
