@@ -185,8 +185,9 @@ from the start, and the heartbeat thread looks below the positions every 30 seco
 its own connection); a publish hands a message to a waiting consumer by ``nextval`` on
 that consumer's sequence, writing no row. Reads of several queues or bands and of
 least-privilege roles (``kombu_pgmq.read``) start at positions too; reads of a queue with
-limits (rate, concurrency, key limits, FIFO groups) still walk them. ``kombu-pgmq queues``, the metrics and the worker's log name what holds the
-horizon (docs: Long transactions).
+limits (rate, concurrency, key limits, FIFO groups) still walk them. ``kombu-pgmq
+queues``, the metrics and the worker's log name what holds the horizon (docs: Long
+transactions).
 
 Reads are coalesced: while a channel holds messages it reads again only once half its
 prefetch window is free (the window first set, e.g. Celery's
