@@ -107,9 +107,7 @@ def step(
     elapsed = time.perf_counter() - t0
     for r in rows:
         if r.snapshot is not None:
-            pgmq.positions.advance(
-                QUEUE, ReadPosition(r.snapshot, r.read_xid, r.read_at, r.scan_from, r.scanned_to)
-            )
+            pgmq.positions.advance(QUEUE, ReadPosition.of(r))
     delivered = [r for r in rows if r.acked is False and r.msg_id is not None]
     return elapsed, [Receipt(QUEUE, r.msg_id, r.read_ct, r.enqueued_at) for r in delivered]
 

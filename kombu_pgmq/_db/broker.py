@@ -207,10 +207,7 @@ class Broker(Declarations, Nowait):
         messages: list[Row] = []
         for r in rows:
             if r.snapshot is not None:
-                position = ReadPosition(
-                    r.snapshot, r.read_xid, r.read_at or 0.0, r.scan_from or 0.0, r.scanned_to
-                )
-                self.positions.advance(r.queue, position)
+                self.positions.advance(r.queue, ReadPosition.of(r))
             else:
                 messages.append(
                     Row(
@@ -387,10 +384,7 @@ class Broker(Declarations, Nowait):
         for r in rows:
             if r.snapshot is not None:
                 if qty:
-                    self.positions.advance(
-                        queue,
-                        ReadPosition(r.snapshot, r.read_xid, r.read_at, r.scan_from, r.scanned_to),
-                    )
+                    self.positions.advance(queue, ReadPosition.of(r))
             elif r.msg_id is None:
                 delivered.limits[queue] = Throttle(r.read_ct, r.age_seconds)
         return delivered, [int(r.msg_id) for r in rows if r.acked]

@@ -54,7 +54,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 __all__ = ["FULL_SCAN_SECONDS", "LOOK_SECONDS", "MARGIN_SECONDS", "ReadPosition", "ReadPositions"]
 
@@ -99,6 +99,13 @@ class ReadPosition(NamedTuple):
     read_at: float
     scan_from: float
     scanned_to: float | None
+
+    @classmethod
+    def of(cls, row: Any) -> ReadPosition:
+        """The position of a read's position row (a row with these fields set: the
+        ``ReadRow`` of statement ``read_queue``, the ``PositionedRow`` of
+        ``kombu_pgmq.read``)."""
+        return cls(row.snapshot, row.read_xid, row.read_at, row.scan_from, row.scanned_to)
 
 
 class _Queue:

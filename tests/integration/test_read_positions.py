@@ -78,12 +78,17 @@ def cycle(pgmq: Broker, queue: str, n: int) -> None:
     pgmq.db.connection.execute("SELECT pgmq.archive(%s, %s::bigint[])", (queue, ids))
 
 
+def flush_stats(pgmq: Broker) -> None:
+    """Flush the cumulative statistics of this broker's connection now."""
+    pgmq.db.connection.execute("SELECT pg_stat_force_next_flush()")
+    pgmq.db.connection.execute("SELECT 1")  # the flush happens at its end
+
+
 def touched(pgmq: Broker, dsn: str, queue: str) -> tuple[int, int]:
     """(index entries its vt index returned to scans, dead or alive; shared buffers its
     table and indexes were read from), cumulative, with this broker's connection's counts
     flushed (pg_stat_user_indexes.idx_tup_read; pg_statio_user_tables' hits and reads)."""
-    pgmq.db.connection.execute("SELECT pg_stat_force_next_flush()")
-    pgmq.db.connection.execute("SELECT 1")  # the flush happens at its end
+    flush_stats(pgmq)
     ((entries, buffers),) = sql(
         dsn,
         "SELECT i.idx_tup_read,"
@@ -98,8 +103,7 @@ def touched(pgmq: Broker, dsn: str, queue: str) -> tuple[int, int]:
 def index_entries_read(pgmq: Broker, dsn: str, index: str) -> int:
     """pg_stat_user_indexes.idx_tup_read of PGMQ index ``index`` (every entry a scan
     returned, dead or alive), with this broker's connection's counts flushed."""
-    pgmq.db.connection.execute("SELECT pg_stat_force_next_flush()")
-    pgmq.db.connection.execute("SELECT 1")  # the flush happens at its end
+    flush_stats(pgmq)
     ((n,),) = sql(
         dsn,
         "SELECT idx_tup_read FROM pg_stat_user_indexes "
