@@ -515,15 +515,16 @@ FROM kombu_pgmq.wait_for_handoff(%(owner)s, %(queues)s::text[], %(handoff_queues
 SELECT queue FROM kombu_pgmq.rearm_handoff(%(owner)s, %(queues)s::text[]) AS queue
 
 -- name: visible_probe
--- One branch of the fallback poll's probe (issue 30, seventh session): {queue_name} (a
--- literal) if PGMQ queue table {queue_table} holds a visible message (a lapsed
--- visibility timeout, a publish whose wake-up was missed). Branches are joined with
--- UNION ALL, one per consumed queue, and sent on the LISTEN connection without waiting
--- for the result: Celery's event loop goes on while the server looks, and reads only
--- the queues named. One probe of PGMQ's vt index per branch, from {scan_from} up to
--- before {scan_to} ($n placeholders: epoch seconds, '-inf'/'inf' for no bound) and
--- (SELECT clock_timestamp()), computed once; nothing is locked or changed. {below}: false
--- for a queue's everyday branch (from the oldest vt its next read may take:
+-- One branch of a probe for visible rows: {queue_name} (a literal) if PGMQ queue table
+-- {queue_table} holds a visible message. Branches are joined with UNION ALL, one per
+-- queue. The fallback poll sends its probe on the LISTEN connection without waiting for
+-- the result (a lapsed visibility timeout, a publish whose wake-up was missed: Celery's
+-- event loop goes on while the server looks, and reads only the queues named); the
+-- heartbeat thread sends its looks below the read positions on its own connection.
+-- One probe of PGMQ's vt index per branch, from {scan_from} up to before {scan_to} ($n
+-- placeholders: epoch seconds, '-inf'/'inf' for no bound) and (SELECT
+-- clock_timestamp()), computed once; nothing is locked or changed. {below}: false for a
+-- fallback poll's branch (from the oldest vt the queue's next read may take:
 -- kombu_pgmq/_db/positions.py), true for a look below its position (a visible row there
 -- rewinds its reads).
 SELECT {queue_name}::text AS queue, {below}::boolean AS below
