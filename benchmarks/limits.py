@@ -13,7 +13,7 @@ then drained by one consumer loop as a worker drains a backlog: read ``--qty`` m
 (``Broker.read_many``, the transport's read), ack them with the next read (held acks).
 Cases (limits that never bind, unless said):
 
-* ``none``: no limit (statement ``read_queue``, straight on PGMQ's tables);
+* ``none``: no limit (statement ``read_queue``: the queue's read function);
 * ``concurrency``: ``concurrency`` = 1,000,000;
 * ``rate``: ``rate`` = 1,000,000/s;
 * ``keys``: ``key_concurrency`` = 1,000,000 over ``--keys`` keys;
@@ -95,13 +95,11 @@ def _statement_ms(dsn: str) -> dict[str, tuple[int, float]]:
     with psycopg.connect(dsn, autocommit=True) as conn:
         rows = conn.execute(
             "SELECT query, calls, mean_exec_time FROM pg_stat_statements"
-            " WHERE query LIKE '%kombu_pgmq.read(%' OR query LIKE 'WITH acked AS%'"
+            " WHERE query LIKE '%kombu_pgmq.read(%' OR query LIKE '%\"read\\_q\\_%'"
         ).fetchall()
     out: dict[str, tuple[int, float]] = {}
     for query, calls, mean in rows:
-        kind = "kombu_pgmq.read"
-        if query.startswith("WITH acked AS"):
-            kind = "read_limited_queue" if "limit_take" in query else "read_queue"
+        kind = "read_queue" if '"read_q_' in query else "kombu_pgmq.read"
         if kind in out:
             calls0, mean0 = out[kind]
             mean = (mean0 * calls0 + mean * calls) / (calls0 + calls)
@@ -183,8 +181,8 @@ def main() -> None:
                     conn.execute("SELECT pg_stat_statements_reset()")
                 rate = _drain(dsn, queue, args.messages, args.qty)
                 stats = _statement_ms(dsn)
-                kind = {"none": "read_queue", "concurrency": "read_limited_queue"}.get(
-                    name, "read_limited_queue" if name == "rate" else "kombu_pgmq.read"
+                kind = (
+                    "read_queue" if name in ("none", "concurrency", "rate") else "kombu_pgmq.read"
                 )
                 results[name]["per_s"].append(rate)
                 results[name]["read_ms"].append(stats.get(kind, (0, float("nan")))[1])

@@ -20,7 +20,7 @@ Cases, transport option ``queue_limits`` of queue ``celery_bench``:
 
 Reported per case: celery_bench's backlog tasks/s (median) and its ratio to ``none``, the
 latency p50/p99, and the read statement's mean server time and calls
-(``pg_stat_statements``: ``read_queue``, ``read_limited_queue`` or ``kombu_pgmq.read``).
+(``pg_stat_statements``: ``read_queue``, the queue's read function, or ``kombu_pgmq.read``).
 """
 
 from __future__ import annotations
@@ -54,19 +54,11 @@ def _read_statements(url: str) -> dict[str, dict[str, float]]:
         rows = conn.execute(
             "SELECT query, calls, mean_exec_time FROM pg_stat_statements s"
             " JOIN pg_database d ON d.oid = s.dbid AND d.datname = current_database()"
-            " WHERE query LIKE '%%FROM kombu_pgmq.read(%%' OR query LIKE 'WITH acked AS%%'"
+            " WHERE query LIKE '%%FROM kombu_pgmq.read(%%' OR query LIKE '%%\"read\\_q\\_%%'"
         ).fetchall()
     out: dict[str, dict[str, float]] = {}
     for query, calls, mean in rows:
-        if query.startswith("WITH acked AS"):
-            if "budget AS" in query:
-                kind = "read_limited_queue"
-            elif "picked AS" in query:
-                kind = "read_queue"
-            else:
-                continue  # ack_queue
-        else:
-            kind = "kombu_pgmq.read"
+        kind = "read_queue" if '"read_q_' in query else "kombu_pgmq.read"
         got = out.setdefault(kind, {"calls": 0, "mean_ms": 0.0})
         total = got["calls"] * got["mean_ms"] + calls * mean
         got["calls"] += calls

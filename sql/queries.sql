@@ -127,336 +127,35 @@ FROM kombu_pgmq.read(%(queues)s::text[], %(vt_seconds)s::integer, %(qty)s::integ
                      %(positions)s::jsonb, %(stamp)s::boolean)
 
 -- name: read_queue
--- The read of one queue straight on PGMQ's tables (issue 17): what read_many does for a
--- single non-FIFO queue, as one plan-cached statement instead of kombu_pgmq.read ->
--- pgmq.read/ack (format + EXECUTE, planned on every call). The tables stay PGMQ's: the
--- same columns written as pgmq.read (vt, read_ct, last_read_at) and pgmq.archive (the
--- row moved to the archive) write them. acked: archive the rows the ack receipts still
--- hold (msg_id, read_ct, enqueued_at, migration 0007); an acked row whose msg_id is
--- already archived (an UNLOGGED queue's ids restarted after a crash) is archived under a
--- new one (kombu_pgmq.archive_under_new_id, migration 0014), never dropped. read: up to
--- qty visible rows, oldest visibility first on PGMQ's vt index (as read_queue_without_acks,
--- issue 30), FOR UPDATE SKIP LOCKED, never one being acked here,
--- nothing from a paused queue (migration 0012) or a limited one (migration 0021: it is
--- read by kombu_pgmq.read; a row with msg_id NULL says it is limited). Rows with acked =
--- true are the acks applied. {queue_table}/{archive_table}: pgmq.q_<name>/pgmq.a_<name>;
--- {archive_columns}: the queue table's columns the archive has; {touch}:
--- read_touch_last_read_at, or nothing for PGMQ < 1.11 (no last_read_at); {last_read_at}:
--- a.last_read_at, or NULL for PGMQ < 1.11. {commit_mode}: read_commit_mode, the commit
--- mode of this statement's own transaction (no session SET: through a transaction pooler
--- the session is not ours; issue 30).
--- Position (kombu_pgmq/_db/positions.py): the scan of the vt index starts at bounds.scan_from,
--- %(scan_from)s (epoch seconds; -Infinity: the start of the index), or earlier at the bound
--- of a transaction in progress at the last read (%(watch_xids)s, %(watch_bounds)s) that has
--- committed since: so it walks no dead row versions older than that, however many an old
--- snapshot keeps. The last row (acked NULL) says where the read got to: its snapshot, its
--- own transaction id (%(stamp)s: assign one if it has none), its transaction's start,
--- scan_from, and scanned_to: the vt up to which every visible row was taken (the last row
--- taken when the batch filled; scan_from when a pause or a limit took nothing).
-WITH bounds AS MATERIALIZED (
-    SELECT clock_timestamp() AS scan_to,
-           least(to_timestamp(%(scan_from)s::float8),
-                 (SELECT min(to_timestamp(w.bound))
-                  FROM unnest(%(watch_xids)s::text[]::xid8[], %(watch_bounds)s::float8[])
-                       AS w(xid, bound)
-                  WHERE pg_visible_in_snapshot(w.xid, pg_current_snapshot()))) AS scan_from
-), acked AS (
-    DELETE FROM {queue_table} AS t
-    WHERE t.msg_id = ANY(%(ack_ids)s::bigint[])
-      AND (t.msg_id, t.read_ct, t.enqueued_at) IN (
-          SELECT * FROM unnest(%(ack_ids)s::bigint[], %(ack_cts)s::integer[],
-                               %(ack_enqueued)s::timestamptz[]))
-    RETURNING t.*
-), archived AS (
-    INSERT INTO {archive_table} ({archive_columns})
-    SELECT {archive_columns} FROM acked
-    ON CONFLICT DO NOTHING
-    RETURNING msg_id
-), picked AS (
-    SELECT msg_id, vt FROM {queue_table}
-    WHERE vt >= (SELECT scan_from FROM bounds) AND vt <= (SELECT scan_to FROM bounds)
-      AND msg_id <> ALL(%(ack_ids)s::bigint[])
-      AND NOT EXISTS (SELECT 1 FROM kombu_pgmq.paused p WHERE p.pgmq_queue = %(queue)s)
-      AND NOT EXISTS (SELECT 1 FROM kombu_pgmq.limited l WHERE l.pgmq_queue = %(queue)s)
-    ORDER BY vt, msg_id
-    LIMIT %(qty)s
-    FOR UPDATE SKIP LOCKED
-), delivered AS (
-    -- by msg_id = ANY(ARRAY(...)): always the primary key's index, whatever the planner
-    -- estimates of the table (a join FROM picked may turn into a sequential scan)
-    UPDATE {queue_table} AS m
-    SET vt = clock_timestamp() + make_interval(secs => %(vt_seconds)s::integer),
-        read_ct = m.read_ct + 1{touch}
-    WHERE m.msg_id = ANY(ARRAY(SELECT msg_id FROM picked))
-    RETURNING m.msg_id, m.read_ct, m.enqueued_at, m.message, m.headers
-)
-SELECT msg_id, read_ct, enqueued_at, message::text AS message, headers::text AS headers,
-       extract(epoch FROM clock_timestamp() - enqueued_at)::float8 AS age_seconds,
-       false AS acked, {commit_mode},
-       NULL::text AS snapshot, NULL::text AS read_xid, NULL::float8 AS read_at,
-       NULL::float8 AS scan_from, NULL::float8 AS scanned_to
-FROM delivered
-UNION ALL
-SELECT a.msg_id, a.read_ct, a.enqueued_at, NULL, NULL, NULL, true, {commit_mode}, NULL, NULL, NULL, NULL, NULL
-FROM acked a
-WHERE CASE WHEN a.msg_id IN (SELECT msg_id FROM archived) THEN true
-           ELSE kombu_pgmq.archive_under_new_id(%(queue)s, a.msg_id, a.read_ct, a.enqueued_at,
-                                                a.vt, a.message, a.headers,
-                                                {last_read_at}) IS NOT NULL
-      END
-UNION ALL
-SELECT NULL, 0, NULL, NULL, NULL, NULL, false, NULL, NULL, NULL, NULL, NULL, NULL
-FROM kombu_pgmq.limited l WHERE l.pgmq_queue = %(queue)s
-UNION ALL
-SELECT NULL, 0, NULL, NULL, NULL, NULL, NULL, {commit_mode},
-       pg_current_snapshot()::text,
-       (CASE WHEN %(stamp)s::boolean THEN pg_current_xact_id()
-             ELSE pg_current_xact_id_if_assigned() END)::text,
-       extract(epoch FROM transaction_timestamp())::float8,
-       extract(epoch FROM b.scan_from)::float8,
-       extract(epoch FROM CASE WHEN (SELECT count(*) FROM picked) >= %(qty)s THEN (SELECT max(vt) FROM picked)
-                                 WHEN EXISTS (SELECT 1 FROM kombu_pgmq.paused p
-                                              WHERE p.pgmq_queue = %(queue)s)
-                                      OR EXISTS (SELECT 1 FROM kombu_pgmq.limited l
-                                                 WHERE l.pgmq_queue = %(queue)s)
-                                 THEN b.scan_from
-                                 ELSE b.scan_to END)::float8
-FROM bounds b
-ORDER BY acked, msg_id
-
--- name: read_queue_without_acks
--- read_queue when no acks ride along (issue 30): the read alone, which PostgreSQL parses and
--- plans in a third of read_queue's time (the acked/archived parts are planned even when
--- empty; through a transaction pooler, where nothing is prepared, that is paid on every
--- read). Up to qty visible rows, oldest visibility first (the vt index, PGMQ's
--- q_<name>_vt_idx: rows in flight, whose vt is in the future, are never walked past;
--- bounds.scan_to is computed once, so it bounds the index scan, as scan_from does below),
--- msg_id breaking ties; nothing from a paused queue; a limited one delivers nothing and
--- says so with its marker row (msg_id NULL), as read_queue. Placeholders, position and
--- position row as read_queue's.
-WITH bounds AS MATERIALIZED (
-    SELECT clock_timestamp() AS scan_to,
-           least(to_timestamp(%(scan_from)s::float8),
-                 (SELECT min(to_timestamp(w.bound))
-                  FROM unnest(%(watch_xids)s::text[]::xid8[], %(watch_bounds)s::float8[])
-                       AS w(xid, bound)
-                  WHERE pg_visible_in_snapshot(w.xid, pg_current_snapshot()))) AS scan_from
-), picked AS (
-    SELECT msg_id, vt FROM {queue_table}
-    WHERE vt >= (SELECT scan_from FROM bounds) AND vt <= (SELECT scan_to FROM bounds)
-      AND NOT EXISTS (SELECT 1 FROM kombu_pgmq.paused p WHERE p.pgmq_queue = %(queue)s)
-      AND NOT EXISTS (SELECT 1 FROM kombu_pgmq.limited l WHERE l.pgmq_queue = %(queue)s)
-    ORDER BY vt, msg_id
-    LIMIT %(qty)s
-    FOR UPDATE SKIP LOCKED
-), delivered AS (
-    UPDATE {queue_table} AS m
-    SET vt = clock_timestamp() + make_interval(secs => %(vt_seconds)s::integer),
-        read_ct = m.read_ct + 1{touch}
-    WHERE m.msg_id = ANY(ARRAY(SELECT msg_id FROM picked))
-    RETURNING m.msg_id, m.read_ct, m.enqueued_at, m.message, m.headers
-)
-SELECT msg_id, read_ct, enqueued_at, message::text AS message, headers::text AS headers,
-       extract(epoch FROM clock_timestamp() - enqueued_at)::float8 AS age_seconds,
-       false AS acked, {commit_mode},
-       NULL::text AS snapshot, NULL::text AS read_xid, NULL::float8 AS read_at,
-       NULL::float8 AS scan_from, NULL::float8 AS scanned_to
-FROM delivered
-UNION ALL
-SELECT NULL, 0, NULL, NULL, NULL, NULL, false, NULL, NULL, NULL, NULL, NULL, NULL
-FROM kombu_pgmq.limited l WHERE l.pgmq_queue = %(queue)s
-UNION ALL
-SELECT NULL, 0, NULL, NULL, NULL, NULL, NULL, {commit_mode},
-       pg_current_snapshot()::text,
-       (CASE WHEN %(stamp)s::boolean THEN pg_current_xact_id()
-             ELSE pg_current_xact_id_if_assigned() END)::text,
-       extract(epoch FROM transaction_timestamp())::float8,
-       extract(epoch FROM b.scan_from)::float8,
-       extract(epoch FROM CASE WHEN (SELECT count(*) FROM picked) >= %(qty)s THEN (SELECT max(vt) FROM picked)
-                                 WHEN EXISTS (SELECT 1 FROM kombu_pgmq.paused p
-                                              WHERE p.pgmq_queue = %(queue)s)
-                                      OR EXISTS (SELECT 1 FROM kombu_pgmq.limited l
-                                                 WHERE l.pgmq_queue = %(queue)s)
-                                 THEN b.scan_from
-                                 ELSE b.scan_to END)::float8
-FROM bounds b
-ORDER BY msg_id
-
--- name: read_limited_queue
--- read_queue for a limited queue without key limits (migration 0021): the same acks and
--- read straight on PGMQ's tables, delivering no more than the limits allow.
--- kombu_pgmq.limit_take locks the queue's limits row to the end of this statement's
--- transaction (readers of the queue take turns) and returns the budget: in one UPDATE
--- when the whole read fits (in_flight_bound leaves room under concurrency, the bucket
--- holds the tokens), else counting what is in flight in a snapshot taken after the lock
--- (a row a reader before us delivered meanwhile is skipped: FOR UPDATE rechecks its vt).
--- picked keeps read_queue's constant LIMIT (qty rows locked, the allowed ones delivered):
--- with the budget as its LIMIT the planner expected a tenth of the table and joined the
--- UPDATE by a sequential scan (3.7 ms a read on 20,000 rows). kombu_pgmq.limit_done then
--- wakes waiting consumers if acks freed slots, gives back unused tokens and room, counts
--- a throttled read, and makes the read's marker row (msg_id NULL; read_ct: 0 limited, 1
--- throttled until a message settles, 2 throttled by rate with age_seconds = seconds until
--- it allows more, 3 the queue has key limits: read it through kombu_pgmq.read). No
--- marker: the queue is not limited (read as read_queue). The limit logic lives in the
--- two functions, whose statements' plans PL/pgSQL caches: this statement is planned at
--- every call (custom plans, as read_queue), and each CTE here costs planning time.
--- Placeholders, position and position row as read_queue's (scanned_to: the vt of the
--- first row the limits left, when they left one); {hold}: hold_slots_cte (%(hold_ids)s: the acks whose tasks
--- run on, their slots held for %(hold_seconds)s seconds). %(freed_ids)s: the other acks,
--- whose slots they free: limit_take leaves them out of what is in flight (its statements
--- still see the rows this one deletes, and not the slots it holds: a held ack's row
--- counts in their place), limit_done wakes waiting consumers if one was settled.
-WITH bounds AS MATERIALIZED (
-    SELECT clock_timestamp() AS scan_to,
-           least(to_timestamp(%(scan_from)s::float8),
-                 (SELECT min(to_timestamp(w.bound))
-                  FROM unnest(%(watch_xids)s::text[]::xid8[], %(watch_bounds)s::float8[])
-                       AS w(xid, bound)
-                  WHERE pg_visible_in_snapshot(w.xid, pg_current_snapshot()))) AS scan_from
-), acked AS (
-    DELETE FROM {queue_table} AS t
-    WHERE t.msg_id = ANY(%(ack_ids)s::bigint[])
-      AND (t.msg_id, t.read_ct, t.enqueued_at) IN (
-          SELECT * FROM unnest(%(ack_ids)s::bigint[], %(ack_cts)s::integer[],
-                               %(ack_enqueued)s::timestamptz[]))
-    RETURNING t.*
-), archived AS (
-    INSERT INTO {archive_table} ({archive_columns})
-    SELECT {archive_columns} FROM acked
-    ON CONFLICT DO NOTHING
-    RETURNING msg_id
-){hold}, budget AS MATERIALIZED (
-    SELECT allowed, cut, taken
-    FROM kombu_pgmq.limit_take(%(queue)s, %(qty)s::integer, %(freed_ids)s::bigint[])
-), picked AS (
-    SELECT msg_id, vt FROM {queue_table}
-    WHERE vt >= (SELECT scan_from FROM bounds) AND vt <= (SELECT scan_to FROM bounds)
-      AND msg_id <> ALL(%(ack_ids)s::bigint[])
-      AND NOT EXISTS (SELECT 1 FROM kombu_pgmq.paused p WHERE p.pgmq_queue = %(queue)s)
-    ORDER BY vt, msg_id
-    LIMIT %(qty)s
-    FOR UPDATE SKIP LOCKED
-), chosen AS (
-    SELECT msg_id FROM picked
-    ORDER BY vt, msg_id
-    LIMIT (SELECT coalesce(b.allowed, %(qty)s::integer) FROM budget b)
-), delivered AS (
-    UPDATE {queue_table} AS m
-    SET vt = clock_timestamp() + make_interval(secs => %(vt_seconds)s::integer),
-        read_ct = m.read_ct + 1{touch}
-    WHERE m.msg_id = ANY(ARRAY(SELECT msg_id FROM chosen))
-    RETURNING m.msg_id, m.read_ct, m.enqueued_at, m.message, m.headers
-), marker AS MATERIALIZED (
-    SELECT d.state, d.retry_seconds
-    FROM budget b,
-         kombu_pgmq.limit_done(%(queue)s, b.allowed, b.cut, b.taken,
-                               (SELECT count(*) FROM delivered)::integer,
-                               (SELECT count(*) FROM acked a
-                                WHERE a.msg_id = ANY(%(freed_ids)s::bigint[]))::integer,
-                               ARRAY(SELECT c.msg_id FROM chosen c) || %(ack_ids)s::bigint[]) AS d
-)
-SELECT msg_id, read_ct, enqueued_at, message::text AS message, headers::text AS headers,
-       extract(epoch FROM clock_timestamp() - enqueued_at)::float8 AS age_seconds,
-       false AS acked, {commit_mode},
-       NULL::text AS snapshot, NULL::text AS read_xid, NULL::float8 AS read_at,
-       NULL::float8 AS scan_from, NULL::float8 AS scanned_to
-FROM delivered
-UNION ALL
-SELECT a.msg_id, a.read_ct, a.enqueued_at, NULL, NULL, NULL, true, {commit_mode}, NULL, NULL, NULL, NULL, NULL
-FROM acked a
-WHERE CASE WHEN a.msg_id IN (SELECT msg_id FROM archived) THEN true
-           ELSE kombu_pgmq.archive_under_new_id(%(queue)s, a.msg_id, a.read_ct, a.enqueued_at,
-                                                a.vt, a.message, a.headers,
-                                                {last_read_at}) IS NOT NULL
-      END
-UNION ALL
-SELECT NULL, m.state::integer, NULL, NULL, NULL, m.retry_seconds, false, {commit_mode}, NULL, NULL, NULL, NULL, NULL
-FROM marker m
-UNION ALL
-SELECT NULL, 0, NULL, NULL, NULL, NULL, NULL, {commit_mode},
-       pg_current_snapshot()::text,
-       (CASE WHEN %(stamp)s::boolean THEN pg_current_xact_id()
-             ELSE pg_current_xact_id_if_assigned() END)::text,
-       extract(epoch FROM transaction_timestamp())::float8,
-       extract(epoch FROM b.scan_from)::float8,
-       extract(epoch FROM CASE WHEN (SELECT count(*) FROM chosen) < (SELECT count(*) FROM picked)
-                                 THEN (SELECT min(p.vt) FROM picked p
-                                       WHERE p.msg_id NOT IN (SELECT msg_id FROM chosen))
-                                 WHEN (SELECT count(*) FROM picked) >= %(qty)s
-                                 THEN (SELECT max(vt) FROM picked)
-                                 WHEN EXISTS (SELECT 1 FROM kombu_pgmq.paused p
-                                              WHERE p.pgmq_queue = %(queue)s)
-                                 THEN b.scan_from
-                                 ELSE b.scan_to END)::float8
-FROM bounds b
-ORDER BY acked, msg_id
+-- The read of one queue through its own function, {function} = kombu_pgmq.read_q_<queue>
+-- (static SQL, plan-cached by PL/pgSQL; the same statements for a least-privilege worker
+-- and the owner; sql/migrations/0030_per_queue_functions.sql holds its template): settle
+-- the ack receipts riding along (rows acked true), then deliver up to qty visible rows
+-- from the queue's position (kombu_pgmq/_db/positions.py: scan_from, watch_xids,
+-- watch_bounds; stamp: assign the read a transaction id), the last row (acked NULL)
+-- saying where the read got to. A limited queue delivers within its limits and adds its
+-- marker row (msg_id NULL, acked false). holds (aligned with the acks): acks whose
+-- tasks run on, their concurrency slots held for hold_seconds. commit: 'off', the
+-- transaction commits without waiting for the WAL flush (a crash may forget the reads
+-- and acks: delivered again), NULL the session's setting.
+SELECT msg_id, read_ct, enqueued_at, message, headers, age_seconds, acked,
+       snapshot, read_xid, read_at, scan_from, scanned_to
+FROM {function}(%(vt_seconds)s::integer, %(qty)s::integer, %(ack_ids)s::bigint[],
+                %(ack_cts)s::integer[], %(ack_enqueued)s::timestamptz[],
+                %(holds)s::boolean[], %(hold_seconds)s::integer, %(commit)s::text,
+                %(scan_from)s::float8, %(watch_xids)s::text[], %(watch_bounds)s::float8[],
+                %(stamp)s::boolean)
 
 -- name: ack_queue
--- Acks of one queue sent without waiting for their result (issue 25, item 11;
--- Connector.send_nowait, prepared once per connection): read_queue's acked and archived
--- parts alone, so a finished task's ack reaches the server at once instead of waiting
--- for the next read. $1, $2, $3: the receipts (msg_id, read_ct, enqueued_at); $4: 'on'
--- or 'off', synchronous_commit of this statement's own transaction. Returns the msg_ids
--- settled. Placeholders as read_queue's; {wake}: ack_wake for a limited queue, else nothing;
--- {hold}: hold_slots_cte for a limited queue ($6 the msg_ids whose tasks run on, $7 the
--- seconds their slots are held), else nothing.
-WITH acked AS (
-    DELETE FROM {queue_table} AS t
-    WHERE t.msg_id = ANY($1::bigint[])
-      AND (t.msg_id, t.read_ct, t.enqueued_at) IN (
-          SELECT * FROM unnest($1::bigint[], $2::integer[], $3::timestamptz[]))
-    RETURNING t.*
-), archived AS (
-    INSERT INTO {archive_table} ({archive_columns})
-    SELECT {archive_columns} FROM acked
-    ON CONFLICT DO NOTHING
-    RETURNING msg_id
-){hold}
-SELECT a.msg_id, set_config('synchronous_commit', $4::text, true) AS synchronous_commit{wake}
-FROM acked a
-WHERE CASE WHEN a.msg_id IN (SELECT msg_id FROM archived) THEN true
-           ELSE kombu_pgmq.archive_under_new_id($5::text, a.msg_id, a.read_ct, a.enqueued_at,
-                                                a.vt, a.message, a.headers,
-                                                {last_read_at}) IS NOT NULL
-      END
-
--- name: read_commit_mode
--- read_queue's {commit_mode}: set_config(..., true) lasts to the end of the statement's own
--- transaction, whose commit then waits for the WAL flush or not. %(commit)s: 'off' for
--- reads and acks a crash may forget (redelivered), NULL: the session's setting (durable
--- acks). Evaluated on every row that says something was written (deliveries, acks, a
--- limited read's marker: limit_take wrote its row); no row, nothing was written.
-set_config('synchronous_commit', coalesce(%(commit)s::text,
-                                          current_setting('synchronous_commit')), true)
-    AS synchronous_commit
-
--- name: hold_slots_cte
--- The {hold} of read_limited_queue and ack_queue for a limited queue: the
--- acks of tasks that run on hold their concurrency slots (kombu_pgmq.held_slots) in the
--- ack's own transaction, from the rows it archives (never seen free), when the queue has a
--- concurrency or key concurrency limit; key: the limit_key header. A data-modifying CTE
--- runs whether or not the statement reads it. {queue}, {hold_ids}, {hold_seconds}: the
--- statement's placeholders of the PGMQ queue, the msg_ids and the seconds.
-, held AS (
-    INSERT INTO kombu_pgmq.held_slots AS h (pgmq_queue, msg_id, queue, key, held_until)
-    SELECT {queue}::text, a.msg_id, q.queue, a.headers ->> q.limit_key,
-           clock_timestamp() + make_interval(secs => {hold_seconds}::integer)
-    FROM acked a
-    JOIN kombu_pgmq.limited l ON l.pgmq_queue = {queue}::text
-    JOIN kombu_pgmq.queue_limits q ON q.queue = l.queue
-    WHERE a.msg_id = ANY({hold_ids}::bigint[])
-      AND (q.concurrency IS NOT NULL OR q.key_concurrency IS NOT NULL)
-    ON CONFLICT (pgmq_queue, msg_id) DO UPDATE SET held_until = excluded.held_until
-        WHERE NOT h.released  -- released ahead of this ack: the task has ended
-)
-
--- name: ack_wake
--- ack_queue's {wake} for a limited queue (migration 0021): a settled message frees its
--- slot, so the consumers waiting on the queue are woken (at commit; only if one waits).
-, kombu_pgmq.notify_waiting($5::text) AS woken
-
--- name: read_touch_last_read_at
-, last_read_at = clock_timestamp()
+-- Acks of one queue through its own function, {function} = kombu_pgmq.ack_q_<queue>:
+-- archive the rows these receipts (msg_id, read_ct, enqueued_at) still hold, a stale one
+-- left out; holds/hold_seconds and commit as read_queue's. Also sent without waiting for
+-- the result (Broker.ack_nowait: $1... in the order of nowait._ACK_PARAMS). Returns the
+-- msg_ids settled.
+SELECT a.msg_id
+FROM {function}(%(ack_ids)s::bigint[], %(ack_cts)s::integer[],
+                %(ack_enqueued)s::timestamptz[], %(holds)s::boolean[],
+                %(hold_seconds)s::integer, NULL, %(commit)s::text) AS a(msg_id)
 
 -- name: synchronous_commit_off
 -- Session setting of the statement connection for reads and acks that need no WAL flush
@@ -633,10 +332,12 @@ FROM kombu_pgmq.queues
 WHERE queue = %(kombu_queue)s
 
 -- name: drop_queue
--- Drops pgmq.q_<queue>, its archive, our row, its bindings and consumers; false if it
--- did not exist. A PGMQ queue unknown to kombu_pgmq.queues is dropped all the same.
+-- Drops pgmq.q_<queue>, its archive, its own functions, our row, its bindings and
+-- consumers; false if it did not exist. A PGMQ queue unknown to kombu_pgmq.queues is
+-- dropped all the same.
 SELECT CASE WHEN kombu_pgmq.drop_queue(%(kombu_queue)s) THEN true
-            ELSE pgmq.drop_queue(%(queue)s) END AS dropped
+            ELSE pgmq.drop_queue(%(queue)s) END AS dropped,
+       kombu_pgmq.drop_queue_functions(%(queue)s) AS functions_dropped
 
 -- name: drop_transient_queue
 -- A worker's queue_delete: only a non-durable, auto_delete or x-expires queue (migration
@@ -658,44 +359,22 @@ SELECT kombu_pgmq.discard(%(queue)s, %(msg_ids)s::bigint[], %(read_cts)s::intege
                           %(enqueued)s::timestamptz[]) AS msg_id
 
 -- name: archive_expired
--- Expired messages (x-message-ttl, a message's own expiration; issue 27, item 8): the
--- rows these deliveries still hold move to the archive marked as kombu_pgmq.cancel_task
--- marks a cancelled task, with the headers x-archive-reason "expired" and x-expired-at
--- (kombu-pgmq task find shows the reason), never deleted unseen. A direct statement on
--- PGMQ's tables like ack_queue (a role without rights on them archives with
--- kombu_pgmq.ack instead, unmarked); a row whose msg_id is already archived is archived
--- under a new one (kombu_pgmq.archive_under_new_id, migration 0014). Returns the msg_ids
--- archived. Placeholders as read_queue's, plus {archive_values}: {archive_columns} with
--- headers marked (statement expired_headers); {marks}: statement expired_marks.
-WITH expired AS (
-    DELETE FROM {queue_table} AS t
-    WHERE t.msg_id = ANY(%(msg_ids)s::bigint[])
-      AND (t.msg_id, t.read_ct, t.enqueued_at) IN (
-          SELECT * FROM unnest(%(msg_ids)s::bigint[], %(read_cts)s::integer[],
-                               %(enqueued)s::timestamptz[]))
-    RETURNING t.*
-), archived AS (
-    INSERT INTO {archive_table} ({archive_columns})
-    SELECT {archive_values} FROM expired
-    ON CONFLICT DO NOTHING
-    RETURNING msg_id
-)
-SELECT a.msg_id FROM expired a
-WHERE CASE WHEN a.msg_id IN (SELECT msg_id FROM archived) THEN true
-           ELSE kombu_pgmq.archive_under_new_id(%(queue)s, a.msg_id, a.read_ct, a.enqueued_at,
-                                                a.vt, a.message, a.headers,
-                                                {last_read_at}, {marks}) IS NOT NULL
-      END
+-- Expired messages (x-message-ttl, a message's own expiration) settled through the
+-- queue's ack function, {function} = kombu_pgmq.ack_q_<queue>: the rows these
+-- deliveries still hold move to the archive with the headers x-archive-reason "expired"
+-- and x-expired-at (kombu-pgmq task find shows the reason), never deleted unseen.
+-- Returns the msg_ids archived.
+SELECT a.msg_id
+FROM {function}(%(ack_ids)s::bigint[], %(ack_cts)s::integer[],
+                %(ack_enqueued)s::timestamptz[], %(holds)s::boolean[],
+                %(hold_seconds)s::integer,
+                jsonb_build_object('x-archive-reason', 'expired',
+                                   'x-expired-at', clock_timestamp())) AS a(msg_id)
 
--- name: expired_marks
--- The headers archive_expired adds to an expired message.
-jsonb_build_object('x-archive-reason', 'expired', 'x-expired-at', clock_timestamp())
-
--- name: expired_headers
--- archive_expired's headers column: marked when it is an object (or NULL), as
--- kombu_pgmq.archive_under_new_id marks one; {marks}: statement expired_marks.
-CASE WHEN headers IS NULL OR jsonb_typeof(headers) = 'object'
-     THEN coalesce(headers, jsonb_build_object()) || {marks} ELSE headers END
+-- name: queue_functions
+-- Create the queue's own functions if missing (kombu_pgmq.queue_functions: a queue made
+-- by plain pgmq.create has none); undefined_table (QueueNotFound) if the queue is gone.
+SELECT kombu_pgmq.queue_functions(%(queue)s)
 
 -- name: queue_exists
 -- pgmq.meta has one row per queue (unique index on queue_name).

@@ -13,10 +13,11 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from psycopg import errors as pg_errors
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
-from ..errors import PermissionDenied, QueueNotFound
+from ..errors import PermissionDenied, QueueNotFound, StatementError
 from . import handoff
 from .connector import Connector
 from .declarations import Declarations
@@ -42,7 +43,8 @@ from .rows import (
 
 logger = logging.getLogger(__name__)
 
-_ARCHIVE_COLUMNS = ("msg_id", "read_ct", "enqueued_at", "last_read_at", "vt", "message", "headers")
+#: statement -> the per-queue function it calls (kombu_pgmq.<prefix>_q_<queue>)
+_QUEUE_FUNCTIONS = {"read_queue": "read", "ack_queue": "ack", "archive_expired": "ack"}
 
 
 #: read statements' position parameters for a read of nothing (acks alone)
@@ -58,11 +60,11 @@ class Broker(Declarations, Nowait):
         self.db = db
         #: (statement, PGMQ queue) -> the statement composed for that queue's tables
         self._statements: dict[tuple[str, str], bytes] = {}
-        #: Reads of one queue go straight to PGMQ's tables (statement ``read_queue``);
-        #: False once the role turned out not to have the privileges for it.
-        self.direct_reads = True
-        #: PGMQ queues known to be limited (migration 0021): read through
-        #: ``kombu_pgmq.read``, never statement ``read_queue``; learned from each read.
+        #: PGMQ queues whose own functions (``kombu_pgmq.read_q_<queue>``,
+        #: ``ack_q_<queue>``) answered a call: acks of them may be sent without waiting.
+        self._functions: set[str] = set()
+        #: PGMQ queues known to be limited, learned from each read (their acks of tasks
+        #: that run on hold concurrency slots).
         self.limited: set[str] = set()
         #: Those of them with key limits: read through ``kombu_pgmq.read`` only.
         self.keyed: set[str] = set()
@@ -166,21 +168,14 @@ class Broker(Declarations, Nowait):
             QueueNotFound: one of the queues is gone (nothing was archived or read).
         """
         if (
-            self.direct_reads
-            and len(queues) == 1
+            len(queues) == 1
             and queues[0] not in self.keyed
             and all(a.queue == queues[0] for a in acks)
         ):
-            try:
-                reads = self._read_queue(queues[0], vt_seconds, qty, acks, durable_acks)
-            except PermissionDenied:
-                # A least-privilege role (kombu-pgmq schema grant worker) may use PGMQ's
-                # tables only through kombu_pgmq's functions: read through them from now on.
-                self.direct_reads = False
-            else:
-                if reads is not None:
-                    return reads
-                acks = ()  # applied; the queue has key limits: read through kombu_pgmq.read
+            reads = self._read_queue(queues[0], vt_seconds, qty, acks, durable_acks)
+            if reads is not None:
+                return reads
+            acks = ()  # applied; the queue has key limits: read through kombu_pgmq.read
         params = {
             "queues": list(queues),
             "vt_seconds": vt_seconds,
@@ -297,15 +292,11 @@ class Broker(Declarations, Nowait):
     def _read_queue(
         self, queue: str, vt_seconds: int, qty: int, acks: Sequence[Receipt], durable_acks: bool
     ) -> Reads | None:
-        """:meth:`read_many` of one queue: statement ``read_queue`` on PGMQ's tables (one
-        plan-cached statement; see sql/queries.sql), or ``read_limited_queue`` for a
-        limited one. None: the acks are applied, but the queue has key limits (read it
-        through ``kombu_pgmq.read``)."""
-        # acks holding slots ride with read_limited_queue (which reads an unlimited queue
-        # as read_queue does)
-        limited = queue in self.limited or any(a.hold_seconds for a in acks)
+        """:meth:`read_many` of one queue, through the queue's read function
+        (statement ``read_queue``). None: the acks are applied, but the queue has key
+        limits (read it through ``kombu_pgmq.read``)."""
         delivered, settled = self._read_queue_settled(
-            queue, vt_seconds, qty, acks, durable_acks=durable_acks, limited=limited
+            queue, vt_seconds, qty, acks, durable_acks=durable_acks
         )
         if len(settled) < len(acks):
             logger.warning(
@@ -315,15 +306,13 @@ class Broker(Declarations, Nowait):
             )
         throttle = delivered.limits.get(queue)
         if throttle is None:
-            if limited:  # its limits were cleared
+            if qty:
                 self.limited.discard(queue)
             return delivered
         self.limited.add(queue)
         if throttle.state == KEY_LIMITED:
             self.keyed.add(queue)
             return None
-        if not limited:  # limited since we last looked: nothing was read, read within limits
-            return self._read_queue(queue, vt_seconds, qty, (), durable_acks)
         return delivered
 
     def _read_queue_settled(
@@ -334,14 +323,11 @@ class Broker(Declarations, Nowait):
         acks: Sequence[Receipt],
         *,
         durable_acks: bool,
-        limited: bool = False,
     ) -> tuple[Reads, list[int]]:
-        """Statement ``read_queue`` (``limited``: ``read_limited_queue``): (rows delivered,
-        msg_ids of the acks applied). ``Reads.limits`` has the marker of a limited queue
-        (``read_queue`` delivers nothing from one)."""
+        """Statement ``read_queue``: (rows delivered, msg_ids of the acks applied).
+        ``Reads.limits`` has the marker of a limited queue."""
         durable = bool(acks) and durable_acks  # else a crash may forget it: redelivered
         params = {
-            "queue": queue,
             "vt_seconds": vt_seconds,
             "qty": qty,
             "ack_ids": [a.msg_id for a in acks],
@@ -349,21 +335,13 @@ class Broker(Declarations, Nowait):
             "ack_enqueued": [a.enqueued_at for a in acks],
             # the commit mode of the statement's own transaction (no session SET)
             "commit": None if durable else "off",
-            **slot_holds(acks),
+            "holds": [a.hold_seconds > 0 for a in acks],
+            "hold_seconds": max((a.hold_seconds for a in acks), default=0),
             **(self.positions.params(queue) if qty else _NO_SCAN),
         }
-        if limited:
-            name = "read_limited_queue"
-        else:  # the read alone plans in a third of the time (sql/queries.sql)
-            name = "read_queue" if acks else "read_queue_without_acks"
         try:
-            rows = self._fetch_direct(
-                name,
-                queue,
-                lambda: self._compose_read_queue(queue, name),
-                params,
-                ReadRow,
-                synchronous=True if durable else None,
+            rows = self._queue_fetch(
+                "read_queue", queue, params, ReadRow, synchronous=True if durable else None
             )
         except QueueNotFound:
             self.positions.forget(queue)
@@ -383,55 +361,52 @@ class Broker(Declarations, Nowait):
         )
         for r in rows:
             if r.snapshot is not None:
-                if qty:
-                    self.positions.advance(queue, ReadPosition.of(r))
+                self.positions.advance(queue, ReadPosition.of(r))
             elif r.msg_id is None:
                 delivered.limits[queue] = Throttle(r.read_ct, r.age_seconds)
         return delivered, [int(r.msg_id) for r in rows if r.acked]
 
-    def _compose_read_queue(
-        self, queue: str, name: str = "read_queue", *, wake: bool = False
-    ) -> sql.Composed:
-        """Statement ``read_queue`` (or ``ack_queue``, ``archive_expired``) for
-        ``queue``'s tables (the columns differ between PGMQ versions: PGMQ < 1.11 has no
-        last_read_at). ``wake``: ``ack_queue`` wakes the consumers waiting on the queue
-        (a limited queue's settled message frees its slot)."""
-        queue_table, archive_table = f"q_{queue}", f"a_{queue}"
-        present = set(self.db.column("table_columns", {"table": f"pgmq.{queue_table}"}))
-        archived = set(self.db.column("table_columns", {"table": f"pgmq.{archive_table}"}))
-        columns = [c for c in _ARCHIVE_COLUMNS if c in present and c in archived]
-        touch = self.db.statement("read_touch_last_read_at") if "last_read_at" in present else ""
-        marks = sql.SQL(self.db.statement("expired_marks"))
-        marked = sql.SQL(self.db.statement("expired_headers")).format(marks=marks)
-        return sql.SQL(self.db.statement(name)).format(
-            queue_table=sql.Identifier("pgmq", queue_table),
-            archive_table=sql.Identifier("pgmq", archive_table),
-            archive_columns=sql.SQL(", ").join(map(sql.Identifier, columns)),
-            archive_values=sql.SQL(", ").join(
-                marked if c == "headers" else sql.Identifier(c) for c in columns
-            ),
-            marks=marks,
-            touch=sql.SQL(touch),
-            last_read_at=sql.SQL("a.last_read_at" if "last_read_at" in columns else "NULL"),
-            wake=sql.SQL(self.db.statement("ack_wake") if wake else ""),
-            hold=self._hold_cte(name, wake),
-            commit_mode=sql.SQL(self.db.statement("read_commit_mode")),
-        )
+    def _queue_statement(self, name: str, queue: str) -> bytes:
+        """Statement ``name`` (``read_queue``, ``ack_queue``, ``archive_expired``) calling
+        ``queue``'s own function (``kombu_pgmq.read_q_<queue>`` or ``ack_q_<queue>``),
+        composed once per queue."""
+        key = (name, queue)
+        statement = self._statements.get(key)
+        if statement is None:
+            function = f"{_QUEUE_FUNCTIONS[name]}_q_{queue}"
+            composed = sql.SQL(self.db.statement(name)).format(
+                function=sql.Identifier("kombu_pgmq", function)
+            )
+            statement = self._statements[key] = composed.as_bytes(self.db.connection)
+        return statement
 
-    def _hold_cte(self, name: str, limited: bool) -> sql.Composable:
-        """The ``{hold}`` of statement ``name``: ``hold_slots_cte`` in
-        ``read_limited_queue`` and in ``ack_queue`` of a limited queue (with its $n
-        placeholders), else nothing."""
-        if name == "read_limited_queue":
-            places = ("%(queue)s", "%(hold_ids)s", "%(hold_seconds)s")
-        elif name == "ack_queue" and limited:
-            places = ("$5", "$6", "$7")
-        else:
-            return sql.SQL("")
-        queue, hold_ids, hold_seconds = map(sql.SQL, places)
-        return sql.SQL(self.db.statement("hold_slots_cte")).format(
-            queue=queue, hold_ids=hold_ids, hold_seconds=hold_seconds
-        )
+    def _queue_fetch(
+        self,
+        name: str,
+        queue: str,
+        params: dict[str, Any],
+        row: Any = None,
+        *,
+        synchronous: bool | None = True,
+    ) -> list[Any]:
+        """Run statement ``name`` through ``queue``'s own function (see
+        :meth:`_queue_statement`); if the function is missing (a queue made by plain
+        ``pgmq.create``), create the queue's functions and run it again.
+
+        Raises:
+            QueueNotFound: the queue does not exist.
+        """
+        statement = self._queue_statement(name, queue)
+        try:
+            rows = self.db.fetch(statement, params, row, synchronous=synchronous)
+        except StatementError as exc:
+            if not isinstance(exc.__cause__, pg_errors.UndefinedFunction):
+                raise
+            self._functions.discard(queue)
+            self.db.execute("queue_functions", {"queue": queue})
+            rows = self.db.fetch(statement, params, row, synchronous=synchronous)
+        self._functions.add(queue)
+        return rows
 
     def _fetch_direct(
         self,
@@ -469,21 +444,16 @@ class Broker(Declarations, Nowait):
         """Archive the messages these deliveries still hold; return the ``(queue, msg_id)``
         settled (a stale receipt is left out, nothing is applied for it).
         ``durable=False`` commits asynchronously (a server crash may forget the ack)."""
-        if (
-            self.direct_reads
-            and receipts
-            and receipts[0].queue not in self.limited  # kombu_pgmq.ack wakes its consumers
-            and not any(r.hold_seconds for r in receipts)  # and holds slots
-            and all(r.queue == receipts[0].queue for r in receipts)
-        ):
-            # one queue: statement read_queue reading nothing (plan-cached, no EXECUTE)
+        if receipts and all(r.queue == receipts[0].queue for r in receipts):
+            queue = receipts[0].queue
+            params = {**self._ack_params(receipts), "commit": None if durable else "off"}
             try:
-                _, settled = self._read_queue_settled(
-                    receipts[0].queue, 0, 0, receipts, durable_acks=durable
+                rows = self._queue_fetch(
+                    "ack_queue", queue, params, synchronous=True if durable else None
                 )
-                return {(receipts[0].queue, msg_id) for msg_id in settled}
-            except PermissionDenied:
-                self.direct_reads = False
+            except QueueNotFound:
+                return set()
+            return {(queue, int(r[0])) for r in rows}
         holds = slot_holds(receipts)
         rows = self.db.fetch(
             "ack" if durable else "ack_async",
@@ -492,6 +462,17 @@ class Broker(Declarations, Nowait):
             synchronous=True if durable else None,  # ack_async sets it off itself
         )
         return {(r.queue, int(r.msg_id)) for r in rows}
+
+    @staticmethod
+    def _ack_params(receipts: Sequence[Receipt]) -> dict[str, Any]:
+        """Statement ``ack_queue``'s receipts and slot holds."""
+        return {
+            "ack_ids": [a.msg_id for a in receipts],
+            "ack_cts": [a.read_ct for a in receipts],
+            "ack_enqueued": [a.enqueued_at for a in receipts],
+            "holds": [a.hold_seconds > 0 for a in receipts],
+            "hold_seconds": max((a.hold_seconds for a in receipts), default=0),
+        }
 
     def requeue(
         self, receipts: Sequence[Receipt], vt_seconds: int = 0, *, uncount: bool = False
@@ -520,30 +501,16 @@ class Broker(Declarations, Nowait):
     def archive_expired(self, receipts: Sequence[Receipt]) -> list[int]:
         """Move the expired messages these deliveries still hold to the archive, with the
         headers ``x-archive-reason: expired`` and ``x-expired-at`` (statement
-        ``archive_expired``); return the ids archived. A role without rights on PGMQ's
-        tables (least privilege) archives them through ``kombu_pgmq.archive_expired``
-        (migration 0019), marked the same.
+        ``archive_expired``); return the ids archived.
         ``receipts`` are of one queue; a queue that is gone archives nothing."""
         if not receipts:
             return []
-        queue = receipts[0].queue
-        if self.direct_reads:
-            params = {"queue": queue, **receipt_handles(receipts)}
-            try:
-                rows = self._fetch_direct(
-                    "archive_expired",
-                    queue,
-                    lambda: self._compose_read_queue(queue, "archive_expired"),
-                    params,
-                )
-            except QueueNotFound:
-                return []
-            except PermissionDenied:
-                self.direct_reads = False  # a least-privilege role
-            else:
-                return [int(r[0]) for r in rows]
-        rows = self.db.fetch("archive_expired_rows", receipt_handles(receipts), Renewed)
-        return sorted(int(r.msg_id) for r in rows)
+        params = self._ack_params(receipts)
+        try:
+            rows = self._queue_fetch("archive_expired", receipts[0].queue, params)
+        except QueueNotFound:
+            return []
+        return sorted(int(r[0]) for r in rows)
 
     def renew(self, held: Sequence[Receipt], vt_seconds: int) -> set[tuple[str, int]]:
         """Extend the leases of held messages (receipts) to now + ``vt_seconds``, in one

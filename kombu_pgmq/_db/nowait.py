@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from psycopg import errors as pg_errors
 from psycopg import sql
 
-from ..errors import KombuPgmqError, PermissionDenied, QueueNotFound
+from ..errors import KombuPgmqError, PermissionDenied, QueueNotFound, StatementError
 from . import handoff
 from .connector import Connector
 from .external import ExternalConnector
-from .rows import Receipt, slot_holds, text_array
+from .rows import Receipt, text_array
 
 __all__ = ["Nowait"]
 
@@ -25,13 +26,10 @@ class Nowait:
     db: Connector
     #: (statement, PGMQ queue) -> the statement composed for that queue's tables
     _statements: dict[tuple[str, str], bytes]
-    direct_reads: bool
+    _functions: set[str]
     direct_writes: bool
-    limited: set[str]
 
-    def _compose_read_queue(
-        self, queue: str, name: str = "read_queue", *, wake: bool = False
-    ) -> sql.Composed:
+    def _queue_statement(self, name: str, queue: str) -> bytes:
         raise NotImplementedError
 
     def _compose_send_queue(self, queue: str, *, routed: bool = False) -> sql.Composed:
@@ -46,55 +44,57 @@ class Nowait:
         on_error: Callable[[KombuPgmqError], None],
     ) -> bool:
         """Send the acks of one queue (receipts) without waiting for the result: the
-        server archives them as soon as the statement arrives (statement ``ack_queue``,
-        prepared on this connection). ``on_settled`` gets the ``(queue, msg_id)`` settled
-        (a stale receipt is left out) and ``on_error`` a failure, when the result is read:
-        before the next statement on this connection. Returns False, sending nothing,
-        where this path does not apply (receipts of several queues, a least-privilege
-        role): the caller archives them with :meth:`ack`.
+        server archives them as soon as the statement arrives (statement ``ack_queue``
+        through the queue's ack function, prepared on this connection). ``on_settled``
+        gets the ``(queue, msg_id)`` settled (a stale receipt is left out) and
+        ``on_error`` a failure, when the result is read: before the next statement on
+        this connection. Returns False, sending nothing, where this path does not apply
+        (receipts of several queues, an application's connection, a queue whose
+        functions this connection has not called yet): the caller archives them with
+        :meth:`ack`.
 
         Raises:
             BrokerConnectionError: the statement could not be sent.
         """
-        if not (self.direct_reads and receipts) or isinstance(self.db, ExternalConnector):
+        if not receipts or isinstance(self.db, ExternalConnector):
             return False
         queue = receipts[0].queue
-        if any(r.queue != queue for r in receipts):
+        if queue not in self._functions or any(r.queue != queue for r in receipts):
             return False
-        # a limited queue's acks wake the consumers its limits hold back, and hold the
-        # slots of the tasks that run on
-        limited = queue in self.limited or any(r.hold_seconds for r in receipts)
-        key = ("ack_queue_wake", queue) if limited else ("ack_queue", queue)
+        key = ("ack_queue_nowait", queue)
         statement = self._statements.get(key)
         if statement is None:
-            composed = self._compose_read_queue(queue, "ack_queue", wake=key[0] != "ack_queue")
-            statement = self._statements[key] = composed.as_bytes(self.db.connection)
+            composed = self._queue_statement("ack_queue", queue)
+            statement = self._statements[key] = numbered(composed, _ACK_PARAMS)
+        name = f"kombu_pgmq_ack_{queue}"  # PGMQ names: at most 47 of [a-z0-9_]
 
         def settled(rows: list[tuple[str | None, ...]]) -> None:
             on_settled({(queue, int(r[0])) for r in rows if r[0] is not None})
 
-        # PGMQ names: at most 47 of [a-z0-9_]
-        name = f"kombu_pgmq_ack_{queue}" if key[0] == "ack_queue" else f"kombu_pgmq_ackw_{queue}"
-
         def failed(error: KombuPgmqError) -> None:
-            if isinstance(error, PermissionDenied):
-                self.direct_reads = False  # a least-privilege role: kombu_pgmq.ack from now on
-            elif isinstance(error, QueueNotFound):
+            if isinstance(error, QueueNotFound) or _undefined_function(error):
+                self._functions.discard(queue)
                 self._statements.pop(key, None)
                 self.db.forget_prepared(name)
             on_error(error)
 
+        holds = [r.hold_seconds > 0 for r in receipts]
         params = [
             text_array(r.msg_id for r in receipts),
             text_array(r.read_ct for r in receipts),
             text_array(r.enqueued_at for r in receipts),
+            text_array(holds),
+            str(max((r.hold_seconds for r in receipts), default=0)).encode(),
             b"on" if durable else b"off",
-            queue.encode(),
         ]
-        if key[0] != "ack_queue":  # a limited queue's: the slots of tasks that run on
-            holds = slot_holds(receipts)
-            params += [text_array(holds["hold_ids"]), str(holds["hold_seconds"]).encode()]
-        self.db.send_nowait(name, statement, params, on_result=settled, on_error=failed)
+        try:
+            self.db.send_nowait(name, statement, params, on_result=settled, on_error=failed)
+        except StatementError as exc:
+            if not (isinstance(exc, QueueNotFound) or _undefined_function(exc)):
+                raise
+            self._functions.discard(queue)  # gone: the caller's ack says so
+            self._statements.pop(key, None)
+            return False
         return True
 
     def send_nowait(
@@ -161,6 +161,17 @@ class Nowait:
             self.direct_writes = False
             return False
         return True
+
+
+#: The parameters of statement ``ack_queue``, in the order :meth:`Nowait.ack_nowait`
+#: sends them ($1...).
+_ACK_PARAMS = ("ack_ids", "ack_cts", "ack_enqueued", "holds", "hold_seconds", "commit")
+
+
+def _undefined_function(error: BaseException) -> bool:
+    """Whether ``error`` says a function does not exist (a queue's own functions,
+    dropped with the queue)."""
+    return isinstance(error.__cause__, pg_errors.UndefinedFunction)
 
 
 #: The parameters of statement ``send_queue``, in the order :meth:`Nowait.send_nowait`

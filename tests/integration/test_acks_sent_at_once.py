@@ -96,22 +96,27 @@ def test_a_connection_lost_with_a_statement_pending_reports_it_and_reconnects(db
         connector.close()
 
 
-def _held(db_dsn: str, queue: str, count: int) -> tuple[Any, list[Receipt]]:
+def _held(db_dsn: str, queue: str, count: int) -> tuple[Broker, list[Receipt]]:
     """A broker on its own connection holding ``count`` deliveries of ``queue``."""
     with connect(db_dsn) as conn:
         publish(conn, queue, list(range(count)))
-    connector = Connector(db_dsn)
-    broker = Broker(connector)
+    broker = Broker(Connector(db_dsn))
     rows = broker.read_many([queue], 30, count)
-    return connector, [Receipt(queue, r.msg_id, r.read_ct, r.enqueued_at) for r in rows]
+    return broker, [Receipt(queue, r.msg_id, r.read_ct, r.enqueued_at) for r in rows]
 
 
 def test_ack_nowait_archives_and_reports_stale_receipts(db_dsn):
-    connector, receipts = _held(db_dsn, "nowait", 3)
+    broker, receipts = _held(db_dsn, "nowait", 3)
+    connector = broker.db
     settled: list[set[tuple[str, int]]] = []
     try:
+        # a queue whose functions this connection has not called: not this path (the
+        # caller's ack creates them if missing)
+        assert not Broker(connector).ack_nowait(
+            receipts, durable=False, on_settled=pytest.fail, on_error=pytest.fail
+        )
         stale = Receipt("nowait", receipts[0].msg_id, 99, receipts[0].enqueued_at)
-        sent = Broker(connector).ack_nowait(
+        sent = broker.ack_nowait(
             [*receipts[1:], stale],
             durable=False,
             on_settled=settled.append,
@@ -124,9 +129,9 @@ def test_ack_nowait_archives_and_reports_stale_receipts(db_dsn):
             time.sleep(0.02)
         connector.collect()
         assert settled == [{("nowait", r.msg_id) for r in receipts[1:]}]
-        # several queues, or a role without direct privileges: not this path
+        # several queues: not this path
         other = Receipt("elsewhere", 1, 1, None)
-        assert not Broker(connector).ack_nowait(
+        assert not broker.ack_nowait(
             [receipts[0], other], durable=False, on_settled=pytest.fail, on_error=pytest.fail
         )
     finally:

@@ -110,12 +110,13 @@ def test_only_concurrency_limits_and_acks_that_ask_hold_slots(db_dsn):
     assert held(db_dsn) == [("capped2", early, None)]
 
 
-@pytest.mark.parametrize("path", ["ack", "read_limited_queue", "kombu_pgmq.read", "ack_queue"])
+@pytest.mark.parametrize("path", ["ack", "read_queue", "kombu_pgmq.read", "ack_queue"])
 def test_every_ack_path_holds_the_slot_in_the_ack_itself(db_dsn, path):
     """The slot of an ack whose task runs on is held by the ack statement itself, whichever
-    carries it: kombu_pgmq.ack (a flush), statement read_limited_queue (acks riding with a
-    read), kombu_pgmq.read (several queues, key limits) or ack_queue (sent without
-    waiting, in Celery's event loop). The message is archived, and its slot counts."""
+    carries it: statement ack_queue (a flush), read_queue (acks riding with a read),
+    kombu_pgmq.read (several queues, key limits) or ack_queue sent without waiting (in
+    Celery's event loop); all of them through the queue's ack function. The message is
+    archived, and its slot counts."""
     limits = {"key_concurrency": 5} if path == "kombu_pgmq.read" else {"concurrency": 5}
     with connect(db_dsn) as conn:
         publish(conn, "paths", [1, 2], headers={"x-limit-key": "k"})
@@ -125,9 +126,9 @@ def test_every_ack_path_holds_the_slot_in_the_ack_itself(db_dsn, path):
         first = broker.read_many(["paths"], 30, 1)
         assert len(first) == 1 and "paths" in broker.limited
         acks = receipts(db_dsn, "paths", [first[0].msg_id], 30)
-        if path == "ack":
+        if path == "ack":  # statement ack_queue
             assert broker.ack(acks) == {("paths", first[0].msg_id)}
-        elif path == "ack_queue":
+        elif path == "ack_queue":  # sent without waiting
             settled: list[Any] = []
             assert broker.ack_nowait(
                 acks, durable=False, on_settled=settled.append, on_error=pytest.fail

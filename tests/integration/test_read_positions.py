@@ -18,7 +18,7 @@ import pytest
 from kombu_pgmq._db import positions
 from kombu_pgmq._db.broker import Broker
 from kombu_pgmq._db.connector import Connector
-from kombu_pgmq._db.rows import Receipt
+from kombu_pgmq._db.rows import Receipt, receipt_handles, slot_holds
 from kombu_pgmq._naming import pgmq_queue_name
 
 from .helpers import connect, publish, sql, wait_for
@@ -31,8 +31,9 @@ def no_full_scans(monkeypatch):
     monkeypatch.setattr(positions, "FULL_SCAN_SECONDS", 3600.0)
 
 
-#: How a read of one queue reaches the table: statement read_queue, or kombu_pgmq.read
-#: (several queues or priority bands in one read, least-privilege roles).
+#: How a read of one queue reaches the table: the queue's read function (statement
+#: read_queue), or kombu_pgmq.read (several queues or priority bands in one read, key
+#: limits), which calls it.
 READS = pytest.mark.parametrize("direct", [True, False], ids=["read_queue", "kombu_pgmq.read"])
 
 
@@ -43,7 +44,8 @@ def broker(dsn: str, queue: str, *, direct: bool = True) -> Iterator[Broker]:
     db = Connector(dsn)
     try:
         pgmq = Broker(db)
-        pgmq.direct_reads = direct
+        if not direct:  # read as a queue with key limits is: through kombu_pgmq.read
+            pgmq.keyed.add(pgmq_queue_name(queue))
         yield pgmq
     finally:
         db.close()
@@ -373,6 +375,12 @@ def test_settling_probes_the_primary_key_after_a_vacuum_behind_a_held_snapshot(d
     few live rows: a lease renewal, an ack (and the read it rides) and a requeue still
     find their rows by msg_id on the primary key, not by a scan of the whole index (every
     dead entry of 4,000 messages). ``direct``: statement ack_queue, else kombu_pgmq.ack."""
+
+    def ack(pgmq: Broker, receipts: list[Receipt]) -> list[Any]:
+        if direct:
+            return list(pgmq.ack(receipts))
+        return pgmq.db.fetch("ack", {**receipt_handles(receipts), **slot_holds(receipts)})
+
     queue = pgmq_queue_name("probe_pk")
     with broker(db_dsn, "probe_pk", direct=direct) as pgmq, held(db_dsn):
         for _ in range(20):
@@ -385,7 +393,7 @@ def test_settling_probes_the_primary_key_after_a_vacuum_behind_a_held_snapshot(d
         walked = {}
         for step, settle in (
             ("renew", lambda: pgmq.renew(receipts, 60)),
-            ("ack", lambda: pgmq.ack(receipts[:10])),
+            ("ack", lambda: ack(pgmq, receipts[:10])),
             ("requeue", lambda: pgmq.requeue(receipts[10:], 5)),
         ):
             before = index_entries_read(pgmq, db_dsn, f"q_{queue}_pkey")
@@ -421,7 +429,8 @@ def test_plain_pgmq_clients_and_a_least_privilege_worker_share_a_queue(least_pri
             assert sorted(json.loads(r.message)["n"] for r in first) == [1, 2]
             receipts = [Receipt(queue, r.msg_id, r.read_ct, r.enqueued_at) for r in first]
             assert pgmq.ack(receipts) == {(queue, r.msg_id) for r in first}
-            assert not pgmq.direct_reads  # the worker may not touch PGMQ's tables
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):  # nor PGMQ's tables
+                worker.connection.execute(f"SELECT count(*) FROM pgmq.q_{queue}")
             assert pgmq.positions.age(queue) is not None  # and it reads by position
             time.sleep(2 * (positions.STAMP_SECONDS + positions.MARGIN_SECONDS))
             assert read() == []
