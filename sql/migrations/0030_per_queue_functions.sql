@@ -13,24 +13,55 @@
 -- kombu_pgmq.roles; kombu_pgmq.drop_queue drops them with the queue. A caller that finds
 -- them missing (a queue made by plain pgmq.create) creates them and calls again.
 
--- Settle by receipt: archive the rows these deliveries (msg_id, read_ct, enqueued_at)
--- still hold; a stale receipt is left out. The one delete-then-archive of kombu_pgmq:
--- an ack, an ack riding on a read, an expiry (marks: headers added to the archived copy,
--- as x-archive-reason for expired messages). A row whose msg_id is already archived (an
--- UNLOGGED queue's ids restarted after a crash) is archived under a new id
--- (kombu_pgmq.archive_under_new_id), never dropped. holds (aligned with the receipts):
--- the acks of tasks that run on hold their concurrency slots for hold_seconds, before the
+-- Settle by receipt, the one delete-then-archive of kombu_pgmq (an ack, the acks riding
+-- on a read, an expiry): a fragment of a WITH clause, formatted into the ack and the read
+-- templates. It archives the rows the receipts (p_ack_ids, p_ack_cts, p_ack_enqueued:
+-- msg_id, read_ct, enqueued_at) still hold; a stale receipt is left out. A row whose
+-- msg_id is already archived (an UNLOGGED queue's ids restarted after a crash) is
+-- archived under a new id (kombu_pgmq.archive_under_new_id), never dropped. settled: the
+-- rows settled (a statement must read it: a SELECT in WITH runs only if read).
+-- %1$s queue table, %2$s archive table, %3$s the archive columns the queue table has,
+-- %4$s their values (headers with %7$s added, a jsonb expression: marks such as
+-- x-archive-reason, NULL for none), %5$L the queue, %6$s the row's last_read_at or NULL.
+CREATE FUNCTION kombu_pgmq.settle_template() RETURNS text
+LANGUAGE sql IMMUTABLE AS $t$
+SELECT $template$
+moved AS (
+        DELETE FROM %1$s AS t
+        WHERE t.msg_id = ANY(p_ack_ids)
+          AND (t.msg_id, t.read_ct, t.enqueued_at) IN (
+              SELECT * FROM unnest(p_ack_ids, p_ack_cts, p_ack_enqueued))
+        RETURNING t.*
+    ), kept AS (
+        INSERT INTO %2$s (%3$s)
+        SELECT %4$s FROM moved
+        ON CONFLICT DO NOTHING
+        RETURNING msg_id
+    ), settled AS (
+        SELECT m.msg_id, m.read_ct, m.enqueued_at FROM moved m
+        WHERE CASE WHEN m.msg_id IN (SELECT k.msg_id FROM kept k) THEN true
+                   ELSE kombu_pgmq.archive_under_new_id(
+                            %5$L, m.msg_id, m.read_ct, m.enqueued_at, m.vt, m.message,
+                            m.headers, %6$s, coalesce(%7$s, '{}')) IS NOT NULL
+              END
+    )$template$
+$t$;
+
+-- Ack: settle the receipts (settle_template). holds (aligned with the receipts): the
+-- acks of tasks that run on hold their concurrency slots for hold_seconds, before the
 -- archive (the slot is never seen free). A limited queue's waiting consumers are woken
--- when a message settled (its slot is free). commit: synchronous_commit of the
--- transaction ('off': a crash may forget the ack; the message is delivered again), NULL
--- the session's. Returns the msg_ids settled.
+-- when a message settled (its slot is free). marks: headers added to the archived copies
+-- (an expiry's x-archive-reason). commit: synchronous_commit of the transaction ('off': a
+-- crash may forget the ack; the message is delivered again), NULL the session's. limited:
+-- whether the queue is limited, if the caller knows (NULL: look). Returns the msg_ids
+-- settled. %1$I function, %2$L queue, %3$s the settle fragment.
 CREATE FUNCTION kombu_pgmq.ack_template() RETURNS text
 LANGUAGE sql IMMUTABLE AS $t$
 SELECT $template$
 CREATE OR REPLACE FUNCTION kombu_pgmq.%1$I(
-    p_ids bigint[], p_cts integer[], p_enqueued timestamptz[],
+    p_ack_ids bigint[], p_ack_cts integer[], p_ack_enqueued timestamptz[],
     p_holds boolean[] DEFAULT '{}', p_hold_seconds integer DEFAULT 0,
-    p_marks jsonb DEFAULT NULL, p_commit text DEFAULT NULL
+    p_marks jsonb DEFAULT NULL, p_commit text DEFAULT NULL, p_limited boolean DEFAULT NULL
 ) RETURNS SETOF bigint
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $body$
 DECLARE
@@ -42,33 +73,16 @@ BEGIN
     IF true = ANY(p_holds) THEN
         PERFORM kombu_pgmq.hold_slots(
             %2$L,
-            ARRAY(SELECT h.id FROM unnest(p_ids, p_cts, p_holds) AS h(id, ct, hold)
-                  WHERE h.hold),
-            ARRAY(SELECT h.ct FROM unnest(p_ids, p_cts, p_holds) AS h(id, ct, hold)
-                  WHERE h.hold),
+            ARRAY(SELECT h.id FROM unnest(p_ack_ids, p_holds) AS h(id, hold) WHERE h.hold),
+            ARRAY(SELECT h.ct FROM unnest(p_ack_cts, p_holds) AS h(ct, hold) WHERE h.hold),
             p_hold_seconds);
     END IF;
     RETURN QUERY
-    WITH moved AS (
-        DELETE FROM %3$s AS t
-        WHERE t.msg_id = ANY(p_ids)
-          AND (t.msg_id, t.read_ct, t.enqueued_at) IN (
-              SELECT * FROM unnest(p_ids, p_cts, p_enqueued))
-        RETURNING t.*
-    ), kept AS (
-        INSERT INTO %4$s (%5$s)
-        SELECT %6$s FROM moved
-        ON CONFLICT DO NOTHING
-        RETURNING msg_id
-    )
-    SELECT m.msg_id FROM moved m
-    WHERE CASE WHEN m.msg_id IN (SELECT k.msg_id FROM kept k) THEN true
-               ELSE kombu_pgmq.archive_under_new_id(
-                        %2$L, m.msg_id, m.read_ct, m.enqueued_at, m.vt, m.message,
-                        m.headers, %7$s, coalesce(p_marks, '{}')) IS NOT NULL
-          END;
+    WITH %3$s
+    SELECT s.msg_id FROM settled s;
     GET DIAGNOSTICS n = ROW_COUNT;
-    IF n > 0 AND EXISTS (SELECT 1 FROM kombu_pgmq.limited l WHERE l.pgmq_queue = %2$L) THEN
+    IF n > 0 AND coalesce(p_limited, EXISTS (SELECT 1 FROM kombu_pgmq.limited l
+                                             WHERE l.pgmq_queue = %2$L)) THEN
         PERFORM kombu_pgmq.notify_waiting(%2$L);
     END IF;
 END
@@ -77,27 +91,31 @@ $template$
 $t$;
 
 -- Deliver (a dead-letter queue only to a role that may read its table itself): settle
--- the acks riding along (the queue's ack_q function; each row acked
--- true), then deliver up to qty visible messages, hidden for vt_seconds: oldest
--- visibility first on PGMQ's vt index, msg_id breaking ties, FOR UPDATE SKIP LOCKED
--- (concurrent consumers never get the same message); nothing from a paused queue. The
--- walk of the vt index starts at the read's position (kombu_pgmq/_db/positions.py):
--- scan_from (epoch seconds; -Infinity: the start of the index), or earlier at the bound
--- of a transaction in progress at the last read (watch_xids, watch_bounds) that has
--- committed since, so it passes no dead row versions older than that, however many an
--- old snapshot keeps. A limited queue delivers no more than its limits allow
--- (kombu_pgmq.limit_take locks the queue's limits row to the end of the transaction and
--- returns the budget; kombu_pgmq.limit_done gives back what was not used) and says what
--- they did in a marker row (msg_id NULL, acked false; read_ct: 0 limited, 1 throttled
--- until a message settles, 2 throttled by rate with age_seconds = seconds until it
--- allows more, 3 the queue has key limits: read it through kombu_pgmq.read). With qty >
--- 0 the last row (acked NULL) is the position row: the read's snapshot, its own
--- transaction id (stamp: assign one if it has none), its transaction's start (epoch
--- seconds), scan_from, and scanned_to: the vt up to which every visible row was taken
--- (the last row taken when the batch filled; the first row the limits left; scan_from
--- when a pause took nothing). age_seconds (server clock) serves x-message-ttl and
--- per-message expiration; message and headers come back as text (the JSON body goes to
--- Kombu unparsed).
+-- the acks riding along (rows acked true), then deliver up to qty visible messages,
+-- hidden for vt_seconds: oldest visibility first on PGMQ's vt index, msg_id breaking
+-- ties, FOR UPDATE SKIP LOCKED (concurrent consumers never get the same message);
+-- nothing from a paused queue. The walk of the vt index starts at the read's position
+-- (kombu_pgmq/_db/positions.py): scan_from (epoch seconds; -Infinity: the start of the
+-- index), or earlier at the bound of a transaction in progress at the last read
+-- (watch_xids, watch_bounds) that has committed since, so it passes no dead row versions
+-- older than that, however many an old snapshot keeps. A queue without limits: the acks
+-- and the read in one statement (each statement costs an executor start: two cost a
+-- third more per read); its acks hold no slots. A limited queue: the acks through the
+-- queue's ack function (slots held, waiting consumers woken), then no more than its
+-- limits allow (kombu_pgmq.limit_take locks the queue's limits row to the end of the
+-- transaction and returns the budget; kombu_pgmq.limit_done gives back what was not
+-- used), saying what they did in a marker row (msg_id NULL, acked false; read_ct: 0
+-- limited, 1 throttled until a message settles, 2 throttled by rate with age_seconds =
+-- seconds until it allows more, 3 the queue has key limits: read it through
+-- kombu_pgmq.read). With qty > 0 the last row (acked NULL) is the position row: the
+-- read's snapshot, its own transaction id (stamp: assign one if it has none), its
+-- transaction's start (epoch seconds), scan_from, and scanned_to: the vt up to which
+-- every visible row was taken (the last row taken when the batch filled; the first row
+-- the limits left; scan_from when a pause took nothing). age_seconds (server clock)
+-- serves x-message-ttl and per-message expiration; message and headers come back as
+-- text (the JSON body goes to Kombu unparsed). %1$I function, %2$I the queue's ack
+-- function, %3$L queue, %4$s queue table, %5$s the columns a delivery sets beyond vt and
+-- read_ct (last_read_at), %6$s the settle fragment.
 CREATE FUNCTION kombu_pgmq.read_template() RETURNS text
 LANGUAGE sql IMMUTABLE AS $t$
 SELECT $template$
@@ -118,19 +136,33 @@ LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $body
 DECLARE
     v_from timestamptz;
     v_to timestamptz;
+    v_paused boolean;
+    v_limited boolean;
+    v_dead_letter boolean;
+    v_commit text;
 BEGIN
-    PERFORM kombu_pgmq.check_window('visibility timeout (seconds)', p_vt_seconds, 43200);
-    PERFORM kombu_pgmq.guard_dead_letters(ARRAY[%3$L], 'SELECT');
-    IF p_commit IS NOT NULL THEN
-        PERFORM set_config('synchronous_commit', p_commit, true);
+    IF p_vt_seconds IS NULL OR NOT (p_vt_seconds BETWEEN 0 AND 43200) THEN
+        PERFORM kombu_pgmq.check_window('visibility timeout (seconds)', p_vt_seconds, 43200);
     END IF;
-    IF cardinality(p_ack_ids) > 0 THEN
+    -- what the read needs to know in one statement, the commit mode set on the way
+    SELECT EXISTS (SELECT 1 FROM kombu_pgmq.paused p WHERE p.pgmq_queue = %3$L),
+           EXISTS (SELECT 1 FROM kombu_pgmq.limited l WHERE l.pgmq_queue = %3$L),
+           EXISTS (SELECT 1 FROM kombu_pgmq.queues k
+                   WHERE k.pgmq_queue = %3$L AND k.dead_letter),
+           CASE WHEN p_commit IS NOT NULL
+                THEN set_config('synchronous_commit', p_commit, true) END
+      INTO v_paused, v_limited, v_dead_letter, v_commit;
+    IF v_dead_letter THEN
+        PERFORM kombu_pgmq.guard_dead_letters(ARRAY[%3$L], 'SELECT');
+    END IF;
+    IF (v_limited OR v_paused OR p_qty <= 0) AND cardinality(p_ack_ids) > 0 THEN
         RETURN QUERY
         SELECT a.id, NULL::integer, NULL::timestamptz, NULL::text, NULL::text,
                NULL::float8, true, NULL::text, NULL::text, NULL::float8, NULL::float8,
                NULL::float8
         FROM kombu_pgmq.%2$I(p_ack_ids, p_ack_cts, p_ack_enqueued, p_holds,
-                             p_hold_seconds) AS a(id);
+                             p_hold_seconds, NULL, NULL, v_limited) AS a(id);
+        p_ack_ids := '{}';
     END IF;
     IF p_qty <= 0 THEN
         RETURN;
@@ -139,17 +171,21 @@ BEGIN
         PERFORM pg_current_xact_id();
     END IF;
     v_to := clock_timestamp();
-    v_from := least(to_timestamp(p_scan_from),
-                    (SELECT min(to_timestamp(w.bound))
-                     FROM unnest(p_watch_xids::xid8[], p_watch_bounds) AS w(xid, bound)
-                     WHERE pg_visible_in_snapshot(w.xid, pg_current_snapshot())));
-    IF EXISTS (SELECT 1 FROM kombu_pgmq.paused p WHERE p.pgmq_queue = %3$L) THEN
+    v_from := to_timestamp(p_scan_from);
+    IF cardinality(p_watch_xids) > 0 THEN
+        v_from := least(v_from,
+                        (SELECT min(to_timestamp(w.bound))
+                         FROM unnest(p_watch_xids::xid8[], p_watch_bounds) AS w(xid, bound)
+                         WHERE pg_visible_in_snapshot(w.xid, pg_current_snapshot())));
+    END IF;
+    IF v_paused THEN
         v_to := v_from;  -- nothing taken: the next read starts here again
-    ELSIF NOT EXISTS (SELECT 1 FROM kombu_pgmq.limited l WHERE l.pgmq_queue = %3$L) THEN
+    ELSIF NOT v_limited THEN
         RETURN QUERY
-        WITH picked AS (
+        WITH %6$s, picked AS (
             SELECT t.msg_id, t.vt FROM %4$s AS t
             WHERE t.vt >= v_from AND t.vt <= v_to
+              AND t.msg_id <> ALL(p_ack_ids)  -- being settled by this statement
             ORDER BY t.vt, t.msg_id
             LIMIT p_qty
             FOR UPDATE SKIP LOCKED
@@ -167,6 +203,10 @@ BEGIN
                extract(epoch FROM clock_timestamp() - d.enqueued_at)::float8, false,
                NULL::text, NULL::text, NULL::float8, NULL::float8, NULL::float8
         FROM delivered d
+        UNION ALL
+        SELECT s.msg_id, s.read_ct, s.enqueued_at, NULL, NULL, NULL, true,
+               NULL, NULL, NULL, NULL, NULL
+        FROM settled s
         UNION ALL
         SELECT NULL, 0, NULL, NULL, NULL, NULL, NULL,
                pg_current_snapshot()::text, pg_current_xact_id_if_assigned()::text,
@@ -241,6 +281,27 @@ $body$
 $template$
 $t$;
 
+-- settle_template for queue q whose queue and archive tables share the columns cols;
+-- marks: the jsonb expression added to the archived headers.
+CREATE FUNCTION kombu_pgmq.settle_fragment(q text, cols text[], marks text) RETURNS text
+LANGUAGE sql STABLE AS $$
+SELECT format(
+    kombu_pgmq.settle_template(),
+    format('pgmq.%I', 'q_' || q), format('pgmq.%I', 'a_' || q),
+    (SELECT string_agg(quote_ident(c), ', ' ORDER BY i)
+     FROM unnest(cols) WITH ORDINALITY AS u(c, i)),
+    (SELECT string_agg(CASE WHEN c = 'headers'
+                            THEN format('CASE WHEN %1$s IS NULL THEN headers '
+                                        'WHEN headers IS NULL OR jsonb_typeof(headers) = ''object'' '
+                                        'THEN coalesce(headers, ''{}''::jsonb) || %1$s '
+                                        'ELSE headers END', marks)
+                            ELSE quote_ident(c) END, ', ' ORDER BY i)
+     FROM unnest(cols) WITH ORDINALITY AS u(c, i)),
+    q,
+    CASE WHEN 'last_read_at' = ANY(cols) THEN 'm.last_read_at' ELSE 'NULL' END,
+    marks)
+$$;
+
 -- Create (or, with replace, recreate) the queue's functions from the templates: the
 -- queue's tables and the archive columns it has (PGMQ < 1.11 has no last_read_at), the
 -- queue's name as a literal. Owned by the schema owner (this function runs as its
@@ -257,11 +318,11 @@ DECLARE
     queue_table text := format('pgmq.%I', 'q_' || q);
     archive_table text := format('pgmq.%I', 'a_' || q);
     cols text[];
-    vals text;
     r kombu_pgmq.roles;
 BEGIN
-    IF NOT EXISTS (SELECT 1 FROM pgmq.meta m WHERE m.queue_name = q) THEN
-        RAISE EXCEPTION 'kombu_pgmq: queue % does not exist (pgmq.meta)', q
+    IF NOT EXISTS (SELECT 1 FROM pgmq.meta m WHERE m.queue_name = q)
+       OR to_regclass(queue_table) IS NULL OR to_regclass(archive_table) IS NULL THEN
+        RAISE EXCEPTION 'kombu_pgmq: queue % does not exist (pgmq.meta, %)', q, queue_table
             USING ERRCODE = 'undefined_table';
     END IF;
     IF NOT replace AND kombu_pgmq.queue_functions_exist(q) THEN
@@ -280,24 +341,16 @@ BEGIN
       AND EXISTS (SELECT 1 FROM pg_attribute a
                   WHERE a.attrelid = archive_table::regclass AND a.attname = u.c
                     AND NOT a.attisdropped);
-    SELECT string_agg(CASE WHEN c = 'headers'
-                           THEN 'CASE WHEN p_marks IS NULL THEN headers '
-                                'WHEN headers IS NULL OR jsonb_typeof(headers) = ''object'' '
-                                'THEN coalesce(headers, ''{}''::jsonb) || p_marks '
-                                'ELSE headers END'
-                           ELSE quote_ident(c) END, ', ' ORDER BY i) INTO vals
-    FROM unnest(cols) WITH ORDINALITY AS u(c, i);
-    EXECUTE format(kombu_pgmq.ack_template(), ack_fn, q, queue_table, archive_table,
-                   array_to_string(ARRAY(SELECT quote_ident(c) FROM unnest(cols) c), ', '),
-                   vals,
-                   CASE WHEN 'last_read_at' = ANY(cols) THEN 'm.last_read_at' ELSE 'NULL' END);
+    EXECUTE format(kombu_pgmq.ack_template(), ack_fn, q,
+                   kombu_pgmq.settle_fragment(q, cols, 'p_marks'));
     EXECUTE format(kombu_pgmq.read_template(), read_fn, ack_fn, q, queue_table,
                    CASE WHEN EXISTS (SELECT 1 FROM pg_attribute a
                                      WHERE a.attrelid = queue_table::regclass
                                        AND a.attname = 'last_read_at'
                                        AND NOT a.attisdropped)
-                        THEN ', last_read_at = clock_timestamp()' ELSE '' END);
-    EXECUTE format('REVOKE EXECUTE ON FUNCTION kombu_pgmq.%I(bigint[], integer[], timestamptz[], boolean[], integer, jsonb, text) FROM PUBLIC', ack_fn);
+                        THEN ', last_read_at = clock_timestamp()' ELSE '' END,
+                   kombu_pgmq.settle_fragment(q, cols, 'NULL::jsonb'));
+    EXECUTE format('REVOKE EXECUTE ON FUNCTION kombu_pgmq.%I(bigint[], integer[], timestamptz[], boolean[], integer, jsonb, text, boolean) FROM PUBLIC', ack_fn);
     EXECUTE format('REVOKE EXECUTE ON FUNCTION kombu_pgmq.%I(integer, integer, bigint[], integer[], timestamptz[], boolean[], integer, text, float8, text[], float8[], boolean) FROM PUBLIC', read_fn);
     FOR r IN SELECT * FROM kombu_pgmq.roles WHERE kind = 'worker' LOOP
         PERFORM kombu_pgmq.grant_queue_functions(q, r.role);
@@ -308,7 +361,7 @@ $$;
 -- Whether the queue's functions exist (with the arguments this schema version calls).
 CREATE FUNCTION kombu_pgmq.queue_functions_exist(q text) RETURNS boolean
 LANGUAGE sql STABLE AS $$
-SELECT to_regprocedure(format('kombu_pgmq.%I(bigint[], integer[], timestamptz[], boolean[], integer, jsonb, text)', 'ack_q_' || q)) IS NOT NULL
+SELECT to_regprocedure(format('kombu_pgmq.%I(bigint[], integer[], timestamptz[], boolean[], integer, jsonb, text, boolean)', 'ack_q_' || q)) IS NOT NULL
    AND to_regprocedure(format('kombu_pgmq.%I(integer, integer, bigint[], integer[], timestamptz[], boolean[], integer, text, float8, text[], float8[], boolean)', 'read_q_' || q)) IS NOT NULL
 $$;
 
@@ -513,8 +566,12 @@ INSERT INTO kombu_pgmq.grantable (function, kind, definer) VALUES
     ('kombu_pgmq.grant_queue_functions(text, text)', 'owner', false),
     ('kombu_pgmq.drop_queue_functions(text)', 'owner', false),
     ('kombu_pgmq.ack_template()', 'owner', false),
+    ('kombu_pgmq.settle_template()', 'owner', false),
+    ('kombu_pgmq.settle_fragment(text, text[], text)', 'owner', false),
     ('kombu_pgmq.read_template()', 'owner', false);
 SELECT kombu_pgmq.secure_functions();
 
 -- Every queue that exists gets its functions now.
-SELECT kombu_pgmq.queue_functions(m.queue_name) FROM pgmq.meta m;
+SELECT kombu_pgmq.queue_functions(m.queue_name) FROM pgmq.meta m
+WHERE to_regclass(format('pgmq.%I', 'q_' || m.queue_name)) IS NOT NULL
+  AND to_regclass(format('pgmq.%I', 'a_' || m.queue_name)) IS NOT NULL;
