@@ -21,82 +21,19 @@ SELECT kombu_pgmq.publish(%(queue)s, %(message)s::jsonb, %(headers)s::jsonb,
                           %(deduplication_window)s::float8) AS msg_id
 
 -- name: send_queue
--- Publish one message straight into a PGMQ queue table (issue 17): what kombu_pgmq.publish
--- does for a message without deduplication, as one plan-cached statement instead of
--- pgmq.send's format + EXECUTE. The row is the one pgmq.send writes (vt = now +
--- delay_seconds, message, headers; msg_id and enqueued_at from the table's defaults).
--- Migration 0003's shared advisory lock is taken before the row is written, and consumers
--- waiting on the queue are notified after it (kombu_pgmq.notify_waiting, migration 0013;
--- a delayed message with its due time, migration 0016).
--- Hand-over (migration 0023): %(handoff)s is the NOTIFY payload's tail (message, chr(30),
--- headers: what the caller sends, small enough for a NOTIFY), NULL for a delayed or large
--- message. When a waiting consumer offers a slot (kombu_pgmq.hand_off claims it, after the
--- lock and the routing guard: it is called per row of locked, and only when a slot is
--- offered on the queue: a publish nobody waits for pays no function call), the row is written as pgmq.read
--- leaves a delivered one (read_ct 1, vt = now + that consumer's visibility timeout, last_read_at)
--- and the consumer's channel is notified with queue, msg_id, enqueued_at (UTC) and the tail,
--- separated by chr(30) (never in JSON text); no other consumer is woken.
--- {routed}: empty, or statement routed_guard (a routed publish, issue 30: nothing is
--- locked, claimed, written or notified unless the routing version is still the caller's).
--- {handed_columns}/{handed_values}: send_handed_columns/_values, or nothing for PGMQ < 1.11.
--- %(commit)s 'off' (transport option visible_before_flush): a publish that a waiting
--- consumer gets now (handed over, or woken: not delayed and the queue has a waiting row)
--- commits without waiting for the WAL flush, so its NOTIFY leaves at once, and says so in
--- column flush: the caller then waits for the flush with statement flush_commits; a
--- publish nobody waits for commits as the session does (one round trip, no second
--- transaction). 'async' (confirm_publish=False): every publish commits without waiting
--- for the WAL flush, and nobody waits for it (flush false). NULL: as the session does.
-WITH locked AS (
-    SELECT pg_advisory_xact_lock_shared(1802530161, hashtext(%(queue)s))
-    {routed}
-), handed AS MATERIALIZED (
-    SELECT h.channel, h.vt_seconds
-    FROM (SELECT %(handoff)s::text AS tail FROM locked
-          WHERE %(handoff)s::text IS NOT NULL
-            AND EXISTS (SELECT 1 FROM kombu_pgmq.waiting w
-                        WHERE w.pgmq_queue = %(queue)s AND w.handoff_slots > 0)) AS offer,
-         LATERAL kombu_pgmq.hand_off(%(queue)s, offer.tail) AS h
-), sent AS (
-    INSERT INTO {queue_table} (vt, message, headers, read_ct{handed_columns})
-    SELECT CASE WHEN h.channel IS NULL
-                THEN clock_timestamp() + make_interval(secs => %(delay_seconds)s::integer)
-                ELSE clock_timestamp() + make_interval(secs => h.vt_seconds) END,
-           %(message)s::jsonb, %(headers)s::jsonb,
-           CASE WHEN h.channel IS NULL THEN 0 ELSE 1 END{handed_values}
-    FROM locked LEFT JOIN handed h ON true
-    RETURNING msg_id, vt, enqueued_at
-)
-SELECT s.msg_id,
-       CASE WHEN h.channel IS NULL
-            THEN kombu_pgmq.notify_waiting(%(queue)s,
-                                           CASE WHEN %(delay_seconds)s::integer > 0
-                                                THEN s.vt END)::text
-            ELSE pg_notify(h.channel,
-                           %(queue)s || chr(30) || s.msg_id || chr(30)
-                           || to_char(s.enqueued_at AT TIME ZONE 'UTC',
-                                      'YYYY-MM-DD"T"HH24:MI:SS.US')
-                           || chr(30) || %(handoff)s)::text
-       END AS notified,
-       CASE WHEN %(commit)s::text = 'async'  -- set_config returns 'off', never NULL
-            THEN set_config('synchronous_commit', 'off', true) IS NULL
-            WHEN %(commit)s::text = 'off'
-                 AND (h.channel IS NOT NULL
-                      OR (%(delay_seconds)s::integer <= 0
-                          AND EXISTS (SELECT 1 FROM kombu_pgmq.waiting w
-                                      WHERE w.pgmq_queue = %(queue)s)))
-            THEN set_config('synchronous_commit', 'off', true) = 'off'
-            ELSE false
-       END AS flush
-FROM sent s LEFT JOIN handed h ON true
-
--- name: send_handed_columns
--- send_queue's {handed_columns} where the table has last_read_at (PGMQ >= 1.11).
-, last_read_at
-
--- name: send_handed_values
--- send_queue's {handed_values} with send_handed_columns: a handed row is read now, as
--- pgmq.read marks it.
-, CASE WHEN h.channel IS NULL THEN NULL ELSE clock_timestamp() END
+-- Publish one message without deduplication through the queue's own function,
+-- {function} = kombu_pgmq.send_q_<queue> (static SQL, plan-cached by PL/pgSQL; its
+-- template, with the hand-over, the routing guard and the commit modes, is in
+-- sql/migrations/0030_per_queue_functions.sql). %(version)s: a routed publish's routing
+-- version (no row: the routes changed, nothing was written), NULL for a publish to the
+-- queue. %(handoff)s: the hand-over's NOTIFY tail (kombu_pgmq/_db/handoff.py), NULL for
+-- none. %(commit)s: 'async' (confirm_publish=False), 'off' (visible_before_flush: column
+-- flush says the caller must wait for the WAL flush, statement flush_commits) or NULL.
+-- Also sent without waiting for the result (Broker.send_nowait: $1... in the order of
+-- nowait._SEND_PARAMS).
+SELECT s.msg_id, s.notified, s.flush
+FROM {function}(%(message)s::jsonb, %(headers)s::jsonb, %(delay_seconds)s::integer,
+                %(handoff)s::text, %(commit)s::text, %(version)s::bigint) AS s
 
 -- name: read
 -- Deliver up to qty visible messages of one queue, hiding them for vt_seconds
@@ -312,17 +249,21 @@ FROM kombu_pgmq.requeue(%(queues)s::text[], %(msg_ids)s::bigint[], %(read_cts)s:
                         %(uncount)s::boolean)
 
 -- name: declare_queue
--- Create the PGMQ queue if missing (UNLOGGED if not durable) and its priority bands, and
--- record the Kombu name and the declared arguments (migration 0010). The first
+-- Create the PGMQ queue if missing (UNLOGGED if not durable) and its priority bands, with
+-- their own functions (kombu_pgmq.queue_functions), and record the Kombu name and the
+-- declared arguments. The first
 -- declaration's arguments stay (a redeclare without them, as plain consumers do, must
 -- not turn a TTL off); a redeclare counts as use (x-expires). Returns the arguments in
 -- force.
-SELECT message_ttl_ms, expires_ms, max_priority, priority_bands, band_queues, fifo_groups,
-       deduplicate_task_id
+SELECT d.message_ttl_ms, d.expires_ms, d.max_priority, d.priority_bands, d.band_queues,
+       d.fifo_groups, d.deduplicate_task_id
 FROM kombu_pgmq.declare_queue(%(kombu_queue)s, %(queue)s, %(durable)s, %(auto_delete)s,
                               %(expires_ms)s, %(message_ttl_ms)s, %(max_priority)s,
                               %(priority_bands)s::smallint[], %(band_queues)s::text[],
-                              %(fifo_groups)s, %(deduplicate_task_id)s)
+                              %(fifo_groups)s, %(deduplicate_task_id)s) AS d,
+     LATERAL (SELECT count(*) AS created
+              FROM unnest(array_append(coalesce(d.band_queues, '{}'), %(queue)s::text)) AS b,
+                   LATERAL kombu_pgmq.queue_functions(b)) AS f
 
 -- name: queue_bands
 -- Priority bands of a Kombu queue (NULL arrays: no priorities) and whether it is a FIFO
@@ -531,14 +472,6 @@ SELECT v.version,
                  FROM kombu_pgmq.bindings b JOIN kombu_pgmq.queues q USING (queue)),
                 '[]'::jsonb) AS bindings
 FROM kombu_pgmq.routing_version v
-
--- name: routed_guard
--- send_queue's {routed}: a routed publish to one queue without deduplication (issue 30),
--- the plan-cached statement instead of kombu_pgmq.publish_routed's pgmq.send (format +
--- EXECUTE). The statement's snapshot reads the one-row version table: when a bind, unbind
--- or exchange change committed since the caller loaded its routes, no row comes back and
--- nothing was written (reload the routes and publish again), as publish_routed does.
-FROM kombu_pgmq.routing_version WHERE version = %(version)s::bigint
 
 -- name: pooler_keeps_prepared
 -- Sent prepared, through a transaction pooler with pooler_prepared_statements=True, once

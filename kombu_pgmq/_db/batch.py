@@ -34,7 +34,6 @@ class BatchedPublisher(Broker):
 
     def __init__(self, broker: Broker) -> None:
         super().__init__(broker.db)
-        self.direct_writes = False
         #: One JSON object per message, composed as text (message and headers are JSON
         #: text already: they are not parsed again).
         self._items: list[str] = []

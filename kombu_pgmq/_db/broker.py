@@ -10,7 +10,7 @@ reconnects) or :class:`~kombu_pgmq.errors.StatementError` (the statement failed)
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from psycopg import errors as pg_errors
@@ -44,7 +44,12 @@ from .rows import (
 logger = logging.getLogger(__name__)
 
 #: statement -> the per-queue function it calls (kombu_pgmq.<prefix>_q_<queue>)
-_QUEUE_FUNCTIONS = {"read_queue": "read", "ack_queue": "ack", "archive_expired": "ack"}
+_QUEUE_FUNCTIONS = {
+    "read_queue": "read",
+    "ack_queue": "ack",
+    "archive_expired": "ack",
+    "send_queue": "send",
+}
 
 
 #: read statements' position parameters for a read of nothing (acks alone)
@@ -68,11 +73,6 @@ class Broker(Declarations, Nowait):
         self.limited: set[str] = set()
         #: Those of them with key limits: read through ``kombu_pgmq.read`` only.
         self.keyed: set[str] = set()
-        #: Publishes without deduplication go straight into PGMQ's queue tables
-        #: (statement ``send_queue``): on the transport's own connection only (in the
-        #: application's transaction the wake-up waits for its commit), and until the
-        #: role turns out not to have the privileges for it.
-        self.direct_writes = not isinstance(db, ExternalConnector)
         #: Direct publishes (statement ``send_queue``) that a waiting consumer gets now
         #: reach it (a NOTIFY, a hand-over) before their WAL flush and return after it
         #: (transport option ``visible_before_flush``; :meth:`_flushed`).
@@ -107,19 +107,17 @@ class Broker(Declarations, Nowait):
 
         ``deduplicated=False``: the caller knows the message has no deduplication id
         (no ``x-deduplication-id`` header, the queue has no ``x-deduplicate-task-id``);
-        on the transport's own connection it is then written straight into the queue
-        table (statement ``send_queue``, plan-cached).
+        on the transport's own connection it is then written by the queue's send
+        function (statement ``send_queue``, plan-cached; in the application's
+        transaction, ``kombu_pgmq.publish`` wakes consumers at its commit).
 
         Raises:
             QueueNotFound: the queue does not exist.
             InvalidJsonBody: PostgreSQL rejected ``message`` as JSON.
         """
-        if not deduplicated and self.direct_writes:
-            try:
-                return self._send_queue(queue, message, headers, max(delay_seconds, 0), flush)
-            except PermissionDenied:
-                # a least-privilege role publishes through kombu_pgmq.publish from now on
-                self.direct_writes = False
+        if not deduplicated and not isinstance(self.db, ExternalConnector):
+            sent = self._send_queue(queue, message, headers, max(delay_seconds, 0), flush)
+            return int(sent[0].msg_id)
         params = {
             "queue": queue,
             "message": message,
@@ -237,20 +235,26 @@ class Broker(Declarations, Nowait):
         return "off" if self.visible_before_flush else None
 
     def _send_queue(
-        self, queue: str, message: str, headers: str, delay_seconds: int, flush: bool = True
-    ) -> int:
+        self,
+        queue: str,
+        message: str,
+        headers: str,
+        delay_seconds: int,
+        flush: bool = True,
+        version: int | None = None,
+    ) -> list[SentRow]:
+        """Statement ``send_queue`` (``version``: a routed publish, guarded by the routing
+        version); the rows once the publish is on disk (:meth:`_flushed`)."""
         params = {
-            "queue": queue,
             "message": message,
             "headers": headers,
             "delay_seconds": delay_seconds,
             "handoff": handoff.tail(message, headers, delay_seconds),
             "commit": self._commit_mode(flush),
+            "version": version,
         }
-        rows: list[SentRow] = self._fetch_direct(
-            "send_queue", queue, lambda: self._compose_send_queue(queue), params, SentRow
-        )
-        return int(self._flushed(rows)[0].msg_id)
+        rows: list[SentRow] = self._queue_fetch("send_queue", queue, params, SentRow)
+        return self._flushed(rows)
 
     def _flushed(self, rows: list[SentRow]) -> list[SentRow]:
         """``rows`` of statement ``send_queue``, once the publish is on disk: when it
@@ -275,19 +279,6 @@ class Broker(Declarations, Nowait):
                     exc,
                 )
         return rows
-
-    def _compose_send_queue(self, queue: str, *, routed: bool = False) -> sql.Composed:
-        """Statement ``send_queue`` for ``queue``'s table; ``routed``: guarded by the
-        routing version (statement ``routed_guard``)."""
-        guard = self.db.statement("routed_guard") if routed else ""
-        table = f"pgmq.q_{queue}"
-        touch = "last_read_at" in set(self.db.column("table_columns", {"table": table}))
-        return sql.SQL(self.db.statement("send_queue")).format(
-            queue_table=sql.Identifier("pgmq", f"q_{queue}"),
-            routed=sql.SQL(guard),
-            handed_columns=sql.SQL(self.db.statement("send_handed_columns") if touch else ""),
-            handed_values=sql.SQL(self.db.statement("send_handed_values") if touch else ""),
-        )
 
     def _read_queue(
         self, queue: str, vt_seconds: int, qty: int, acks: Sequence[Receipt], durable_acks: bool
@@ -398,43 +389,20 @@ class Broker(Declarations, Nowait):
         """
         statement = self._queue_statement(name, queue)
         try:
-            rows = self.db.fetch(statement, params, row, synchronous=synchronous)
-        except StatementError as exc:
-            if not isinstance(exc.__cause__, pg_errors.UndefinedFunction):
-                raise
+            try:
+                rows = self.db.fetch(statement, params, row, synchronous=synchronous)
+            except StatementError as exc:
+                if not isinstance(exc.__cause__, pg_errors.UndefinedFunction):
+                    raise
+                self._functions.discard(queue)
+                self.db.execute("queue_functions", {"queue": queue})
+                rows = self.db.fetch(statement, params, row, synchronous=synchronous)
+        except QueueNotFound:
             self._functions.discard(queue)
-            self.db.execute("queue_functions", {"queue": queue})
-            rows = self.db.fetch(statement, params, row, synchronous=synchronous)
+            self._statements.pop((name, queue), None)  # composed again if it comes back
+            raise
         self._functions.add(queue)
         return rows
-
-    def _fetch_direct(
-        self,
-        name: str,
-        queue: str,
-        compose: Callable[[], sql.Composable],
-        params: dict[str, Any],
-        row: Any = None,
-        *,
-        synchronous: bool | None = True,
-    ) -> list[Any]:
-        """Run direct statement ``name`` on ``queue``'s tables: composed (and turned into
-        bytes) once per queue, forgotten when the queue turns out to be gone (composed
-        again if it comes back).
-
-        Raises:
-            QueueNotFound: the queue's tables do not exist.
-            PermissionDenied: the role has no rights on PGMQ's tables.
-        """
-        key = (name, queue)
-        statement = self._statements.get(key)
-        if statement is None:
-            statement = self._statements[key] = compose().as_bytes(self.db.connection)
-        try:
-            return self.db.fetch(statement, params, row, synchronous=synchronous)
-        except QueueNotFound:
-            self._statements.pop(key, None)
-            raise
 
     def pop(self, queue: str, qty: int) -> list[Row]:
         """Deliver and delete up to ``qty`` visible messages (no ack will follow)."""
@@ -571,20 +539,17 @@ class Broker(Declarations, Nowait):
 
         ``deduplicated=False``: the caller knows the message has no deduplication id in
         any of ``queues``; to one queue, on the transport's own connection, it is then
-        written by statement ``send_queue`` guarded by the version (``routed_guard``,
-        plan-cached), else by ``kombu_pgmq.publish_routed``.
+        written by the queue's send function guarded by the version (statement
+        ``send_queue``, plan-cached), else by ``kombu_pgmq.publish_routed``.
 
         Raises:
             QueueNotFound: one of the queues is gone (nothing was sent).
         """
-        if not deduplicated and self.direct_writes and len(queues) == 1:
-            try:
-                return self._send_routed_queue(
-                    queues[0], message, headers, version, delay_seconds, flush
-                )
-            except PermissionDenied:
-                # a least-privilege role publishes through kombu_pgmq.publish_routed
-                self.direct_writes = False
+        if not deduplicated and len(queues) == 1 and not isinstance(self.db, ExternalConnector):
+            rows = self._send_queue(
+                queues[0], message, headers, max(delay_seconds, 0), flush, version
+            )
+            return (version, [int(rows[0].msg_id)]) if rows else (None, [])
         params = {
             "queues": list(queues),
             "message": message,
@@ -595,34 +560,3 @@ class Broker(Declarations, Nowait):
         }
         row = self.db.fetch("send_routed", params, VersionRow, synchronous=flush)[0]
         return int(row.version), list(row.msg_ids)
-
-    def _send_routed_queue(
-        self,
-        queue: str,
-        message: str,
-        headers: str,
-        version: int,
-        delay_seconds: int,
-        flush: bool = True,
-    ) -> tuple[int | None, list[int | None]]:
-        """:meth:`send_routed` to one queue: statement ``send_queue`` + ``routed_guard``."""
-        params = {
-            "queue": queue,
-            "message": message,
-            "headers": headers,
-            "delay_seconds": max(delay_seconds, 0),
-            "version": version,
-            "handoff": handoff.tail(message, headers, delay_seconds),
-            "commit": self._commit_mode(flush),
-        }
-        rows: list[SentRow] = self._fetch_direct(
-            "send_routed_queue",
-            queue,
-            lambda: self._compose_send_queue(queue, routed=True),
-            params,
-            SentRow,
-        )
-        rows = self._flushed(rows)
-        if not rows:
-            return None, []
-        return version, [int(rows[0].msg_id)]

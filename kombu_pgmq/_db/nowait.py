@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from psycopg import errors as pg_errors
 from psycopg import sql
 
-from ..errors import KombuPgmqError, PermissionDenied, QueueNotFound, StatementError
+from ..errors import KombuPgmqError, QueueNotFound, StatementError
 from . import handoff
 from .connector import Connector
 from .external import ExternalConnector
@@ -27,7 +27,6 @@ class Nowait:
     #: (statement, PGMQ queue) -> the statement composed for that queue's tables
     _statements: dict[tuple[str, str], bytes]
     _functions: set[str]
-    direct_writes: bool
 
     def _queue_statement(self, name: str, queue: str) -> bytes:
         raise NotImplementedError
@@ -106,34 +105,32 @@ class Nowait:
         *,
         on_error: Callable[[KombuPgmqError], None],
     ) -> bool:
-        """Publish one message without deduplication (statement ``send_queue``, prepared
-        on this connection) and return without waiting for the server: the statement
-        commits on its own as soon as it arrives, without waiting for the WAL flush
-        (``confirm_publish=False``: a server crash may forget it). ``on_error`` gets a
-        failure when the result is read, before this connection's next statement (the
-        message may then not be in the queue: publish it again). Returns False, sending
-        nothing, where this path does not apply (an application's connection, a
-        least-privilege role, found now or by an earlier failure): the caller publishes
-        with :meth:`send`.
+        """Publish one message without deduplication (statement ``send_queue`` through
+        the queue's send function, prepared on this connection) and return without
+        waiting for the server: the statement commits on its own as soon as it arrives,
+        without waiting for the WAL flush (``confirm_publish=False``: a server crash may
+        forget it). ``on_error`` gets a failure when the result is read, before this
+        connection's next statement (the message may then not be in the queue: publish
+        it again). Returns False, sending nothing, where this path does not apply (an
+        application's connection, a queue whose functions this connection has not called
+        yet): the caller publishes with :meth:`send`.
 
         Raises:
             BrokerConnectionError: the statement could not be sent.
-            QueueNotFound: the queue's table does not exist (nothing was sent).
         """
-        if not self.direct_writes or isinstance(self.db, ExternalConnector):
+        if queue not in self._functions or isinstance(self.db, ExternalConnector):
             return False
         key = ("send_queue_nowait", queue)
         statement = self._statements.get(key)
         if statement is None:
-            composed = self._compose_send_queue(queue).as_bytes(self.db.connection)
+            composed = self._queue_statement("send_queue", queue)
             statement = self._statements[key] = numbered(composed, _SEND_PARAMS)
         name = f"kombu_pgmq_send_{queue}"  # PGMQ names: at most 47 of [a-z0-9_]
         handed = handoff.tail(message, headers, delay_seconds)
 
         def failed(error: KombuPgmqError) -> None:
-            if isinstance(error, PermissionDenied):
-                self.direct_writes = False  # kombu_pgmq.publish from now on
-            elif isinstance(error, QueueNotFound):
+            if isinstance(error, QueueNotFound) or _undefined_function(error):
+                self._functions.discard(queue)
                 self._statements.pop(key, None)
                 self.db.forget_prepared(name)
             on_error(error)
@@ -143,22 +140,21 @@ class Nowait:
                 name,
                 statement,
                 [
-                    queue.encode(),
-                    str(delay_seconds).encode(),
                     message.encode("utf-8", "surrogatepass"),
                     headers.encode("utf-8", "surrogatepass"),
+                    str(delay_seconds).encode(),
                     None if handed is None else handed.encode("utf-8", "surrogatepass"),
                     b"async",  # commit: without waiting for the WAL flush
+                    None,  # version: a publish to the queue, not routed
                 ],
                 on_result=_ignore,
                 on_error=failed,
             )
-        except QueueNotFound:
+        except StatementError as exc:
+            if not (isinstance(exc, QueueNotFound) or _undefined_function(exc)):
+                raise
+            self._functions.discard(queue)  # gone: the caller's send says so
             self._statements.pop(key, None)
-            self.db.forget_prepared(name)
-            raise
-        except PermissionDenied:
-            self.direct_writes = False
             return False
         return True
 
@@ -176,7 +172,7 @@ def _undefined_function(error: BaseException) -> bool:
 
 #: The parameters of statement ``send_queue``, in the order :meth:`Nowait.send_nowait`
 #: sends them ($1...).
-_SEND_PARAMS = ("queue", "delay_seconds", "message", "headers", "handoff", "commit")
+_SEND_PARAMS = ("message", "headers", "delay_seconds", "handoff", "commit", "version")
 
 
 def numbered(statement: bytes, names: Sequence[str]) -> bytes:

@@ -101,20 +101,20 @@ Delivery semantics
 Durability
 ==========
 
-* Publishes are durable: once ``publish`` returns, the message survives a server crash.
-  A direct publish (statement ``send_queue``: Celery's ``apply_async``, Kombu's default
-  exchange, an exchange routing to one queue) that hands its message over or wakes a
-  consumer waiting on the queue commits without waiting for the WAL flush, so the
-  consumer gets it at once, then waits for the flush with a second transaction that
-  writes one logical decoding message (statement ``flush_commits``: WAL is flushed in
-  order, so its flush covers the publish) before it returns; transport option
-  ``visible_before_flush``, default True. This is the order RabbitMQ keeps for a
-  persistent message under publisher confirms (delivered to a consumer before its
-  fsync, confirmed after it). What it risks, only between the commit and the flush: a
-  server crash forgets a message a consumer may already have started, and the publish
-  raises (Kombu and Celery publish it again): at least once still holds. It costs a
-  second transaction id and one more round trip per such publish, not a second WAL
-  flush; a publish nobody waits for commits synchronously, once. A role that may not run
+* Publishes are durable: once ``publish`` returns, the message survives a server crash. A
+  publish through the queue's send function (statement ``send_queue``: Celery's
+  ``apply_async``, Kombu's default exchange, an exchange routing to one queue) that hands
+  its message over or wakes a consumer waiting on the queue commits without waiting for
+  the WAL flush, so the consumer gets it at once, then waits for the flush with a second
+  transaction that writes one logical decoding message (statement ``flush_commits``: WAL
+  is flushed in order, so its flush covers the publish) before it returns; transport
+  option ``visible_before_flush``, default True. This is the order RabbitMQ keeps for a
+  persistent message under publisher confirms (delivered to a consumer before its fsync,
+  confirmed after it). What it risks, only between the commit and the flush: a server
+  crash forgets a message a consumer may already have started, and the publish raises
+  (Kombu and Celery publish it again): at least once still holds. It costs a second
+  transaction id and one more round trip per such publish, not a second WAL flush; a
+  publish nobody waits for commits synchronously, once. A role that may not run
   ``pg_logical_emit_message`` (revoked from PUBLIC) turns the option off for its
   connection, with a warning naming the grant. ``visible_before_flush=False``: a message
   is seen only once it is on disk.
@@ -153,25 +153,28 @@ Durability
 Statements and batching
 =======================
 
-The hot path sends its own plan-cached statements on PGMQ's tables (``sql/queries.sql``:
-``send_queue``, ``read_queue``) instead of calling ``pgmq.send``/``read``/``archive``,
-which build their SQL with ``format()`` + ``EXECUTE`` on every call. The tables stay
-exactly PGMQ's: the rows written are those PGMQ's functions write (``last_read_at``
-where the table has it), so ``pgmq.read``, ``pgmq.archive``, ``pgmq.metrics`` and
-PGMQ's clients keep working on the same queues, on the extension and on the SQL-only
-install. A publish through an exchange that routes to one queue (Kombu's
-``Producer(exchange=...)``, Celery with an explicit exchange) is the same ``send_queue``
-statement, guarded by the routing version: nothing is written if a binding changed since
-the routes were cached, and the publish is repeated with the routes reloaded. Whether a
-queue deduplicates Celery task ids (``x-deduplicate-task-id``) is known per transport
-from its declaration on any channel, else read once from the stored one, so a
-connection's second channel (which kombu's ``maybe_declare`` does not declare again)
-publishes with ``send_queue`` too. A message
-with a deduplication id, an exchange routing to several queues (``publish_routed``), a
-FIFO queue, several priority bands in one read, a publish inside the application's
-transaction and a least-privilege role
-(``kombu-pgmq schema grant``, no rights on PGMQ's tables) go through kombu_pgmq's SQL
-functions as before.
+The hot path runs static SQL of its own on PGMQ's tables instead of calling
+``pgmq.send``/``read``/``archive``, which build their SQL with ``format()`` +
+``EXECUTE`` on every call: each queue has its own functions, ``kombu_pgmq.send_q_<queue>``,
+``read_q_<queue>`` and ``ack_q_<queue>`` (``SECURITY DEFINER``, created from templates in
+the schema when the queue is declared, or at its first use for a queue made by plain
+``pgmq.create``; dropped with the queue), whose statements PL/pgSQL plans once per
+session. The owner and least-privilege roles (``kombu-pgmq schema grant``, no rights on
+PGMQ's tables) run the same functions. The tables stay exactly PGMQ's: the rows written
+are those PGMQ's functions write (``last_read_at`` where the table has it), so
+``pgmq.read``, ``pgmq.archive``, ``pgmq.metrics`` and PGMQ's clients keep working on the
+same queues, on the extension and on the SQL-only install. A publish through an exchange
+that routes to one queue (Kombu's ``Producer(exchange=...)``, Celery with an explicit
+exchange) is the same send function, guarded by the routing version: nothing is written
+if a binding changed since the routes were cached, and the publish is repeated with the
+routes reloaded. Whether a queue deduplicates Celery task ids (``x-deduplicate-task-id``)
+is known per transport from its declaration on any channel, else read once from the
+stored one, so a connection's second channel (which kombu's ``maybe_declare`` does not
+declare again) publishes through the send function too. A message with a deduplication
+id, an exchange routing to several queues (``publish_routed``) and a publish inside the
+application's transaction go through ``kombu_pgmq.publish`` (``pgmq.send``); reads of
+several queues or priority bands in one round trip and of queues with key limits through
+``kombu_pgmq.read``, which calls each queue's read function.
 
 Long transactions
 =================
@@ -183,9 +186,10 @@ not walk those versions (:mod:`kombu_pgmq._db.positions`: a transaction that com
 message late is still delivered; a message requeued to its place makes the consumers read
 from the start, and the heartbeat thread looks below the positions every 30 seconds on
 its own connection); a publish hands a message to a waiting consumer by ``nextval`` on
-that consumer's sequence, writing no row. Reads of several queues or bands and of
-least-privilege roles (``kombu_pgmq.read``) start at positions too; reads of a queue with
-limits (rate, concurrency, key limits, FIFO groups) still walk them. ``kombu-pgmq
+that consumer's sequence, writing no row. Reads of several queues or bands
+(``kombu_pgmq.read``), of least-privilege roles and of queues with a rate or concurrency
+limit start at positions too; reads of a queue with key limits (FIFO groups included)
+still walk them. ``kombu-pgmq
 queues``, the metrics and the worker's log name what holds the horizon (docs: Long
 transactions).
 
@@ -225,28 +229,28 @@ once.
 Hand-over (issue 30, migration 0023; transport option ``handover``): a consumer going to
 sleep on a queue it takes with acks also offers one hand-over slot there (its LISTEN
 connection's own NOTIFY channel, a session advisory lock that connection holds while it
-listens, its visibility timeout). A publish (the direct ``send_queue`` statement: Celery's
-``apply_async``, Kombu's default exchange, an exchange routing to one queue) to such a
-queue claims the slot of the consumer waiting longest (``FOR UPDATE SKIP LOCKED``:
-publishers never wait on each other), writes the row as delivered to it (``read_ct`` 1,
-``vt`` = now + its visibility timeout, ``last_read_at``, as ``pgmq.read`` leaves a row)
-and sends the row in that consumer's NOTIFY: the consumer delivers it without a read
-(one round trip less after each wake-up: Celery's latency p50 -0.9 ms on the benchmark
-machine), and only that consumer wakes, not every one waiting on the queue. The slot is
-offered again once the channel has room (a statement not waited for), so a channel gets
-at most one message past its prefetch window this way. In Celery's event loop the round
-that delivers a handed message sends nothing more: reads that fell due with it (the
-fallback poll, another queue notified) and the new offer wait 1 ms, until the loop's
-next turn has written the task to the pool (a read before it held that write, and was
-most of Celery's latency p99 gap to Redis). Nothing is lost: a handed row is a
-delivery; a consumer that dies before taking it, or whose LISTEN connection drops in that
-instant (the notification is lost with it), gets it delivered again after its visibility
-timeout; a consumer whose LISTEN connection is gone no longer holds its lock, so
-publishers skip its slot; rows handed over while a consumer is cancelled or closed are
-made visible again at once (not counted as deliveries). Not handed over: messages over
-7800 bytes (a NOTIFY payload's limit), delayed ones, deduplicated ones, publishes in the
-application's transaction or to several queues, paused and limited queues (FIFO groups
-included), ``no_ack`` consumers. ``kombu_pgmq_handovers_total`` counts them.
+listens, its visibility timeout). A publish (the queue's send function, statement
+``send_queue``: Celery's ``apply_async``, Kombu's default exchange, an exchange routing to
+one queue) to such a queue claims the slot of the consumer waiting longest (``FOR UPDATE
+SKIP LOCKED``: publishers never wait on each other), writes the row as delivered to it
+(``read_ct`` 1, ``vt`` = now + its visibility timeout, ``last_read_at``, as ``pgmq.read``
+leaves a row) and sends the row in that consumer's NOTIFY: the consumer delivers it
+without a read (one round trip less after each wake-up: Celery's latency p50 -0.9 ms on
+the benchmark machine), and only that consumer wakes, not every one waiting on the queue.
+The slot is offered again once the channel has room (a statement not waited for), so a
+channel gets at most one message past its prefetch window this way. In Celery's event loop
+the round that delivers a handed message sends nothing more: reads that fell due with it
+(the fallback poll, another queue notified) and the new offer wait 1 ms, until the loop's
+next turn has written the task to the pool (a read before it held that write, and was most
+of Celery's latency p99 gap to Redis). Nothing is lost: a handed row is a delivery; a
+consumer that dies before taking it, or whose LISTEN connection drops in that instant (the
+notification is lost with it), gets it delivered again after its visibility timeout; a
+consumer whose LISTEN connection is gone no longer holds its lock, so publishers skip its
+slot; rows handed over while a consumer is cancelled or closed are made visible again at
+once (not counted as deliveries). Not handed over: messages over 7800 bytes (a NOTIFY
+payload's limit), delayed ones, deduplicated ones, publishes in the application's
+transaction or to several queues, paused and limited queues (FIFO groups included),
+``no_ack`` consumers. ``kombu_pgmq_handovers_total`` counts them.
 
 With Celery, the transport runs in the worker's event loop (``asynloop``):
 ``implements.asynchronous`` is true, and :meth:`Transport.register_with_event_loop`

@@ -1,16 +1,16 @@
 -- One implementation of the hot operations, for every role: each PGMQ queue that
--- kombu_pgmq reads or acks gets its own functions, kombu_pgmq.read_q_<queue> and
--- kombu_pgmq.ack_q_<queue>, whose statements name the queue's tables in static SQL
+-- kombu_pgmq publishes to, reads or acks gets its own functions, kombu_pgmq.send_q_<queue>,
+-- read_q_<queue> and ack_q_<queue>, whose statements name the queue's tables in static SQL
 -- (PL/pgSQL prepares and caches their plans per session, where a function shared by
 -- every queue must build its statement with format and plan it at each EXECUTE). They
--- run as their owner (SECURITY DEFINER, a fixed search_path), so a least-privilege worker
--- reads and acks through the same statements as the owner, and they write PGMQ's tables
--- exactly as pgmq.read (vt, read_ct, last_read_at) and pgmq.archive (the row moved to
--- the archive) write them.
+-- run as their owner (SECURITY DEFINER, a fixed search_path), so a least-privilege
+-- producer or worker runs the same statements as the owner, and they write PGMQ's tables
+-- exactly as pgmq.send, pgmq.read (vt, read_ct, last_read_at) and pgmq.archive (the row
+-- moved to the archive) write them.
 --
 -- kombu_pgmq.queue_functions(queue) creates them from the templates below (callable by
--- producers and workers; the queue must exist), granted to the worker roles recorded in
--- kombu_pgmq.roles; kombu_pgmq.drop_queue drops them with the queue. A caller that finds
+-- producers and workers; the queue must exist), granted to the roles recorded in
+-- kombu_pgmq.roles (send_q to producers, all three to workers); kombu_pgmq.drop_queue drops them with the queue. A caller that finds
 -- them missing (a queue made by plain pgmq.create) creates them and calls again.
 
 -- Settle by receipt, the one delete-then-archive of kombu_pgmq (an ack, the acks riding
@@ -281,6 +281,86 @@ $body$
 $template$
 $t$;
 
+-- Publish one message without deduplication (what kombu_pgmq.publish does for one, as
+-- static SQL instead of pgmq.send's format + EXECUTE): the row pgmq.send writes (vt = now
+-- + delay_seconds, message, headers; msg_id and enqueued_at from the table's defaults),
+-- written after the shared advisory lock of the queue's publishes, consumers waiting on
+-- the queue notified after it (a delayed message with its due time). version: a routed
+-- publish (an exchange routing to this queue alone) writes nothing, and returns no row,
+-- unless the routing version is still the caller's (reload the routes and publish
+-- again), as kombu_pgmq.publish_routed. Hand-over: handoff is the NOTIFY payload's tail
+-- (message, chr(30), headers: small enough for a NOTIFY), NULL for a delayed or large
+-- message. When a waiting consumer offers a slot (kombu_pgmq.hand_off claims it; asked
+-- only when a slot is offered on the queue), the row is written as pgmq.read leaves a
+-- delivered one (read_ct 1, vt = now + that consumer's visibility timeout, last_read_at)
+-- and the consumer's channel is notified with queue, msg_id, enqueued_at (UTC) and the
+-- tail, separated by chr(30); no other consumer is woken. commit: 'async', the
+-- transaction commits without waiting for the WAL flush (confirm_publish=False); 'off'
+-- (visible_before_flush), so does a publish a waiting consumer gets now (handed over, or
+-- woken: not delayed and the queue has a waiting row), and says so in column flush (the
+-- caller then waits for the flush with statement flush_commits); NULL: as the session
+-- does. notified: what the NOTIFY returned (nothing to read). %1$I function, %2$L queue,
+-- %3$s queue table, %4$s/%5$s the handed row's last_read_at column and value (nothing
+-- for PGMQ < 1.11).
+CREATE FUNCTION kombu_pgmq.send_template() RETURNS text
+LANGUAGE sql IMMUTABLE AS $t$
+SELECT $template$
+CREATE OR REPLACE FUNCTION kombu_pgmq.%1$I(
+    p_message jsonb, p_headers jsonb, p_delay_seconds integer DEFAULT 0,
+    p_handoff text DEFAULT NULL, p_commit text DEFAULT NULL, p_version bigint DEFAULT NULL
+) RETURNS TABLE (msg_id bigint, notified text, flush boolean)
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $body$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
+    WITH locked AS (
+        SELECT pg_advisory_xact_lock_shared(1802530161, hashtext(%2$L))
+        WHERE p_version IS NULL
+           OR EXISTS (SELECT 1 FROM kombu_pgmq.routing_version v
+                      WHERE v.version = p_version)
+    ), handed AS MATERIALIZED (
+        SELECT h.channel, h.vt_seconds
+        FROM (SELECT p_handoff AS tail FROM locked
+              WHERE p_handoff IS NOT NULL
+                AND EXISTS (SELECT 1 FROM kombu_pgmq.waiting w
+                            WHERE w.pgmq_queue = %2$L AND w.handoff_slots > 0)) AS offer,
+             LATERAL kombu_pgmq.hand_off(%2$L, offer.tail) AS h
+    ), sent AS (
+        INSERT INTO %3$s (vt, message, headers, read_ct%4$s)
+        SELECT CASE WHEN h.channel IS NULL
+                    THEN clock_timestamp() + make_interval(secs => p_delay_seconds)
+                    ELSE clock_timestamp() + make_interval(secs => h.vt_seconds) END,
+               p_message, p_headers,
+               CASE WHEN h.channel IS NULL THEN 0 ELSE 1 END%5$s
+        FROM locked LEFT JOIN handed h ON true
+        RETURNING msg_id, vt, enqueued_at
+    )
+    SELECT s.msg_id,
+           CASE WHEN h.channel IS NULL
+                THEN kombu_pgmq.notify_waiting(%2$L, CASE WHEN p_delay_seconds > 0
+                                                          THEN s.vt END)::text
+                ELSE pg_notify(h.channel,
+                               %2$L || chr(30) || s.msg_id || chr(30)
+                               || to_char(s.enqueued_at AT TIME ZONE 'UTC',
+                                          'YYYY-MM-DD"T"HH24:MI:SS.US')
+                               || chr(30) || p_handoff)::text
+           END,
+           CASE WHEN p_commit = 'async'  -- set_config returns 'off', never NULL
+                THEN set_config('synchronous_commit', 'off', true) IS NULL
+                WHEN p_commit = 'off'
+                     AND (h.channel IS NOT NULL
+                          OR (p_delay_seconds <= 0
+                              AND EXISTS (SELECT 1 FROM kombu_pgmq.waiting w
+                                          WHERE w.pgmq_queue = %2$L)))
+                THEN set_config('synchronous_commit', 'off', true) = 'off'
+                ELSE false
+           END
+    FROM sent s LEFT JOIN handed h ON true;
+END
+$body$
+$template$
+$t$;
+
 -- settle_template for queue q whose queue and archive tables share the columns cols;
 -- marks: the jsonb expression added to the archived headers.
 CREATE FUNCTION kombu_pgmq.settle_fragment(q text, cols text[], marks text) RETURNS text
@@ -305,7 +385,7 @@ $$;
 -- Create (or, with replace, recreate) the queue's functions from the templates: the
 -- queue's tables and the archive columns it has (PGMQ < 1.11 has no last_read_at), the
 -- queue's name as a literal. Owned by the schema owner (this function runs as its
--- owner), no PUBLIC execute, granted to the worker roles recorded in kombu_pgmq.roles.
+-- owner), no PUBLIC execute, granted to the roles recorded in kombu_pgmq.roles.
 -- Creations of one queue's functions take turns (an advisory lock of the transaction);
 -- functions that exist are left as they are. Raises undefined_table if the queue does
 -- not exist.
@@ -315,6 +395,8 @@ LANGUAGE plpgsql AS $$
 DECLARE
     ack_fn text := 'ack_q_' || q;
     read_fn text := 'read_q_' || q;
+    send_fn text := 'send_q_' || q;
+    touch boolean;
     queue_table text := format('pgmq.%I', 'q_' || q);
     archive_table text := format('pgmq.%I', 'a_' || q);
     cols text[];
@@ -341,18 +423,23 @@ BEGIN
       AND EXISTS (SELECT 1 FROM pg_attribute a
                   WHERE a.attrelid = archive_table::regclass AND a.attname = u.c
                     AND NOT a.attisdropped);
+    touch := EXISTS (SELECT 1 FROM pg_attribute a
+                     WHERE a.attrelid = queue_table::regclass AND a.attname = 'last_read_at'
+                       AND NOT a.attisdropped);
     EXECUTE format(kombu_pgmq.ack_template(), ack_fn, q,
                    kombu_pgmq.settle_fragment(q, cols, 'p_marks'));
     EXECUTE format(kombu_pgmq.read_template(), read_fn, ack_fn, q, queue_table,
-                   CASE WHEN EXISTS (SELECT 1 FROM pg_attribute a
-                                     WHERE a.attrelid = queue_table::regclass
-                                       AND a.attname = 'last_read_at'
-                                       AND NOT a.attisdropped)
-                        THEN ', last_read_at = clock_timestamp()' ELSE '' END,
+                   CASE WHEN touch THEN ', last_read_at = clock_timestamp()' ELSE '' END,
                    kombu_pgmq.settle_fragment(q, cols, 'NULL::jsonb'));
+    EXECUTE format(kombu_pgmq.send_template(), send_fn, q, queue_table,
+                   CASE WHEN touch THEN ', last_read_at' ELSE '' END,
+                   CASE WHEN touch
+                        THEN ', CASE WHEN h.channel IS NULL THEN NULL ELSE clock_timestamp() END'
+                        ELSE '' END);
     EXECUTE format('REVOKE EXECUTE ON FUNCTION kombu_pgmq.%I(bigint[], integer[], timestamptz[], boolean[], integer, jsonb, text, boolean) FROM PUBLIC', ack_fn);
     EXECUTE format('REVOKE EXECUTE ON FUNCTION kombu_pgmq.%I(integer, integer, bigint[], integer[], timestamptz[], boolean[], integer, text, float8, text[], float8[], boolean) FROM PUBLIC', read_fn);
-    FOR r IN SELECT * FROM kombu_pgmq.roles WHERE kind = 'worker' LOOP
+    EXECUTE format('REVOKE EXECUTE ON FUNCTION kombu_pgmq.%I(jsonb, jsonb, integer, text, text, bigint) FROM PUBLIC', send_fn);
+    FOR r IN SELECT * FROM kombu_pgmq.roles LOOP
         PERFORM kombu_pgmq.grant_queue_functions(q, r.role);
     END LOOP;
 END
@@ -363,17 +450,22 @@ CREATE FUNCTION kombu_pgmq.queue_functions_exist(q text) RETURNS boolean
 LANGUAGE sql STABLE AS $$
 SELECT to_regprocedure(format('kombu_pgmq.%I(bigint[], integer[], timestamptz[], boolean[], integer, jsonb, text, boolean)', 'ack_q_' || q)) IS NOT NULL
    AND to_regprocedure(format('kombu_pgmq.%I(integer, integer, bigint[], integer[], timestamptz[], boolean[], integer, text, float8, text[], float8[], boolean)', 'read_q_' || q)) IS NOT NULL
+   AND to_regprocedure(format('kombu_pgmq.%I(jsonb, jsonb, integer, text, text, bigint)', 'send_q_' || q)) IS NOT NULL
 $$;
 
--- Let a worker role run the queue's functions (those that exist).
+-- Let a recorded role run the queue's functions (those that exist): a producer publishes
+-- (send_q), a worker also reads and acks.
 CREATE FUNCTION kombu_pgmq.grant_queue_functions(q text, role_name text) RETURNS void
 LANGUAGE plpgsql AS $$
 DECLARE
     f regprocedure;
+    granted text := (SELECT r.kind FROM kombu_pgmq.roles r WHERE r.role = role_name);
 BEGIN
     FOR f IN SELECT p.oid::regprocedure FROM pg_proc p
              WHERE p.pronamespace = 'kombu_pgmq'::regnamespace
-               AND p.proname IN ('ack_q_' || q, 'read_q_' || q) LOOP
+               AND (p.proname = 'send_q_' || q
+                    OR (granted = 'worker' AND p.proname IN ('ack_q_' || q, 'read_q_' || q)))
+    LOOP
         EXECUTE format('GRANT EXECUTE ON FUNCTION %s TO %I', f, role_name);
     END LOOP;
 END
@@ -387,7 +479,7 @@ DECLARE
 BEGIN
     FOR f IN SELECT p.oid::regprocedure FROM pg_proc p
              WHERE p.pronamespace = 'kombu_pgmq'::regnamespace
-               AND p.proname IN ('ack_q_' || q, 'read_q_' || q) LOOP
+               AND p.proname IN ('ack_q_' || q, 'read_q_' || q, 'send_q_' || q) LOOP
         EXECUTE format('DROP FUNCTION %s', f);
     END LOOP;
 END
@@ -546,10 +638,10 @@ BEGIN
                            r.role);
             EXECUTE format('GRANT INSERT ON kombu_pgmq.exchanges TO %I', r.role);
             EXECUTE format('GRANT INSERT, DELETE ON kombu_pgmq.bindings TO %I', r.role);
-            FOR q IN SELECT m.queue_name FROM pgmq.meta m LOOP
-                PERFORM kombu_pgmq.grant_queue_functions(q, r.role);
-            END LOOP;
         END IF;
+        FOR q IN SELECT m.queue_name FROM pgmq.meta m LOOP
+            PERFORM kombu_pgmq.grant_queue_functions(q, r.role);
+        END LOOP;
         RETURN NEXT r.role;
     END LOOP;
 END
@@ -558,7 +650,7 @@ $$;
 DELETE FROM kombu_pgmq.grantable WHERE function IN (
     'kombu_pgmq.read_from_position(text, integer, integer, jsonb, boolean)');
 INSERT INTO kombu_pgmq.grantable (function, kind, definer) VALUES
-    ('kombu_pgmq.queue_functions(text, boolean)', 'worker', true),
+    ('kombu_pgmq.queue_functions(text, boolean)', 'producer', true),
     ('kombu_pgmq.read_from_position(text, integer, integer, jsonb, boolean)', 'owner', false),
     ('kombu_pgmq.settle(text[], bigint[], integer[], timestamptz[], boolean[], integer, jsonb)',
      'owner', false),
@@ -566,6 +658,7 @@ INSERT INTO kombu_pgmq.grantable (function, kind, definer) VALUES
     ('kombu_pgmq.grant_queue_functions(text, text)', 'owner', false),
     ('kombu_pgmq.drop_queue_functions(text)', 'owner', false),
     ('kombu_pgmq.ack_template()', 'owner', false),
+    ('kombu_pgmq.send_template()', 'owner', false),
     ('kombu_pgmq.settle_template()', 'owner', false),
     ('kombu_pgmq.settle_fragment(text, text[], text)', 'owner', false),
     ('kombu_pgmq.read_template()', 'owner', false);

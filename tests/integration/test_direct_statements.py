@@ -1,5 +1,6 @@
-"""Direct statements on PGMQ's tables (issue 17): the transport publishes (``send_queue``)
-and reads/acks (``read_queue``) with its own plan-cached statements instead of
+"""The queues' own functions on PGMQ's tables: the transport publishes, reads and acks
+through static SQL (``kombu_pgmq.send_q_<queue>``, ``read_q_<queue>``, ``ack_q_<queue>``;
+statements ``send_queue``, ``read_queue``, ``ack_queue``) instead of
 ``pgmq.send/read/archive``. The tables must stay exactly PGMQ's: what the transport
 writes, PGMQ's functions read, and the other way round; the rows it archives are the
 rows ``pgmq.archive`` would write. Run on PGMQ's SQL-only install, on the extension, and
@@ -9,6 +10,7 @@ the oldest version we accept, 1.8, is not installable here).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Iterator
@@ -20,6 +22,7 @@ from kombu import Connection, Queue
 import kombu_pgmq  # noqa: F401
 from kombu_pgmq import schema
 from kombu_pgmq._db.broker import Broker
+from kombu_pgmq._db.connector import Connector
 from kombu_pgmq._db.rows import Receipt, Row
 from tests.integration.helpers import connect, drain, publish, sql
 
@@ -47,6 +50,8 @@ def declare(url: str, request: pytest.FixtureRequest) -> None:
     if request.node.shape == "before_1_11":
         sql(url, f"ALTER TABLE pgmq.q_{PGMQ} DROP COLUMN last_read_at")
         sql(url, f"ALTER TABLE pgmq.a_{PGMQ} DROP COLUMN last_read_at")
+        # the queue's functions follow the shape of its tables when they are created
+        sql(url, "SELECT kombu_pgmq.queue_functions(%s, true)", (PGMQ,))
 
 
 def broker_of(conn: Connection) -> Broker:
@@ -194,22 +199,35 @@ def test_reads_commit_asynchronously_without_touching_the_session(
         assert setting(conn) == "on"
 
 
-def test_least_privilege_roles_fall_back_to_the_functions(least_privilege_db: Any) -> None:
-    """Producer and worker roles have no rights on PGMQ's tables: the producer's direct
-    statement is refused once, then kombu_pgmq.publish carries on; the worker reads and
-    acks through the queue's own SECURITY DEFINER functions, as the owner does (nothing
-    lost)."""
+def test_least_privilege_roles_run_the_queue_s_own_functions(least_privilege_db: Any) -> None:
+    """Producer and worker roles have no rights on PGMQ's tables: the producer publishes
+    and the worker reads and acks through the queue's own SECURITY DEFINER functions, the
+    statements the owner runs (nothing lost). Each role may run what its kind does: a
+    producer the send function only; PUBLIC none of them."""
     db = least_privilege_db
     with connect(db.owner_url) as conn, conn.channel() as channel:
         Queue("lp_direct", routing_key="lp_direct")(channel).declare()
     with connect(db.producer_url) as conn:
         publish(conn, "lp_direct", [{"n": i} for i in range(5)])
-        assert broker_of(conn).direct_writes is False
+        assert ("send_queue", "lp_direct") in broker_of(conn)._statements
     with connect(db.worker_url) as conn:
         got = drain(conn, "lp_direct", expect=5)
         assert ("read_queue", "lp_direct") in broker_of(conn)._statements
     assert sorted(json.loads(m.body)["n"] for m in got) == list(range(5))
     assert sql(db.owner_url, "SELECT count(*) FROM pgmq.a_lp_direct") == [(5,)]
+    rights = sql(
+        db.owner_url,
+        "SELECT p.proname, has_function_privilege(%s, p.oid, 'EXECUTE'),"
+        " has_function_privilege(%s, p.oid, 'EXECUTE'),"
+        " has_function_privilege('public', p.oid, 'EXECUTE')"
+        " FROM pg_proc p WHERE p.proname LIKE '%%q_lp_direct' ORDER BY 1",
+        (db.producer, db.worker),
+    )
+    assert rights == [
+        ("ack_q_lp_direct", False, True, False),
+        ("read_q_lp_direct", False, True, False),
+        ("send_q_lp_direct", True, True, False),
+    ]
 
 
 def test_a_handed_over_row_is_pgmq_s_delivered_row(
@@ -218,7 +236,6 @@ def test_a_handed_over_row_is_pgmq_s_delivered_row(
     """A publish handed to a waiting consumer (migration 0023) writes the row as
     pgmq.read leaves a delivered one (read_ct 1, vt ahead, last_read_at where the table
     has it); the consumer's ack archives it as pgmq.archive would."""
-    import contextlib
 
     from kombu import Consumer, Producer
 
@@ -255,3 +272,35 @@ def test_a_handed_over_row_is_pgmq_s_delivered_row(
         with contextlib.suppress(TimeoutError):
             conn.drain_events(timeout=0.3)
     assert sql(url, f"SELECT read_ct, message FROM pgmq.a_{PGMQ}") == [(1, {"n": 1})]
+
+
+def test_a_queue_made_by_plain_pgmq_gets_its_functions_at_first_use(
+    least_privilege_db: Any,
+) -> None:
+    """A queue made by ``pgmq.create`` has no functions of ours: the first publish, read
+    or ack of a least-privilege role creates them (owned by the schema owner) and goes
+    on; deleting the queue through the transport drops them with it."""
+    db = least_privilege_db
+
+    def functions() -> list[tuple[str, str]]:
+        return sql(
+            db.owner_url,
+            "SELECT proname, pg_get_userbyid(proowner) FROM pg_proc"
+            " WHERE proname LIKE '%%q_plain_made' ORDER BY 1",
+        )
+
+    sql(db.owner_url, "SELECT pgmq.create('plain_made')")
+    assert functions() == []
+    with contextlib.closing(Connector(db.producer_url)) as producer:
+        sent = Broker(producer).send("plain_made", '{"n": 1}', "{}", deduplicated=False)
+        assert sent is not None and sent > 0
+    assert functions() == [(f"{op}_q_plain_made", db.owner) for op in ("ack", "read", "send")]
+    with contextlib.closing(Connector(db.worker_url)) as worker:
+        broker = Broker(worker)
+        (row,) = broker.read_many(["plain_made"], 30, 10)
+        receipt = Receipt("plain_made", row.msg_id, row.read_ct, row.enqueued_at)
+        assert broker.ack([receipt]) == {("plain_made", row.msg_id)}
+    assert sql(db.owner_url, "SELECT count(*) FROM pgmq.a_plain_made") == [(1,)]
+    with connect(db.owner_url) as conn:
+        conn.channel().queue_delete("plain_made")
+    assert functions() == []

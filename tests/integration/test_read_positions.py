@@ -22,6 +22,7 @@ from kombu_pgmq._db.rows import Receipt, receipt_handles, slot_holds
 from kombu_pgmq._naming import pgmq_queue_name
 
 from .helpers import connect, publish, sql, wait_for
+from .limit_helpers import set_limits
 
 
 @pytest.fixture(autouse=True)
@@ -158,6 +159,24 @@ def test_a_read_touches_as_much_after_50_000_messages_as_after_1_000(db_dsn, dir
     assert late[0] < 200, (early, late, from_start)
     assert late[1] <= early[1] + 3, (early, late, from_start)
     assert from_start[1] > 10 * late[1], (early, late, from_start)
+
+
+@pytest.mark.parametrize(
+    "limits", [{"concurrency": 1_000_000}, {"rate": "1000000/s"}], ids=["concurrency", "rate"]
+)
+def test_a_queue_with_a_rate_or_concurrency_limit_is_read_by_position_too(db_dsn, limits):
+    """The read function of a limited queue starts its walk at the position as well (only
+    queues with key limits are read through kombu_pgmq.read_limited, from the start)."""
+    queue = pgmq_queue_name("limited_walk")
+    with broker(db_dsn, "limited_walk") as pgmq, held(db_dsn):
+        assert set_limits(db_dsn, "limited_walk", limits)
+        for _ in range(8):
+            cycle(pgmq, queue, 500)
+        assert queue in pgmq.limited  # the reads saw the limits
+        late = entries_walked(pgmq, db_dsn, queue)
+        pgmq.positions.forget(queue)
+        from_start = entries_walked(pgmq, db_dsn, queue, settle=False)
+    assert from_start >= 4_000 and late < 200, (late, from_start)
 
 
 @READS

@@ -194,8 +194,8 @@ def _statements_sent(conn: Connection) -> list[str]:
 
 
 def test_a_routed_publish_to_one_queue_is_one_guarded_direct_statement(db_dsn):
-    """Celery's case (issue 30): exchange "celery" routes to one queue; the publish is
-    statement send_queue with the routing version guard, not kombu_pgmq.publish_routed.
+    """Celery's case: exchange "celery" routes to one queue; the publish is the queue's
+    send function with the routing version guard, not kombu_pgmq.publish_routed.
     The row is PGMQ's (pgmq.read takes it); a delay and a priority band keep working."""
     celery = Exchange("celery", type="direct")
     with connect(db_dsn) as conn:
@@ -210,9 +210,9 @@ def test_a_routed_publish_to_one_queue_is_one_guarded_direct_statement(db_dsn):
         Producer(conn.channel(), exchange=celery).publish({"n": 3}, routing_key="prio", priority=9)
         assert sent == ["direct"] * 3
         statements = conn.transport.broker()._statements
-        assert ("send_routed_queue", "celery") in statements
+        assert ("send_queue", "celery") in statements
         high = conn.transport.topology.bands("prio").queue_for(9)
-        assert high != "prio" and ("send_routed_queue", high) in statements
+        assert high != "prio" and ("send_queue", high) in statements
     rows = sql(db_dsn, "SELECT message, read_ct FROM pgmq.read('celery', 30, 10)")
     assert sorted((r[0]["n"], r[1]) for r in rows) == [(0, 1), (1, 1)]  # n=2 is delayed
     delayed = sql(db_dsn, "SELECT vt > now() + interval '50 seconds' FROM pgmq.q_celery")
@@ -290,9 +290,9 @@ def test_a_queue_deleted_by_another_process_under_a_cached_routed_statement(db_d
     with connect(db_dsn) as conn:
         bind(conn, "dropped", ex, "k")
         publish_to(conn, ex, "k", {"n": 0})
-        assert ("send_routed_queue", "dropped") in conn.transport.broker()._statements
+        assert ("send_queue", "dropped") in conn.transport.broker()._statements
         with connect(db_dsn) as other:
             other.channel().queue_delete("dropped")
         publish_to(conn, ex, "k", {"n": 1})
-        assert ("send_routed_queue", "dropped") not in conn.transport.broker()._statements
+        assert ("send_queue", "dropped") not in conn.transport.broker()._statements
     assert sql(db_dsn, "SELECT to_regclass(%s)", [table("dropped")]) == [(None,)]
