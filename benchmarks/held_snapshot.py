@@ -16,12 +16,18 @@ analytics query, ``pg_dump`` or a session idle in transaction does to the xmin
 horizon), then commits; the run goes on ``--after`` seconds. Every ``--interval``
 seconds a line: published/s, consumed/s, publish-to-consume latency p50 / p99 (ms, from
 the timestamp in the message), the queue table's dead tuples and size (``table_bytes``
-with its indexes, ``heap_bytes`` without), and the backlog
-(published - consumed).
+with its indexes, ``heap_bytes`` without), the backlog (published - consumed) and
+``horizon_s``, the age of the oldest snapshot open in the database (the holder's).
 
 ``--consumer celery``: a Celery worker (solo pool, late acks, prefetch 10) runs a task per
 message (sent with ``send_task``) instead of the Kombu consumer; ``--no-hold``: the same
-phases with nothing held (the pair of a held run).
+phases with nothing held (the pair of a held run). ``--holder spark``: the snapshot is
+held by a Spark job instead (PySpark ``local[1]``, PostgreSQL's JDBC driver from Debian's
+``libpostgresql-jdbc-java``, started before the run so the JVM is warm): its JDBC read of
+the same database streams one slow query (10 rows a second, fetch size 50) for the whole
+hold, one statement and so one snapshot, as a pipeline reading a large table holds it;
+cancelled at the release. With ``--private-server`` that server then also listens on
+127.0.0.2 (JDBC has no Unix sockets).
 
 Targets (``--target``, repeatable; each runs on its own, one after the other):
 
@@ -62,6 +68,9 @@ import psycopg  # noqa: E402
 from brokers import ensure_database, ensure_sql_pgmq  # noqa: E402
 
 QUEUE = "kpb_held"
+JDBC_JAR = "/usr/share/java/postgresql.jar"
+#: application_name of the Spark job's JDBC session (cancelled at the release)
+SPARK_APP = "held_snapshot_spark"
 URLS = {
     "kombu_pgmq": "postgresql://postgres@127.0.0.1:5432/kpb_held_snapshot",
     "pgmq": "postgresql://postgres@127.0.0.1:5432/kpb_held_snapshot_raw",
@@ -209,6 +218,52 @@ def _consumer(
 # -- the run -----------------------------------------------------------------------------
 
 
+def _spark_holder(jdbc_url: str, seconds: float, go: Any, stop: Any) -> None:
+    """The Spark job of ``--holder spark``: a warm session waits for ``go``, then one JDBC
+    read of a query lasting ``seconds`` (10 rows a second), cancelled at the release."""
+    from pyspark.sql import SparkSession
+
+    spark = (
+        SparkSession.builder.master("local[1]")
+        .appName("held_snapshot")
+        .config("spark.jars", JDBC_JAR)
+        .config("spark.ui.enabled", "false")
+        .getOrCreate()
+    )
+    try:
+        rows = int(seconds * 10) + 100
+        df = (
+            spark.read.format("jdbc")
+            .option("url", jdbc_url)
+            .option("driver", "org.postgresql.Driver")
+            .option(
+                "query",
+                f"SELECT g, pg_sleep(0.1)::text AS slept FROM generate_series(1, {rows}) AS g",
+            )
+            .option("fetchsize", "50")
+            .load()
+        )
+        go.wait()
+        if not stop.is_set():
+            with contextlib.suppress(Exception):  # cancelled at the release
+                df.count()
+    finally:
+        spark.stop()
+
+
+def _jdbc_url(pg: str) -> str:
+    """The JDBC URL of libpq URL ``pg`` (TCP: a socket-only URL means the private server,
+    listening on 127.0.0.2 for this)."""
+    info = psycopg.conninfo.conninfo_to_dict(pg)
+    host = str(info.get("host", "127.0.0.1"))
+    host = "127.0.0.2" if host.startswith("/") else host
+    port = info.get("port", 5432)
+    return (
+        f"jdbc:postgresql://{host}:{port}/{info['dbname']}?user={info.get('user', 'postgres')}"
+        f"&ApplicationName={SPARK_APP}"
+    )
+
+
 def _statements(dsn: str) -> dict[str, tuple[int, float, str]]:
     """``{queryid: (calls, total ms, query)}`` of pg_stat_statements (empty without it)."""
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -246,6 +301,9 @@ def _phase_statements(
 
 
 def _table_stats(dsn: str) -> dict[str, Any]:
+    """The queue table's tuples and sizes, and ``horizon_s``: how long the oldest snapshot
+    of another session of this database has been open (seconds; what holds the dead
+    tuples)."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute(
             "SELECT n_dead_tup, n_live_tup, pg_total_relation_size(relid),"
@@ -253,13 +311,26 @@ def _table_stats(dsn: str) -> dict[str, Any]:
             " FROM pg_stat_user_tables WHERE schemaname = 'pgmq' AND relname = %s",
             (f"q_{QUEUE}",),
         ).fetchone()
+        (horizon,) = conn.execute(
+            "SELECT extract(epoch FROM max(clock_timestamp() - coalesce(xact_start, query_start)))"
+            " FROM pg_stat_activity WHERE datname = current_database()"
+            " AND backend_xmin IS NOT NULL AND pid <> pg_backend_pid()"
+        ).fetchone()
+    horizon_s = None if horizon is None else round(float(horizon), 1)
     if row is None:
-        return {"dead_tuples": None, "live_tuples": None, "table_bytes": None, "heap_bytes": None}
+        return {
+            "dead_tuples": None,
+            "live_tuples": None,
+            "table_bytes": None,
+            "heap_bytes": None,
+            "horizon_s": horizon_s,
+        }
     return {
         "dead_tuples": row[0],
         "live_tuples": row[1],
         "table_bytes": row[2],
         "heap_bytes": row[3],
+        "horizon_s": horizon_s,
     }
 
 
@@ -308,6 +379,9 @@ def run(target: str, url: str, pg: str, args: argparse.Namespace) -> dict[str, A
             target=_producer, args=(target, url, args.rate, stop, published, lag, args.celery)
         ),
     ]
+    go = ctx.Event()
+    if args.holder == "spark" and not args.no_hold:
+        procs.append(ctx.Process(target=_spark_holder, args=(_jdbc_url(pg), args.hold, go, stop)))
     for p in procs:
         p.start()
     holder: psycopg.Connection | None = None
@@ -326,7 +400,9 @@ def run(target: str, url: str, pg: str, args: argparse.Namespace) -> dict[str, A
             if phase == "before" and elapsed >= args.before:
                 if pg_stats:
                     marks["before"] = _statements(pg)
-                if not args.no_hold:  # --no-hold: the same phases, nothing held
+                if args.holder == "spark":
+                    go.set()
+                elif not args.no_hold:  # --no-hold: the same phases, nothing held
                     holder = psycopg.connect(pg, application_name="held_snapshot")
                     holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
                     holder.execute("SELECT count(*) FROM pg_class")
@@ -338,6 +414,8 @@ def run(target: str, url: str, pg: str, args: argparse.Namespace) -> dict[str, A
                     holder.commit()
                     holder.close()
                     holder = None
+                if args.holder == "spark":
+                    _cancel_spark(pg)
                 phase = "after"
             time.sleep(max(0.0, min(next_at, start + total) - time.monotonic()))
             while not latencies.empty():
@@ -366,6 +444,9 @@ def run(target: str, url: str, pg: str, args: argparse.Namespace) -> dict[str, A
             holder.rollback()
             holder.close()
         stop.set()
+        go.set()
+        if args.holder == "spark":
+            _cancel_spark(pg)
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
@@ -388,6 +469,15 @@ def run(target: str, url: str, pg: str, args: argparse.Namespace) -> dict[str, A
         "summary": _summary(timeline),
         "statements": statements,
     }
+
+
+def _cancel_spark(pg: str) -> None:
+    """End the Spark job's JDBC read (the release of ``--holder spark``)."""
+    with psycopg.connect(pg, autocommit=True) as conn:
+        conn.execute(
+            "SELECT pg_cancel_backend(pid) FROM pg_stat_activity WHERE application_name = %s",
+            (SPARK_APP,),
+        )
 
 
 def _summary(timeline: list[dict[str, Any]]) -> dict[str, Any]:
@@ -426,6 +516,12 @@ def main() -> None:
     parser.add_argument(
         "--no-hold", action="store_true", help="the same run without the held snapshot"
     )
+    parser.add_argument(
+        "--holder",
+        choices=["session", "spark"],
+        default="session",
+        help="what holds the snapshot: a REPEATABLE READ session, or a Spark job's JDBC read",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     args.celery = args.consumer == "celery"
@@ -436,7 +532,8 @@ def main() -> None:
     if args.private_server:
         import limits
 
-        server = limits._start_server()
+        tcp = {"listen_addresses": "'127.0.0.2'"} if args.holder == "spark" else {}
+        server = limits._start_server(**tcp)
         socket_dir = server.dsn.split("host=", 1)[1]
         for target, db in (("kombu_pgmq", "kpb_held_snapshot"), ("pgmq", "kpb_held_raw")):
             urls[target] = f"postgresql://postgres@/{db}?host={socket_dir}"

@@ -110,7 +110,10 @@ def _statement_ms(dsn: str) -> dict[str, tuple[int, float]]:
 
 class _Pg15(pgserver.LocalServer):
     """A :class:`~tests.support.pgserver.LocalServer` on this machine's PostgreSQL 15
-    (whose ``initdb`` has no ``--set``: the settings go to ``postgresql.conf``)."""
+    (whose ``initdb`` has no ``--set``: the settings go to ``postgresql.conf``). It
+    listens on its socket only, unless the settings give ``listen_addresses`` (e.g.
+    ``'127.0.0.2'``: a loopback address the local server does not use; ``trust`` for
+    127.0.0.0/8)."""
 
     def start(self, settings: Mapping[str, str]) -> None:
         self.root.chmod(0o755)
@@ -121,11 +124,13 @@ class _Pg15(pgserver.LocalServer):
         cmd = [str(self.bin_dir / "initdb"), "-D", str(self.data_dir), "--auth=trust"]
         cmd += ["--encoding=UTF8", "--locale=C", "--no-sync", "-U", pgserver.SUPERUSER]
         pgserver._run(cmd, user=self.user, cwd=self.root)
-        conf = {**settings, "listen_addresses": "''", "unix_socket_directories": "'%s'"}
+        conf = {"listen_addresses": "''", **settings, "unix_socket_directories": "'%s'"}
         lines = [f"{k} = {v}" for k, v in conf.items()]
         lines[-1] = lines[-1] % self.socket_dir
         with (self.data_dir / "postgresql.conf").open("a") as out:
             out.write("\n".join(lines) + "\n")
+        with (self.data_dir / "pg_hba.conf").open("a") as out:
+            out.write("host all all 127.0.0.0/8 trust\n")
         self._pg_ctl("-l", str(self.log_file), "start")
 
 
