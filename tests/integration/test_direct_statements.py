@@ -24,6 +24,7 @@ from kombu_pgmq import schema
 from kombu_pgmq._db.broker import Broker
 from kombu_pgmq._db.connector import Connector
 from kombu_pgmq._db.rows import Receipt, Row
+from kombu_pgmq.errors import PermissionDenied
 from tests.integration.helpers import connect, drain, publish, sql
 
 QUEUE = "direct"
@@ -304,3 +305,32 @@ def test_a_queue_made_by_plain_pgmq_gets_its_functions_at_first_use(
     with connect(db.owner_url) as conn:
         conn.channel().queue_delete("plain_made")
     assert functions() == []
+
+
+def test_a_role_granted_after_the_queue_exists_runs_its_functions(least_privilege_db: Any) -> None:
+    """Grants reach the functions of queues declared before them: a worker granted again
+    (after a revoke took everything back) reads and acks, a role made producer may
+    publish but not read."""
+    db = least_privilege_db
+    with connect(db.owner_url) as conn, conn.channel() as channel:
+        Queue("regranted", routing_key="regranted")(channel).declare()
+        publish(conn, "regranted", [{"n": 1}])
+    assert schema.revoke(db.owner_url, db.worker)
+    with (
+        contextlib.closing(Connector(db.worker_url)) as worker,
+        pytest.raises(PermissionDenied),
+    ):
+        Broker(worker).read_many(["regranted"], 30, 10)
+    schema.grant(db.owner_url, db.worker, "worker")
+    with contextlib.closing(Connector(db.worker_url)) as worker:
+        broker = Broker(worker)
+        (row,) = broker.read_many(["regranted"], 30, 10)
+        receipt = Receipt("regranted", row.msg_id, row.read_ct, row.enqueued_at)
+        assert broker.ack([receipt]) == {("regranted", row.msg_id)}
+    schema.grant(db.owner_url, db.worker, "producer")
+    with contextlib.closing(Connector(db.worker_url)) as producer:
+        broker = Broker(producer)
+        assert broker.send("regranted", '{"n": 2}', "{}", deduplicated=False)
+        with pytest.raises(PermissionDenied):
+            broker.read_many(["regranted"], 30, 10)
+    schema.grant(db.owner_url, db.worker, "worker")

@@ -116,6 +116,18 @@ def index_entries_read(pgmq: Broker, dsn: str, index: str) -> int:
     return int(n)
 
 
+def seq_scans(pgmq: Broker, dsn: str, queue: str) -> int:
+    """pg_stat_user_tables.seq_scan of the queue's table (scans of every page), with this
+    broker's connection's counts flushed."""
+    flush_stats(pgmq)
+    ((n,),) = sql(
+        dsn,
+        "SELECT seq_scan FROM pg_stat_user_tables WHERE schemaname = 'pgmq' AND relname = %s",
+        (f"q_{queue}",),
+    )
+    return int(n)
+
+
 def walk(pgmq: Broker, dsn: str, queue: str, *, settle: bool = True) -> tuple[int, int]:
     """(index entries of the queue's vt index, shared buffers of its table and indexes)
     one empty read touches, once the position has moved past the last cycle: a read after
@@ -409,16 +421,43 @@ def test_settling_probes_the_primary_key_after_a_vacuum_behind_a_held_snapshot(d
             pgmq.send(queue, json.dumps({"n": i}), "{}", deduplicated=False)
         rows = pgmq.read_many([queue], 30, 20)
         receipts = [Receipt(queue, r.msg_id, r.read_ct, r.enqueued_at) for r in rows]
-        walked = {}
+        walked, scans = {}, {}
         for step, settle in (
             ("renew", lambda: pgmq.renew(receipts, 60)),
             ("ack", lambda: ack(pgmq, receipts[:10])),
             ("requeue", lambda: pgmq.requeue(receipts[10:], 5)),
         ):
             before = index_entries_read(pgmq, db_dsn, f"q_{queue}_pkey")
+            scans_before = seq_scans(pgmq, db_dsn, queue)
             assert len(settle()) == (20 if step == "renew" else 10)
             walked[step] = index_entries_read(pgmq, db_dsn, f"q_{queue}_pkey") - before
+            scans[step] = seq_scans(pgmq, db_dsn, queue) - scans_before
+    # by primary key: neither every entry of the index nor every page of the table
     assert max(walked.values()) <= 100, walked
+    assert scans == {"renew": 0, "ack": 0, "requeue": 0}, scans
+
+
+@READS
+def test_reads_and_acks_never_scan_the_table_whose_plan_was_made_small(db_dsn, direct):
+    """PL/pgSQL keeps the queue functions' plans for the session: plans made while the
+    table was a page or two stay in use as it grows behind a held snapshot (nothing
+    invalidates them without a VACUUM or ANALYZE). Reads and acks still find their rows by
+    index, never by a scan of every page."""
+    queue = pgmq_queue_name("small_plan")
+    with broker(db_dsn, "small_plan", direct=direct) as pgmq, held(db_dsn):
+        scans = []
+        for _ in range(4):  # one ack per message, as a Celery worker's
+            pgmq.db.connection.execute(
+                "SELECT pgmq.send_batch(%s, ARRAY(SELECT jsonb_build_object('n', i)"
+                " FROM generate_series(1, 500) AS i))",
+                (queue,),
+            )
+            before = seq_scans(pgmq, db_dsn, queue)
+            rows = pgmq.read_many([queue], 30, 500)
+            for r in rows:
+                assert pgmq.ack([Receipt(queue, r.msg_id, r.read_ct, r.enqueued_at)])
+            scans.append(seq_scans(pgmq, db_dsn, queue) - before)
+        assert scans == [0, 0, 0, 0]
 
 
 def test_plain_pgmq_clients_and_a_least_privilege_worker_share_a_queue(least_privilege_db):
