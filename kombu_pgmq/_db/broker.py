@@ -321,13 +321,9 @@ class Broker(Declarations, Nowait):
         params = {
             "vt_seconds": vt_seconds,
             "qty": qty,
-            "ack_ids": [a.msg_id for a in acks],
-            "ack_cts": [a.read_ct for a in acks],
-            "ack_enqueued": [a.enqueued_at for a in acks],
+            **self._ack_params(acks),
             # the commit mode of the statement's own transaction (no session SET)
             "commit": None if durable else "off",
-            "holds": [a.hold_seconds > 0 for a in acks],
-            "hold_seconds": max((a.hold_seconds for a in acks), default=0),
             **(self.positions.params(queue) if qty else _NO_SCAN),
         }
         try:
@@ -433,13 +429,15 @@ class Broker(Declarations, Nowait):
 
     @staticmethod
     def _ack_params(receipts: Sequence[Receipt]) -> dict[str, Any]:
-        """Statement ``ack_queue``'s receipts and slot holds."""
+        """The receipts and slot holds of statements ``read_queue``, ``ack_queue`` and
+        ``archive_expired``."""
+        holds = slot_holds(receipts)
         return {
             "ack_ids": [a.msg_id for a in receipts],
             "ack_cts": [a.read_ct for a in receipts],
             "ack_enqueued": [a.enqueued_at for a in receipts],
-            "holds": [a.hold_seconds > 0 for a in receipts],
-            "hold_seconds": max((a.hold_seconds for a in receipts), default=0),
+            "holds": holds["holds"],
+            "hold_seconds": holds["hold_seconds"],
         }
 
     def requeue(

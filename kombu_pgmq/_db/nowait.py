@@ -15,7 +15,7 @@ from ..errors import KombuPgmqError, QueueNotFound, StatementError
 from . import handoff
 from .connector import Connector
 from .external import ExternalConnector
-from .rows import Receipt, text_array
+from .rows import Receipt, slot_holds, text_array
 
 __all__ = ["Nowait"]
 
@@ -77,13 +77,13 @@ class Nowait:
                 self.db.forget_prepared(name)
             on_error(error)
 
-        holds = [r.hold_seconds > 0 for r in receipts]
+        holds = slot_holds(receipts)
         params = [
             text_array(r.msg_id for r in receipts),
             text_array(r.read_ct for r in receipts),
             text_array(r.enqueued_at for r in receipts),
-            text_array(holds),
-            str(max((r.hold_seconds for r in receipts), default=0)).encode(),
+            text_array(holds["holds"]),
+            str(holds["hold_seconds"]).encode(),
             b"on" if durable else b"off",
         ]
         try:
