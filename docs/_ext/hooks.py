@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import posixpath
 import re
 from pathlib import Path
 from typing import Any
@@ -14,13 +15,30 @@ def on_page_markdown(markdown: str, *, page: Any, **kwargs: Any) -> str:
     """Pages that are generated where they hold a marker: the command line reference
     (every command's ``--help``, from the click commands themselves) and the full
     benchmark report (``benchmarks/README.md``, its links to ``../docs/`` made relative to
-    the docs directory)."""
+    the docs directory, its links to files beside it made their paths: see
+    :func:`_benchmark_report`)."""
     if CLI in markdown:
         markdown = markdown.replace(CLI, _cli_reference())
     if BENCHMARKS in markdown:
-        report = (ROOT / "benchmarks" / "README.md").read_text(encoding="utf-8")
-        markdown = markdown.replace(BENCHMARKS, report.replace("](../docs/", "]("))
+        markdown = markdown.replace(BENCHMARKS, _benchmark_report())
     return markdown
+
+
+#: A link of the benchmark report to a file of the repository outside ``docs/`` (a raw
+#: result in ``benchmarks/results/``): not an image, not an anchor, not a URL, not a page.
+_REPORT_FILE_LINK = re.compile(r"(?<!!)\[([^\]\n]+)\]\((?!https?:|#|\.\./docs/)([^)\s]+)\)")
+
+
+def _benchmark_report() -> str:
+    """``benchmarks/README.md`` for the site: links to ``../docs/`` become links to the
+    pages; a link to a file beside it (``results/....json``), which the site has no copy
+    of, becomes that file's path in the repository as code (``benchmarks/results/....json``)."""
+    report = (ROOT / "benchmarks" / "README.md").read_text(encoding="utf-8")
+    report = _REPORT_FILE_LINK.sub(
+        lambda link: f"`{posixpath.normpath(posixpath.join('benchmarks', link.group(2)))}`",
+        report,
+    )
+    return report.replace("](../docs/", "](")
 
 
 #: Languages whose code blocks wrap long lines instead of scrolling (code to read and
