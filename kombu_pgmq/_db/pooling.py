@@ -58,7 +58,7 @@ POOLERS = (None, "session", "transaction")
 #: statement); True, each runs in a transaction of its own
 #: with ``set_config('synchronous_commit', 'off', true)`` (BEGIN, set_config, the
 #: statement, COMMIT: three more round trips). Measured in ``benchmarks/README.md``
-#: ("PgBouncer"); a switch for that benchmark, not an option.
+#: (``pgbouncer_throughput.py``); a switch for that benchmark, not an option.
 ASYNC_COMMIT_PER_TRANSACTION = False
 
 _pooled: set[str] = set()

@@ -19,7 +19,7 @@ Every ``consumer_heartbeat_interval`` seconds while the connection has consumers
 * VACUUMs a consumed queue table whose statistics show more than ``vacuum_threshold``
   dead tuples. Each delivery updates a row (its visibility timeout) and each ack deletes
   it, so a busy queue table collects dead row versions faster than autovacuum (once a
-  minute at best, and sometimes off) removes them; see ``benchmarks/README.md`` (churn).
+  minute at best, and sometimes off) removes them; see ``benchmarks/README.md`` (``churn.py``).
   VACUUM runs on a short-lived connection of its own (it takes a while, and must not
   hold up the consumer's statements); ``SKIP_LOCKED``, so workers never queue behind each
   other, and not within :data:`VACUUM_MIN_INTERVAL_SECONDS` of the last VACUUM of the
