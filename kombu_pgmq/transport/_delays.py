@@ -14,7 +14,7 @@ worker's memory.
   ETA without a time zone (``enable_utc=False`` and a naive datetime) or in the past is
   delivered at once, and Celery holds it as usual (its lease is renewed meanwhile, see
   :mod:`kombu_pgmq.transport._leases`). Consumers waiting on the queue are woken when it
-  becomes due (migration 0016), as by a new message.
+  becomes due, as by a new message.
 * **x-delay** header (milliseconds, as RabbitMQ's delayed-message exchange): delivered
   no earlier than that, rounded up to whole seconds (PGMQ's delay unit).
 
@@ -43,7 +43,7 @@ def delay_seconds(message: dict[str, Any], lead_seconds: float) -> int:
         try:
             ms = float(x_delay)
         except (TypeError, ValueError):
-            return 0  # not a number: delivered at once (as before)
+            return 0  # not a number: delivered at once, as without x-delay
         if not math.isfinite(ms) or ms / 1000.0 > MAX_DELAY_SECONDS:
             raise ConfigurationError(
                 f"message header x-delay={x_delay!r} is invalid: expected milliseconds from "

@@ -1,6 +1,6 @@
 """The poller's reads of queues whose delayed message becomes due (a base of
 :class:`~kombu_pgmq.transport.poller.Poller`): the earliest due time per PGMQ queue,
-learned from ``kombu_pgmq.wait_for_due`` and from NOTIFY payloads (migration 0016), and
+learned from ``kombu_pgmq.wait_for_due`` and from NOTIFY payloads, and
 one timer of Celery's event loop at the earliest of them."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Hand-over at publish, the consumer's side (migration 0023; see
+"""Hand-over at publish, the consumer's side (``kombu_pgmq.wait_for_handoff``; see
 :mod:`kombu_pgmq._db.handoff` for the payload).
 
 A consuming connection going to sleep on queues offers one hand-over slot on those it

@@ -48,7 +48,7 @@ class Consumed(NamedTuple):
     #: The read was put off until half the prefetch window is free.
     deferred: bool
     #: PGMQ names of queues a rate limit held back -> seconds until it allows more
-    #: (migration 0021): read them again then (no notification comes for it).
+    #: (``kombu_pgmq.read_limited``): read them again then (no notification comes for it).
     retry: Mapping[str, float] = MappingProxyType({})
 
 

@@ -7,7 +7,7 @@ the VT short (fast recovery after a crash) and renews it instead: a thread of ea
 connection pushes the VT of every message the connection holds - running, prefetched,
 or waiting for its ETA, i.e. every unacked delivery of its channels - to now + VT, every
 ``lease_renewal_interval`` seconds (VT / 3 by default), one statement for all queues
-(``kombu_pgmq.renew``, migration 0004). When the process dies, renewals stop and the
+(``kombu_pgmq.renew``). When the process dies, renewals stop and the
 message is delivered again at most one VT after the last renewal.
 
 The thread runs beside the consumer, so it renews while Celery's event loop waits,

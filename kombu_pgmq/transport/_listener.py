@@ -7,15 +7,14 @@ with a :mod:`selectors` selector (epoll on Linux: no ``select()`` limit of 1024 
 descriptors) by a blocking ``drain_events``, or registered with Celery's event loop by
 :class:`~kombu_pgmq.transport.poller.Poller`.
 
-Publishers notify only while a consumer waits on the queue (``kombu_pgmq.waiting``,
-migration 0003); on a queue's channel notifications are hints, never the message: an
-empty payload means a message is visible now, a number when a delayed one becomes due
-(epoch seconds, server clock; migration 0016). The poller keeps a fallback poll
-(``polling_interval``) for messages that become visible without an insert (visibility
-timeout expiry).
+Publishers notify only while a consumer waits on the queue (``kombu_pgmq.waiting``); on a
+queue's channel notifications are hints, never the message: an empty payload means a
+message is visible now, a number when a delayed one becomes due (epoch seconds, server
+clock). The poller keeps a fallback poll (``polling_interval``) for messages that become
+visible without an insert (visibility timeout expiry).
 
-Hand-overs (migration 0023): the LISTEN connection also listens on a channel of its own
-(:attr:`Listener.slot`) and holds a session advisory lock while it does; a publish to a
+Hand-overs (``kombu_pgmq.hand_off``): the LISTEN connection also listens on a channel of
+its own (:attr:`Listener.slot`) and holds a session advisory lock while it does; a publish to a
 queue this connection offered a slot on sends the delivered row there
 (:mod:`kombu_pgmq._db.handoff`), collected by :meth:`Listener.take_handed`.
 
@@ -235,8 +234,7 @@ class Listener:
     def collect(self) -> tuple[set[str], dict[str, float]] | None:
         """Return ``(ready, due)`` without blocking (and empty the wake pipe): the queues
         notified of a visible message, and ``{queue: due}`` for queues notified of a
-        delayed one (the earliest due time, epoch seconds by the server's clock;
-        migration 0016).
+        delayed one (the earliest due time, epoch seconds by the server's clock).
 
         None when the LISTEN connection was not there or was lost: it is
         (re)connected and LISTENing when this returns, but notifications may have been

@@ -36,9 +36,10 @@ Every ``consumer_heartbeat_interval`` seconds while the connection has consumers
 The thread has a PostgreSQL connection of its own with ``lock_timeout`` set
 (:class:`~kombu_pgmq.transport._service.Service`): a heartbeat or reaper blocked by a lock
 gives up after :data:`~kombu_pgmq.transport._service.LOCK_TIMEOUT` and tries again next
-round, and the reaper skips a queue whose table is locked (migration 0006). Lease renewal
-has a thread and connection of its own (:mod:`kombu_pgmq.transport._leases`): a long
-VACUUM or a blocked reaper never delays a renewal. The set of consumers is read as a
+round, and the reaper skips a queue whose table is locked (``kombu_pgmq.reap`` locks it
+NOWAIT). Lease renewal has a thread and connection of its own
+(:mod:`kombu_pgmq.transport._leases`): a long VACUUM or a blocked reaper never delays a
+renewal. The set of consumers is read as a
 snapshot taken under the transport's lock, never iterated while the main thread changes it.
 """
 

@@ -6,8 +6,8 @@ the task starts unless ``acks_late`` (its default), and the ack archives the mes
 that count alone would cap tasks waiting in workers, not running ones. For such a task
 the ack holds the task's *slot* (a row of ``kombu_pgmq.held_slots``, written by the ack
 statement itself, in its transaction, before it archives the message: the limit never
-sees the slot free): the limits count it until the task finishes. The message is
-archived at the ack as before, so an early-acked task is never delivered again (Celery's
+sees the slot free): the limits count it until the task finishes. The ack archives the
+message all the same, so an early-acked task is never delivered again (Celery's
 at most once); only its slot outlives the ack.
 
 * **Which acks hold a slot**: an ack, in a Celery worker's main process, of a message of a

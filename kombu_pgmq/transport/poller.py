@@ -8,7 +8,7 @@ loop, the blocking :meth:`Poller.drain_events`, and the :class:`AckBatch`. A rou
 the ready queues of every channel (pending acks ride along in the same round trip) and
 delivers; queues found empty go to sleep on LISTEN (``kombu_pgmq.wait_for_due``), queues
 that filled their read stay ready. A queue with a delayed message is read when it becomes
-due (*due*: learned from ``wait_for_due`` and from NOTIFY payloads, migration 0016; a
+due (*due*: learned from ``wait_for_due`` and from NOTIFY payloads; a
 timer of Celery's event loop, or the wait of ``drain_events``). A fallback poll every
 ``polling_interval`` seconds marks every consumed queue ready (messages that become
 visible without a publish: a lapsed visibility timeout); in Celery's event loop it first
@@ -63,8 +63,8 @@ class Poller(Recovery, DueReads):
 
     #: Seconds, in Celery's event loop, between two statements of acks alone (not riding
     #: with a read): an ack made sooner after the last one waits for a read or for this,
-    #: so a backlog drains with acks batched while a lone ack goes at once (issue 25,
-    #: item 11; Nagle's algorithm).
+    #: so a backlog drains with acks batched while a lone ack goes at once (Nagle's
+    #: algorithm).
     ack_batch_seconds = 0.002
 
     #: Seconds, in Celery's event loop, that reads and slot offers wait after a round
@@ -75,14 +75,14 @@ class Poller(Recovery, DueReads):
     def __init__(self, transport: TransportView) -> None:
         self.transport = transport
         self.acks = AckBatch()
-        #: Hand-over slots offered and rows handed over (migration 0023).
+        #: Hand-over slots offered and rows handed over.
         self.handover = Handover(transport)
         self._listener: Listener | None = None
         self._ready: set[str] = set()  # may hold visible messages: read when prefetch allows
         self._waiting: set[str] = set()  # our row is in kombu_pgmq.waiting: publishers notify
         self._full_reads: dict[str, int] = {}  # consecutive reads that filled the request
         # PGMQ queue -> monotonic() when its next delayed message becomes visible (learned
-        # from wait_for and from NOTIFY payloads, migration 0016): read it then.
+        # from wait_for and from NOTIFY payloads): read it then.
         self._due: dict[str, float] = {}
         self._clock_offset = 0.0  # the server's clock minus ours (time.time())
         self._due_timer: Any = None  # (deadline, hub timer entry) of the next due read
@@ -216,10 +216,9 @@ class Poller(Recovery, DueReads):
         """Queue an ack for the next read or flush (one statement for many). In Celery's
         event loop, on the loop's thread, it is sent at once instead, without waiting
         for its result, as kombu's AMQP and Redis transports write an ack in ``ack()``
-        (a worker killed right after its task finished then has its ack on the server;
-        issue 25, item 11): unless the last acks went less than ``ack_batch_seconds``
-        ago or the statement connection is busy, then with the next read or at a timer,
-        together."""
+        (a worker killed right after its task finished then has its ack on the server):
+        unless the last acks went less than ``ack_batch_seconds`` ago or the statement
+        connection is busy, then with the next read or at a timer, together."""
         self.acks.add(held)
         if (
             self._hub is not None
@@ -308,7 +307,7 @@ class Poller(Recovery, DueReads):
             # In Celery's event loop the fallback asks first, without waiting, which
             # queues hold a visible message, and reads those when the answer comes: a
             # read of every consumed queue here would hold up a hand-over arriving
-            # meanwhile (a slow p99, issue 30).
+            # meanwhile (a slow p99).
             in_loop = collected is not None and self._hub is not None
             consumed = self.consumed()
             positions = broker.positions if broker is not None else None
@@ -340,7 +339,8 @@ class Poller(Recovery, DueReads):
     def poll(self) -> tuple[int, bool]:
         """One round: read the ready queues of every channel (batched acks ride along)
         and deliver. Returns ``(delivered, again)``; ``again`` asks for another round at
-        once (queues that just went to sleep get their final read, see migration 0003).
+        once (queues that just went to sleep get their final read: it finds what publishers
+        that missed their waiting row sent, see ``kombu_pgmq.wait_for``).
         """
         transport = self.transport
         since = self.acks.since
@@ -381,7 +381,7 @@ class Poller(Recovery, DueReads):
                 # Acks no read took (it was put off until half the prefetch window is
                 # free) or made while delivering: sent on their own soon, without
                 # waiting for the result, so a finished task's ack is on the server
-                # before its worker can die (issue 25, item 11).
+                # before its worker can die.
                 self.acks.put_back(acks, since)
                 if self.acks:
                     self._send_acks_soon()

@@ -264,7 +264,7 @@ class Reader(ChannelPart):
 
     def deliver_rows(self, queue: str, name: str, rows: list[Row]) -> int:
         """Deliver rows of PGMQ queue ``name`` (a band of Kombu queue ``queue``) handed
-        over at publish (migration 0023: delivered to this connection already) as a read's
+        over at publish (delivered to this connection already) as a read's
         rows are: poison and expired ones settled on the way. Returns how many reached the
         consumer's callback."""
         deliveries = [(m, queue) for m in self._to_messages(queue, name, rows, no_ack=False)]
@@ -501,7 +501,7 @@ class Reader(ChannelPart):
         info["pgmq_msg_id"] = row.msg_id
         info["pgmq_read_ct"] = row.read_ct
         # deliveries that reached the application (this one included): restores (the
-        # x-kombu-restored header, migration 0015) do not count toward max_deliveries
+        # x-kombu-restored header; read_ct only grows) do not count toward max_deliveries
         info["pgmq_deliveries"] = row.read_ct - info.pop("pgmq_restored")
         info["pgmq_enqueued_at"] = row.enqueued_at
         info["kombu_queue"] = queue
