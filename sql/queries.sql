@@ -14,8 +14,8 @@
 
 -- name: send
 -- Publish one message (pgmq.send; visible after delay_seconds, PGMQ's native delay) and
--- NOTIFY the queue's channel if a consumer waits on it (kombu_pgmq.publish, migrations
--- 0003 and 0011). msg_id NULL: a duplicate within its deduplication window, not sent.
+-- NOTIFY the queue's channel if a consumer waits on it (kombu_pgmq.publish). msg_id
+-- NULL: a duplicate within its deduplication window, not sent.
 SELECT kombu_pgmq.publish(%(queue)s, %(message)s::jsonb, %(headers)s::jsonb,
                           %(delay_seconds)s::integer,
                           %(deduplication_window)s::float8) AS msg_id
@@ -23,8 +23,8 @@ SELECT kombu_pgmq.publish(%(queue)s, %(message)s::jsonb, %(headers)s::jsonb,
 -- name: send_queue
 -- Publish one message without deduplication through the queue's own function,
 -- {function} = kombu_pgmq.send_q_<queue> (static SQL, plan-cached by PL/pgSQL; its
--- template, with the hand-over, the routing guard and the commit modes, is in
--- sql/migrations/0030_per_queue_functions.sql). %(version)s: a routed publish's routing
+-- template, with the hand-over, the routing guard and the commit modes, is
+-- kombu_pgmq.send_template()). %(version)s: a routed publish's routing
 -- version (no row: the routes changed, nothing was written), NULL for a publish to the
 -- queue. %(handoff)s: the hand-over's NOTIFY tail (kombu_pgmq/_db/handoff.py), NULL for
 -- none. %(commit)s: 'async' (confirm_publish=False), 'off' (visible_before_flush: column
@@ -66,7 +66,7 @@ FROM kombu_pgmq.read(%(queues)s::text[], %(vt_seconds)s::integer, %(qty)s::integ
 -- name: read_queue
 -- The read of one queue through its own function, {function} = kombu_pgmq.read_q_<queue>
 -- (static SQL, plan-cached by PL/pgSQL; the same statements for a least-privilege worker
--- and the owner; sql/migrations/0030_per_queue_functions.sql holds its template): settle
+-- and the owner; its template is kombu_pgmq.read_template()): settle
 -- the ack receipts riding along (rows acked true), then deliver up to qty visible rows
 -- from the queue's position (kombu_pgmq/_db/positions.py: scan_from, watch_xids,
 -- watch_bounds; stamp: assign the read a transaction id), the last row (acked NULL)
@@ -125,12 +125,14 @@ WHERE name = 'default_toast_compression' AND source = 'default' AND 'lz4' = ANY 
 SELECT pg_logical_emit_message(true, 'kombu_pgmq.flush', '')
 
 -- name: wait_for
--- This connection found the queues empty and sleeps on their NOTIFY channels (see
--- migration 0003 for why no wake-up is lost). Read the queues once more afterwards.
--- unsettled: a publisher is still in its transaction after a short wait (migration
--- 0006): its message is found by the fallback poll. due_in_seconds: when the queue's
--- next delayed message becomes visible (NULL: none), server_epoch: the server's clock
--- (migration 0016).
+-- This connection found the queues empty and sleeps on their NOTIFY channels. No
+-- wake-up is lost (kombu_pgmq.wait_for): a publisher holds the queue's advisory lock
+-- shared until it commits and this takes it exclusive after recording the waiting row, so
+-- a publisher that missed the row has committed when this returns. Read the queues once
+-- more afterwards. unsettled: a publisher is still in its transaction after a short
+-- wait: its message is found by the fallback poll. due_in_seconds: when the queue's next
+-- delayed message becomes visible (NULL: none), server_epoch: the server's clock (epoch
+-- seconds).
 SELECT queue, unsettled, due_in_seconds, server_epoch
 FROM kombu_pgmq.wait_for_due(%(owner)s, %(queues)s::text[])
 
@@ -202,12 +204,12 @@ LISTEN {channel}
 UNLISTEN {channel}
 
 -- name: pop
--- Deliver and delete up to qty visible messages (basic_get with no_ack; migration 0010).
+-- Deliver and delete up to qty visible messages (basic_get with no_ack).
 SELECT queue, msg_id, read_ct, enqueued_at, message, headers, age_seconds
 FROM kombu_pgmq.pop(%(queue)s, %(qty)s::integer)
 
 -- name: renew
--- Lease renewal (migration 0004): push the visibility timeout of held messages to now +
+-- Lease renewal (kombu_pgmq.renew): push the visibility timeout of held messages to now +
 -- vt_seconds, all queues in one round trip. Returns the (queue, msg_id) renewed; a held
 -- message missing from the result lost its lease (read again by another consumer after
 -- its visibility timeout passed, or gone).
@@ -216,16 +218,16 @@ FROM kombu_pgmq.renew(%(queues)s::text[], %(msg_ids)s::bigint[], %(read_cts)s::i
                       %(enqueued)s::timestamptz[], %(vt_seconds)s::integer)
 
 -- name: ack
--- Ack with receipt handles (migration 0007): archive the rows these deliveries still
--- hold; returns the (queue, msg_id) settled, a stale handle is left out. holds (aligned):
--- acks whose tasks run on, their concurrency slots held for hold_seconds.
+-- Ack with receipt handles (msg_id, read_ct, enqueued_at): archive the rows these
+-- deliveries still hold; returns the (queue, msg_id) settled, a stale handle is left out.
+-- holds (aligned): acks whose tasks run on, their concurrency slots held for hold_seconds.
 SELECT queue, msg_id
 FROM kombu_pgmq.ack(%(queues)s::text[], %(msg_ids)s::bigint[], %(read_cts)s::integer[],
                     %(enqueued)s::timestamptz[], %(holds)s::boolean[],
                     %(hold_seconds)s::integer)
 
 -- name: archive_expired_rows
--- archive_expired for roles without rights on PGMQ's tables (migration 0019): the same
+-- archive_expired for roles without rights on PGMQ's tables: the same
 -- marks, through a function run as its owner; returns the (queue, msg_id) archived.
 SELECT queue, msg_id
 FROM kombu_pgmq.archive_expired(%(queues)s::text[], %(msg_ids)s::bigint[],
@@ -239,10 +241,10 @@ FROM kombu_pgmq.ack(%(queues)s::text[], %(msg_ids)s::bigint[], %(read_cts)s::int
                     %(hold_seconds)s::integer)
 
 -- name: requeue
--- Reject with requeue, restore, a failed delivery (migration 0007): visible in
--- vt_seconds if the delivery still holds the row; uncount counts the delivery as a
--- restore in the x-kombu-restored header (the application never ran it; read_ct only
--- grows, migration 0015). Returns the (queue, msg_id) settled.
+-- Reject with requeue, restore, a failed delivery: visible in vt_seconds if the
+-- delivery still holds the row; uncount counts the delivery as a restore in the
+-- x-kombu-restored header (the application never ran it; read_ct only grows, so no two
+-- deliveries share a receipt). Returns the (queue, msg_id) settled.
 SELECT queue, msg_id
 FROM kombu_pgmq.requeue(%(queues)s::text[], %(msg_ids)s::bigint[], %(read_cts)s::integer[],
                         %(enqueued)s::timestamptz[], %(vt_seconds)s::integer,
@@ -281,8 +283,8 @@ SELECT CASE WHEN kombu_pgmq.drop_queue(%(kombu_queue)s) THEN true
        kombu_pgmq.drop_queue_functions(%(queue)s) AS functions_dropped
 
 -- name: drop_transient_queue
--- A worker's queue_delete: only a non-durable, auto_delete or x-expires queue (migration
--- 0010); false if there is no such queue.
+-- A worker's queue_delete: only a non-durable, auto_delete or x-expires queue; false if
+-- there is no such queue.
 SELECT kombu_pgmq.drop_transient_queue(%(kombu_queue)s) AS dropped
 
 -- name: message_ttl
@@ -326,12 +328,12 @@ SELECT EXISTS (SELECT 1 FROM pgmq.meta WHERE queue_name = %(queue)s) AS found
 SELECT kombu_pgmq.size(%(queue)s) AS size
 
 -- name: purge
--- AMQP purge removes ready messages only (migration 0010); returns how many.
+-- AMQP purge removes ready messages only; returns how many.
 SELECT kombu_pgmq.purge(%(queue)s) AS purged
 
 -- name: dead_letter
 -- Move messages to the dead-letter queue atomically, the rows these deliveries still hold
--- (receipt handles), each with an "x-dead-letter" header (migration 0010).
+-- (receipt handles), each with an "x-dead-letter" header.
 SELECT kombu_pgmq.dead_letter(%(queue)s, %(msg_ids)s::bigint[], %(read_cts)s::integer[],
                               %(enqueued)s::timestamptz[], %(errors)s::text[],
                               %(dead_letter_queue)s, %(reason)s, %(kombu_queue)s) AS msg_id
@@ -392,8 +394,8 @@ INSERT INTO kombu_pgmq.settings (key, value) VALUES ('pgmq_sql_version', %(versi
 ON CONFLICT (key) DO UPDATE SET value = excluded.value
 
 -- name: apply_grants
--- After migrations: the privileges of every role granted with kombu_pgmq.grant_role
--- (migration 0010), so functions added since reach them.
+-- After migrations: the privileges of every role granted with kombu_pgmq.grant_role,
+-- so the functions a migration added reach them.
 SELECT kombu_pgmq.apply_grants() AS role
 
 -- name: grant_role
@@ -487,7 +489,7 @@ SELECT name FROM pg_prepared_statements WHERE statement = current_query()
 SELECT version FROM kombu_pgmq.routing_version
 
 -- name: send_many
--- Many publishes in one call, in order (kombu_pgmq.publish_many, migration 0020).
+-- Many publishes in one call, in order (kombu_pgmq.publish_many).
 -- %(batch)s: a JSON array of {"queues": [...], "message": {...}, "headers": {...},
 -- "delay_seconds": n, "visible_at": "...", "deduplication_window": s} (one JSON text: no
 -- per-element array escaping). sent is false (nothing was sent) when the routing table
@@ -499,7 +501,7 @@ SELECT kombu_pgmq.publish_many(%(batch)s::jsonb, %(version)s::bigint) AS sent
 -- in all of them or in none), only if the routing table is still at %(version)s: the
 -- caller's cached routes are then exact. Returns the current version and the msg_ids
 -- (empty when the version moved: reload the table and publish again). delay_seconds > 0
--- uses PGMQ's native delay (migration 0004).
+-- uses PGMQ's native delay.
 SELECT version, msg_ids
 FROM kombu_pgmq.publish_routed(%(queues)s::text[], %(message)s::jsonb, %(headers)s::jsonb,
                                %(version)s::bigint, %(delay_seconds)s::integer,
@@ -523,7 +525,7 @@ SELECT kombu_pgmq.release_consumer(%(kombu_queue)s, %(owner)s, %(consumer_tag)s)
 -- the tables this role may VACUUM (their owner, or a member of it; superusers), left out
 -- if a VACUUM (ours, another process's, autovacuum) ended less than min_interval_seconds
 -- ago: the statistics lag, and 64 consumers of one table ran 2.6 VACUUMs a second on it
--- (issue 30, benchmarks/README.md), one after the other.
+-- (measured), one after the other.
 SELECT s.relname, s.n_dead_tup
 FROM pg_stat_user_tables s JOIN pg_class c ON c.oid = s.relid
 WHERE s.schemaname = 'pgmq' AND s.relname = ANY(%(tables)s::text[])
@@ -583,7 +585,7 @@ VACUUM (SKIP_LOCKED) {queue_table}
 -- Keeps this process's consumers live and their queues used (x-expires). A queue marked
 -- used less than a second ago (a quarter of its x-expires if shorter) is left alone: with
 -- a hundred consumers of one queue, every heartbeat updated its one row and waited for
--- the others' row locks (11 ms a heartbeat at 128 consumers, issue 30's scale run).
+-- the others' row locks (11 ms a heartbeat at 128 consumers, measured).
 WITH beat AS (
     UPDATE kombu_pgmq.consumers SET heartbeat_at = clock_timestamp()
     WHERE owner = %(owner)s RETURNING queue
@@ -594,9 +596,9 @@ WHERE queue IN (SELECT queue FROM beat)
                      - least(1000, coalesce(expires_ms / 4, 1000)) * interval '1 millisecond'
 
 -- name: reap
--- Also forgets the waiting rows (migration 0003) of connections without consumers; a
--- data-modifying WITH runs even though nothing reads it.
--- Expired deduplication claims go too (migration 0011), in a bounded batch.
+-- Also forgets the waiting rows (kombu_pgmq.waiting) of connections without consumers;
+-- a data-modifying WITH runs even though nothing reads it.
+-- Expired deduplication claims (kombu_pgmq.deduplication) go too, in a bounded batch.
 WITH forgotten AS (
     DELETE FROM kombu_pgmq.waiting w
     WHERE NOT EXISTS (SELECT 1 FROM kombu_pgmq.consumers c WHERE c.owner = w.owner)
@@ -664,7 +666,8 @@ WITH doomed AS (
 SELECT count(*) AS deleted FROM gone
 
 -- name: open_write
--- Spark writer (migration 0005): register a write on the queue; returns after_id.
+-- Spark writer: register a write on the queue (kombu_pgmq.spark_writes); returns
+-- after_id.
 SELECT kombu_pgmq.open_write(%(write_id)s, %(queue)s) AS after_id
 
 -- name: stage_messages
@@ -709,7 +712,7 @@ FROM pgmq.archive(%(queue)s, ARRAY(SELECT msg_id FROM {queue_table}
 
 -- name: queue_stats
 -- Per PGMQ queue (priority band) of every queue: ready, in_flight, delayed, oldest age,
--- archive size, consumers, dead letters, paused (migration 0012). One statement.
+-- archive size, consumers, dead letters, paused. One statement.
 SELECT queue, pgmq_queue, band, ready, in_flight, delayed, oldest_age_seconds, archived,
        archived_estimated, consumers, dead_letters, paused
 FROM kombu_pgmq.queue_stats(%(dead_letter_queue)s, %(exact_archive_below)s::bigint)
@@ -722,7 +725,7 @@ SELECT q AS pgmq_queue FROM kombu_pgmq.pause(%(kombu_queue)s) AS q
 SELECT q AS pgmq_queue FROM kombu_pgmq.resume(%(kombu_queue)s) AS q
 
 -- name: peek
--- Messages of a Kombu queue without consuming them (migration 0012).
+-- Messages of a Kombu queue without consuming them.
 SELECT pgmq_queue, band, state, msg_id, read_ct, enqueued_at, visible_at, message, headers
 FROM kombu_pgmq.peek(%(kombu_queue)s, %(qty)s::integer)
 
@@ -737,14 +740,14 @@ FROM kombu_pgmq.find_task(%(task_id)s, %(archives)s)
 SELECT queue, pgmq_queue, msg_id FROM kombu_pgmq.cancel_task(%(task_id)s)
 
 -- name: operations_installed
--- Migration 0012 (statistics, pause, cancel) is installed in this database.
+-- The statistics, pause and cancel functions (kombu_pgmq.queue_stats...) are installed.
 SELECT to_regprocedure('kombu_pgmq.queue_stats(text, bigint)') IS NOT NULL AS installed
 
 -- name: results_installed
--- Migration 0018 (the result backend's tables and functions) is installed.
+-- The result backend's tables and functions (kombu_pgmq.results...) are installed.
 SELECT to_regprocedure('kombu_pgmq.results_stats()') IS NOT NULL AS installed
 
--- -- result backend (kombu_pgmq.results; migration 0018) ----------------------------------
+-- -- result backend (kombu_pgmq.results; tables kombu_pgmq.results, chords, revoked) ----
 
 -- name: results_store
 -- Store one key's encoded meta (NOTIFY kombu_pgmq_results); false: a SUCCESS was kept.
@@ -800,10 +803,10 @@ SELECT task_id, revoked_at, expires_at FROM kombu_pgmq.revoked_tasks(%(max_rows)
 -- name: listen_results
 LISTEN kombu_pgmq_results
 
--- -- beat (kombu_pgmq.beat; migration 0020) -----------------------------------------------
+-- -- beat (kombu_pgmq.beat; tables kombu_pgmq.beat_entries, beat_ticks, beat_leader) ---
 
 -- name: beat_installed
--- Migration 0020 (the beat scheduler's tables and functions) is installed.
+-- The beat scheduler's tables and functions (kombu_pgmq.beat_list...) are installed.
 SELECT to_regprocedure('kombu_pgmq.beat_list()') IS NOT NULL AS installed
 
 -- name: beat_elect
@@ -862,7 +865,7 @@ SELECT kombu_pgmq.beat_prune(%(keep_seconds)s::float8, %(batch)s::integer) AS pr
 LISTEN kombu_pgmq_beat
 
 -- name: limits_installed
--- Migration 0021 (queue limits) is installed.
+-- Queue limits (kombu_pgmq.queue_limits, kombu_pgmq.limits_info...) are installed.
 SELECT to_regprocedure('kombu_pgmq.limits_info(text)') IS NOT NULL AS installed
 
 -- name: kombu_queue_declared
@@ -870,12 +873,12 @@ SELECT to_regprocedure('kombu_pgmq.limits_info(text)') IS NOT NULL AS installed
 SELECT EXISTS (SELECT 1 FROM kombu_pgmq.queues WHERE queue = %(queue)s) AS found
 
 -- name: set_queue_limits
--- Set a Kombu queue's limits (migration 0021; JSON, a null removes one; replace: the ones
+-- Set a Kombu queue's limits (JSON, a null removes one; replace: the ones
 -- not given are removed). A row back: the queue is limited.
 SELECT queue FROM kombu_pgmq.set_queue_limits(%(queue)s, %(limits)s::jsonb, %(replace)s)
 
 -- name: limits_info
--- Every limited queue (or one) with its limits and their use now (migration 0021).
+-- Every limited queue (or one) with its limits and their use now.
 SELECT queue, concurrency, rate, rate_per_second, burst, limit_key, key_concurrency, key_rate,
        key_rate_per_second, key_burst, ordered_keys, in_flight, tokens, keys_in_flight,
        keys_at_limit, throttled_concurrency, throttled_rate, throttled_keys, updated_at,

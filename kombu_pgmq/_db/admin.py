@@ -139,14 +139,15 @@ class Admin:
         params = {"older_than_seconds": older_than_seconds, "batch_size": batch_size}
         return int(self.db.scalar(statement, params))
 
-    # -- statistics and steering (kombu_pgmq.management, migration 0012) -----------------
+    # -- statistics and steering (kombu_pgmq.management) ---------------------------------
 
     def operations_installed(self) -> bool:
-        """Migration 0012 (statistics, pause, cancel) is in this database."""
+        """The statistics, pause and cancel functions (``kombu_pgmq.queue_stats``...) are in
+        this database."""
         return bool(self.db.scalar("operations_installed"))
 
     def results_installed(self) -> bool:
-        """Migration 0018 (the result backend: ``kombu_pgmq.results``) is in this database."""
+        """The result backend (``kombu_pgmq.results``) is in this database."""
         return bool(self.db.scalar("results_installed"))
 
     def queue_stats(self, dead_letter_queue: str, exact_archive_below: int) -> list[BandStats]:

@@ -6,7 +6,7 @@ A :class:`BatchedPublisher` stands in for the :class:`~kombu_pgmq._db.broker.Bro
 bound connection: ``send`` and ``send_routed`` record the message and answer as if it were
 sent (a msg_id of 0: deduplication is decided at :meth:`BatchedPublisher.flush`, so a
 duplicate is dropped there without a log line); :meth:`~BatchedPublisher.flush` sends
-every recorded message in order, in ``kombu_pgmq.publish_many`` (migration 0020): as
+every recorded message in order, in ``kombu_pgmq.publish_many``: as
 the one-by-one statements do (the queues' shared locks, deduplication, delays), waking
 waiting consumers once per queue. A publish recorded while
 :attr:`BatchedPublisher.visible_at` is set stays invisible until that instant.

@@ -1,5 +1,6 @@
-"""The beat store: periodic tasks, their ticks and the leader (migration 0020), as named
-statements of ``sql/queries.sql`` sent through a
+"""The beat store: periodic tasks, their ticks and the leader (tables
+``kombu_pgmq.beat_entries``, ``beat_ticks``, ``beat_leader``), as named statements of
+``sql/queries.sql`` sent through a
 :class:`~kombu_pgmq._db.connector.Connector`. Used by :mod:`kombu_pgmq.beat`.
 
 Errors are the connector's (:func:`kombu_pgmq.errors.translate`): a lost server is a
@@ -114,7 +115,7 @@ class BeatStore:
             yield
 
     def installed(self) -> bool:
-        """Migration 0020 is installed."""
+        """The beat tables and functions (``kombu_pgmq.beat_list``...) are installed."""
         return bool(self.db.scalar("beat_installed"))
 
     # -- leader --------------------------------------------------------------------------

@@ -155,8 +155,8 @@ class Broker(Declarations, Nowait):
         """Archive ``acks`` (receipts; a stale one is not applied and the server's notice
         is logged), then deliver up to ``qty`` messages
         from ``queues`` in the order given, all in one round trip and one transaction
-        (each row names its ``queue``). A limited queue (migration 0021) delivers no
-        more than its limits allow; ``Reads.limits`` says what they did.
+        (each row names its ``queue``). A limited queue (``kombu_pgmq.read_limited``)
+        delivers no more than its limits allow; ``Reads.limits`` says what they did.
 
         The commit is asynchronous unless there are acks and ``durable_acks``: a server
         crash may then forget the deliveries and acks, and those messages are delivered
@@ -446,7 +446,7 @@ class Broker(Declarations, Nowait):
         """Make messages these deliveries still hold visible in ``vt_seconds`` (0: now);
         ``uncount``: count the delivery as a restore (header ``x-kombu-restored``; the
         application never ran it, so it does not count toward ``max_deliveries``;
-        ``read_ct`` is left alone, migration 0015). Returns the ``(queue, msg_id)``
+        ``read_ct`` is left alone: it only grows). Returns the ``(queue, msg_id)``
         settled."""
         params = {**receipt_handles(receipts), "vt_seconds": vt_seconds, "uncount": uncount}
         settled = {(r.queue, int(r.msg_id)) for r in self.db.fetch("requeue", params, Renewed)}

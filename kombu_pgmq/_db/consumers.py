@@ -1,7 +1,7 @@
 """Consumers and their housekeeping: who consumes what (heartbeats, the reaper of
 auto_delete/x-expires queues), who sleeps on which queue until a publish notifies it
-(wake-ups, migration 0003), LISTEN, and VACUUM of consumed tables. One typed method per
-named statement of ``sql/queries.sql``, sent through a
+(wake-ups, table ``kombu_pgmq.waiting``), LISTEN, and VACUUM of consumed tables. One typed
+method per named statement of ``sql/queries.sql``, sent through a
 :class:`~kombu_pgmq._db.connector.Connector`; errors as in :mod:`kombu_pgmq._db.broker`.
 """
 
@@ -30,12 +30,12 @@ class Waiting(NamedTuple):
 
 
 class HandoffSlot(NamedTuple):
-    """A hand-over slot offered with :meth:`Consumers.wait_for` (migration 0023): the
-    LISTEN connection's NOTIFY ``channel`` and the session advisory lock ``lock_key`` it
-    holds while listening (:func:`kombu_pgmq._db.handoff.new_slot`), the visibility
-    timeout of a handed message (``vt_seconds``), the PGMQ ``queues`` offered, and the
-    number of the sequence the slot is claimed on (``seq``:
-    :meth:`Consumers.hold_handoff_lock`)."""
+    """A hand-over slot offered with :meth:`Consumers.wait_for`
+    (``kombu_pgmq.wait_for_handoff``): the LISTEN connection's NOTIFY ``channel`` and the
+    session advisory lock ``lock_key`` it holds while listening
+    (:func:`kombu_pgmq._db.handoff.new_slot`), the visibility timeout of a handed message
+    (``vt_seconds``), the PGMQ ``queues`` offered, and the number of the sequence the slot
+    is claimed on (``seq``: :meth:`Consumers.hold_handoff_lock`)."""
 
     channel: str
     lock_key: int
@@ -85,25 +85,27 @@ class Consumers:
     def __init__(self, db: Connector) -> None:
         self.db = db
 
-    # -- wake-ups (migration 0003) ----------------------------------------------------
+    # -- wake-ups (kombu_pgmq.waiting) -------------------------------------------------
 
     def wait_for(
         self, owner: str, queues: Sequence[str], handoff: HandoffSlot | None = None
     ) -> Waiting:
         """Record that ``owner`` sleeps until notified on ``queues`` (publishers then
         NOTIFY); returns once publishers that missed the record have committed, so a
-        read of the queues after this call sees their messages (see migration 0003).
+        read of the queues after this call sees their messages (``kombu_pgmq.wait_for``
+        takes the queue's advisory lock exclusive after the record; a publisher holds it
+        shared until it commits).
 
         A publisher still in its transaction after a short wait (an application that
         enqueued inside a long transaction) is not waited for: the queues it holds are
-        ``unsettled``, to be polled (migration 0006). ``due``: seconds until each queue's
-        next delayed message becomes visible (queues without one are left out; migration
-        0016); ``clock_offset``: the server's clock minus this host's (``time.time()``),
-        to read the due times NOTIFY payloads carry.
+        ``unsettled``, to be polled. ``due``: seconds until each queue's next delayed
+        message becomes visible (queues without one are left out;
+        ``kombu_pgmq.wait_for_due``); ``clock_offset``: the server's clock minus this
+        host's (``time.time()``), to read the due times NOTIFY payloads carry.
 
-        ``handoff``: also offer one hand-over slot on ``handoff.queues`` (migration 0023):
-        a publish then hands its message to this connection in its NOTIFY instead of
-        waking it to read."""
+        ``handoff``: also offer one hand-over slot on ``handoff.queues``
+        (``kombu_pgmq.wait_for_handoff``): a publish then hands its message to this
+        connection in its NOTIFY instead of waking it to read."""
         sent = time.time()
         params: dict[str, object] = {"owner": owner, "queues": list(queues)}
         if handoff is None or not handoff.queues:
@@ -265,7 +267,7 @@ class Consumers:
     def reap(self) -> list[str]:
         """Drop queues AMQP would have deleted (see ``kombu_pgmq.reap``); return their
         Kombu names. A queue whose table is locked (a reader's open transaction) is
-        skipped this round instead of waited for (migration 0006)."""
+        skipped this round instead of waited for."""
         return [str(q) for q in self.db.column("reap")]
 
     def dead_tuples(

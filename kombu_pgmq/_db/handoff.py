@@ -1,4 +1,4 @@
-"""Hand-over at publish (migration 0023): a publish to a queue an idle consumer waits on
+"""Hand-over at publish: a publish to a queue an idle consumer waits on
 writes the row as delivered to that consumer and sends it in the consumer's NOTIFY, so
 the consumer delivers it without a read. This module holds both ends of the NOTIFY
 payload's format and the consumer's slot identity; the SQL is statement ``send_queue``
@@ -24,7 +24,7 @@ SEPARATOR = "\x1e"
 
 #: Largest tail handed over, in bytes: a NOTIFY payload must stay under 8000 bytes, and
 #: the server adds the queue name (at most 47), msg_id (at most 20), enqueued_at (26) and
-#: separators. A larger message is published and read as before.
+#: separators. A larger message is not handed over: the consumer is woken and reads it.
 MAX_TAIL_BYTES = 7800
 
 #: NOTIFY channel of a consumer's hand-overs: this prefix and 16 hex digits. PGMQ queue

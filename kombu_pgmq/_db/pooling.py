@@ -53,8 +53,8 @@ logger = logging.getLogger("kombu_pgmq")
 #: session runs on one server connection), "transaction" (see the module docstring).
 POOLERS = (None, "session", "transaction")
 
-#: Pooled mode, statements that ask for no WAL flush (``synchronous=False``; reads and
-#: acks no longer do, they set it themselves): False, they commit durably (one
+#: Pooled mode, statements that ask for no WAL flush (``synchronous=False``; not reads
+#: and acks, which set it themselves): False, they commit durably (one
 #: statement); True, each runs in a transaction of its own
 #: with ``set_config('synchronous_commit', 'off', true)`` (BEGIN, set_config, the
 #: statement, COMMIT: three more round trips). Measured in ``benchmarks/README.md``

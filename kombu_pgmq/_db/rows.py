@@ -57,7 +57,7 @@ KEY_LIMITED = 3
 
 class Throttle(NamedTuple):
     """What the limits of a limited queue did to one read of one of its PGMQ queues
-    (the marker rows of ``kombu_pgmq.read_limited``, migration 0021): ``state`` 0 (not
+    (the marker rows of ``kombu_pgmq.read_limited``): ``state`` 0 (not
     throttled), :data:`THROTTLED_SETTLE` or :data:`THROTTLED_RATE`; ``retry_seconds``:
     when the rate allows the next delivery (seconds from the read; None: not rate
     throttled)."""
@@ -93,7 +93,7 @@ class Receipt(NamedTuple):
     requeue, dead-letter, lease renewal) touches the row only while this delivery still
     holds it: same ``msg_id``, same ``read_ct`` (not read again since) and same
     ``enqueued_at`` (not a new message that reused the id of an UNLOGGED queue emptied by
-    a crash). Migration 0007. ``hold_seconds`` (acks only): the delivery's task runs on
+    a crash). ``hold_seconds`` (acks only): the delivery's task runs on
     after this ack (Celery's early ack), so the ack holds its concurrency slot that long
     (renewed while the task runs); 0: nothing is held."""
 

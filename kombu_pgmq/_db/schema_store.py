@@ -50,7 +50,7 @@ class SchemaStore:
 
     def pgmq_sql_version(self) -> str | None:
         """Version of the SQL-only PGMQ kombu_pgmq installed (``kombu_pgmq.settings``),
-        else None. Needs migration 0001."""
+        else None. Needs the table ``kombu_pgmq.settings``."""
         version = self.db.scalar("pgmq_sql_version")
         return str(version) if version else None
 
@@ -106,7 +106,7 @@ class SchemaStore:
         so functions added by new migrations reach them."""
         self.db.column("apply_grants")
 
-    # -- roles (migration 0010) ------------------------------------------------------------
+    # -- roles (kombu_pgmq.grant_role, revoke_role, apply_grants) --------------------------
 
     def grant_role(self, role: str, kind: str) -> None:
         """Give existing ``role`` the privileges of ``kind`` (``"producer"``/``"worker"``)

@@ -1,5 +1,6 @@
 """The Spark store: staged writes, snapshots and stream ranges of the ``pgmq`` Spark data
-source (:mod:`kombu_pgmq.spark.datasource`, migration 0005), as named statements of
+source (:mod:`kombu_pgmq.spark.datasource`; table ``kombu_pgmq.spark_writes``), as named
+statements of
 ``sql/queries.sql`` sent through a :class:`~kombu_pgmq._db.connector.Connector`.
 """
 
