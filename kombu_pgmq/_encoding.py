@@ -64,7 +64,8 @@ EXACT_KEY = "exact"
 BASE64 = "base64"
 #: Header counting the deliveries of a message that were restored (returned unprocessed:
 #: a channel closed with it prefetched, a callback that failed): they do not count
-#: toward ``max_deliveries`` (migration 0015). Written by the server, taken out of the
+#: toward ``max_deliveries`` (``read_ct``, which only grows, minus this count). Written by
+#: the server, taken out of the
 #: headers the application sees (:func:`decode` puts it in ``delivery_info``).
 RESTORED_KEY = "x-kombu-restored"
 #: Headers kombu_pgmq's SQL reads (deduplication, FIFO groups, dead-letter filters, task

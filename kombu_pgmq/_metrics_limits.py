@@ -2,7 +2,8 @@
 :class:`kombu_pgmq.metrics.QueueCollector` (see its module docstring), from the limits
 that :meth:`kombu_pgmq.management.Management.queues` read with the statistics
 (``QueueStats.limits``; None for a queue without limits, and for every queue when they
-could not be read: no migration 0021, or a role without the privilege)."""
+could not be read: no ``kombu_pgmq.limits_info`` in the database, or a role without the
+privilege)."""
 
 from __future__ import annotations
 

@@ -57,7 +57,7 @@ _PER = {"s": 1.0, "m": 60.0, "h": 3600.0}
 def parse_rate(rate: str | float | int, *, what: str = "rate") -> float:
     """Messages per second of a rate written as Celery's ``rate_limit``: ``"100/s"``,
     ``"6000/m"``, ``"50/h"``, or a number (per second). Mirrors
-    ``kombu_pgmq.rate_per_second`` (migration 0021).
+    the SQL function ``kombu_pgmq.rate_per_second``.
 
     Raises:
         ConfigurationError: not a rate, or not above 0 (the message names ``what``).

@@ -1,6 +1,7 @@
 """See and steer the broker: queue statistics, messages peeked without consuming them,
 paused queues, Celery tasks found and cancelled by id (what RabbitMQ's management API
-and ``rabbitmqctl`` give an operator; migration 0012).
+and ``rabbitmqctl`` give an operator; the SQL functions ``kombu_pgmq.queue_stats``,
+``pause``, ``resume``, ``peek``, ``find_task`` and ``cancel_task``).
 
 :class:`Management` is the Python API; ``kombu-pgmq queues|messages|queue|task`` the
 command line (:mod:`kombu_pgmq.cli`), :mod:`kombu_pgmq.metrics` the Prometheus exporter and
@@ -20,11 +21,13 @@ land, messages already delivered are acked or renewed as usual, and Celery's vie
 (``celery inspect active_queues``) does not change. PGMQ's own functions and clients do
 not know about it.
 
-Limits (:meth:`Management.limits`, :meth:`Management.set_limits`; migration 0021, see
+Limits (:meth:`Management.limits`, :meth:`Management.set_limits`; table
+``kombu_pgmq.queue_limits``, see
 :mod:`kombu_pgmq.limits`): each queue's fleet-wide concurrency and rate limits and their
 use now. :meth:`Management.queues` adds them to the statistics (``QueueStats.limits``) with
-one more statement, and leaves them out (None) when the database has no migration 0021 or
-the role may not read them (a ``producer`` role: ``limits_info`` is granted to workers).
+one more statement, and leaves them out (None) when the database has no
+``kombu_pgmq.limits_info`` or the role may not read them (a ``producer`` role:
+``limits_info`` is granted to workers).
 
 Dead rows and the xmin horizon (:meth:`Management.horizon`): ``QueueStats.dead_tuples``
 counts the dead row versions of a queue's tables (the server's statistics, a few seconds
@@ -406,11 +409,11 @@ class Management:
         :class:`~kombu_pgmq._db.horizon.Horizon`."""
         return HorizonStore(self._db).oldest_holder()
 
-    # -- limits (kombu_pgmq.limits, migration 0021) ----------------------------------------
+    # -- limits (kombu_pgmq.limits, table kombu_pgmq.queue_limits) ------------------------
 
     def limits_readable(self) -> bool:
-        """Migration 0021 (limits) is in this database and this role may read the limits
-        (checked once; False also after a read was refused: a ``producer`` role)."""
+        """The limits (``kombu_pgmq.limits_info``) are in this database and this role may
+        read them (checked once; False also after a read was refused: a ``producer`` role)."""
         if self._limits_readable is None:
             self._limits_readable = bool(self._db.scalar("limits_installed"))
         return self._limits_readable
@@ -431,7 +434,8 @@ class Management:
 
         Raises:
             QueueNotFound: ``queue`` is not declared.
-            ConfigurationError: no migration 0021 (the message says how to install it).
+            ConfigurationError: no limits in this database (the message says how to install
+                them).
             PermissionDenied: the role is not granted ``worker``.
         """
         found = self._limit_store().info(queue)
@@ -457,7 +461,7 @@ class Management:
 
         Raises:
             ConfigurationError: a limit is invalid (:func:`kombu_pgmq.limits.validate_limits`)
-                or no migration 0021.
+                or no limits in this database.
             StatementError: the queue does not exist, or the server refuses a limit (a key
                 limit on a FIFO queue, a burst without its rate): the message says why.
         """
@@ -470,7 +474,7 @@ class Management:
             found = store.info(queue)
         return found[0] if found else None
 
-    # -- Celery results (kombu_pgmq.results, migration 0018) ------------------------------
+    # -- Celery results (table kombu_pgmq.results) -----------------------------------------
 
     @property
     def _results(self) -> ResultStore:
@@ -506,7 +510,7 @@ class Management:
                 break
         return total
 
-    # -- the beat scheduler (kombu_pgmq.beat_entries, migration 0020) ---------------------
+    # -- the beat scheduler (table kombu_pgmq.beat_entries) --------------------------------
 
     @property
     def _beat(self) -> BeatStore:
@@ -521,8 +525,9 @@ class Management:
         return BeatStore(self._db)
 
     def beat_installed(self) -> bool:
-        """The beat scheduler's tables (migration 0020) are in this database; the other
-        ``beat_*`` methods raise ``ConfigurationError`` (naming the fix) when not."""
+        """The beat scheduler's tables (``kombu_pgmq.beat_entries``...) are in this database;
+        the other ``beat_*`` methods raise ``ConfigurationError`` (naming the fix) when
+        not."""
         return BeatStore(self._db).installed()
 
     def beat_entries(self) -> list[StoredEntry]:

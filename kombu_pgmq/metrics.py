@@ -110,13 +110,14 @@ metrics are left out, and nothing fails, when the database has no result backend
 (schema older than version 18) or the role may not read their statistics; they cost one
 scan of ``kombu_pgmq.results`` per snapshot (``results=False`` turns them off). The beat
 metrics (:mod:`kombu_pgmq.beat`: two more statements per snapshot, the leader and the
-entries; ``beat=False`` turns them off) are left out the same way without migration 0020
-or the privilege (a ``producer`` or ``worker`` role has it). Alert on, for example,
-``max(kombu_pgmq_beat_leader) < 1`` (no beat leads) or ``time() -
+entries; ``beat=False`` turns them off) are left out the same way without the beat tables
+(``kombu_pgmq.beat_entries``) or the privilege (a ``producer`` or ``worker`` role has it).
+Alert on, for example, ``max(kombu_pgmq_beat_leader) < 1`` (no beat leads) or ``time() -
 kombu_pgmq_beat_next_run_timestamp_seconds > 60 and kombu_pgmq_beat_entry_enabled == 1``
 (a tick is late). The limit metrics (one more statement per snapshot, counting the
-in-flight messages of each limited queue) are left out the same way without migration
-0021 or the privilege (a ``worker`` role has it, a ``producer`` role not).
+in-flight messages of each limited queue) are left out the same way without the limits
+(``kombu_pgmq.limits_info``) or the privilege (a ``worker`` role has it, a ``producer``
+role not).
 """
 
 from __future__ import annotations

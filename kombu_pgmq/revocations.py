@@ -1,4 +1,4 @@
-"""Durable revocations of Celery tasks (issue 27, migration 0018's ``kombu_pgmq.revoked``).
+"""Durable revocations of Celery tasks (table ``kombu_pgmq.revoked``).
 
 Celery keeps revoked task ids in each worker's memory (and its ``--statedb`` file): a
 worker started after ``AsyncResult.revoke()`` runs the task anyway, and the task's result

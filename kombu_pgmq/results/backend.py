@@ -28,7 +28,7 @@ with nothing after it means the broker's database when the broker is kombu_pgmq'
 :func:`kombu_pgmq.default_broker_url` (``$KOMBU_PGMQ_URL``, ``$DATABASE_URL``, or an
 embedded PostgreSQL). Passwords never appear in logs or in ``as_uri()``.
 
-Storage: table ``kombu_pgmq.results`` (migration 0018), one row per Celery key with the
+Storage: table ``kombu_pgmq.results``, one row per Celery key with the
 meta as Celery encodes it (``result_serializer``, ``result_compression``), its state and
 its expiry. The tables are installed by the broker's migrations under the same advisory
 lock; least-privilege roles reach them only through functions (``kombu-pgmq schema

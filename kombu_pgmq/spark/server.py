@@ -368,7 +368,7 @@ def _command(port: int, master: str, properties: Path) -> list[str]:
         f"spark.connect.grpc.binding.port={port}",
         "--properties-file",
         str(properties),
-        "--load-spark-defaults",  # spark-defaults.conf as before, under these settings
+        "--load-spark-defaults",  # spark-defaults.conf too, under these settings
     ]
 
 
