@@ -1,4 +1,4 @@
-"""Beat failover end to end (issue 28): real ``celery beat`` processes with
+"""Beat failover end to end: real ``celery beat`` processes with
 ``kombu_pgmq.beat:Scheduler`` and a real worker, on a private PostgreSQL server (a copy
 of the session's bootstrapped one, so the test may crash and restart it).
 

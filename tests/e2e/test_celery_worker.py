@@ -116,7 +116,7 @@ def test_warm_shutdown_makes_unacked_message_visible_again_without_a_copy(
     assert worker.stop() == 0
     ((_, read_ct, task_id),) = queue_rows(db, "q_celery")
     # read_ct only grows (a receipt names one delivery forever); the restore is counted
-    # in x-kombu-restored, so it never counts toward max_deliveries (migration 0015)
+    # in x-kombu-restored, so it never counts toward max_deliveries
     assert (read_ct, task_id) == (1, result.id)
     (restored,) = db.execute("SELECT headers->'x-kombu-restored' FROM pgmq.q_celery").fetchone()
     assert restored == 1
@@ -128,7 +128,7 @@ def test_warm_shutdown_makes_unacked_message_visible_again_without_a_copy(
 def test_expired_tasks_end_revoked_not_pending(
     app: Celery, db: psycopg.Connection, start_worker: Callable[..., Worker]
 ) -> None:
-    """Issue 27, item 8 (Celery's ``test_tasks::test_expired``): ``expires=`` becomes the
+    """As Celery's ``test_tasks::test_expired``: ``expires=`` becomes the
     message's ``expiration`` too; the transport hands the expired task to the worker,
     which revokes it (REVOKED in the result store) and acks it, instead of dropping it
     unseen (PENDING forever)."""

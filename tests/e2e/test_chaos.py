@@ -1,4 +1,4 @@
-"""Fault injection in CI (issue 14): Celery workers SIGKILLed every 2 s and PostgreSQL
+"""Fault injection in CI: Celery workers SIGKILLed every 2 s and PostgreSQL
 crashed (``pg_ctl stop -m immediate``) while 2,000 ``acks_late`` tasks are published
 and run: every published task runs, none is lost. The full-size run (4 workers x
 20,000 tasks, against Redis and RabbitMQ too) is ``benchmarks/chaos.py``.

@@ -1,4 +1,4 @@
-"""The connection budget (issue 30, item 2; ``docs/connections.md``): the PostgreSQL
+"""The connection budget (``docs/connections.md``): the PostgreSQL
 connections a real ``celery worker`` holds per pool type (prefork, threads, solo, gevent),
 idle and after running tasks, with and without the result backend, beat (``-B``) and
 events (``-E``), and those of a producer process, counted in ``pg_stat_activity``.

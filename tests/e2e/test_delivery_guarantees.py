@@ -101,7 +101,7 @@ def test_countdown_of_three_visibility_timeouts_runs_once_on_time(
 def test_a_worker_fed_random_rows_runs_the_tasks_among_them_and_never_stops(
     app: Celery, db: psycopg.Connection, start_worker: Callable[..., Worker]
 ) -> None:
-    """The fault suite's fuzz under Celery (issue 25): 300 random rows inserted by SQL
+    """The fault suite's fuzz under Celery: 300 random rows inserted by SQL
     (tests/support/fuzz_rows.py: envelopes of every wrong shape, unknown encodings,
     valid Kombu messages that are no Celery task) among 20 real tasks. The worker runs
     every task, never stops, and each row ends settled: archived (Celery acked it, e.g.
@@ -127,7 +127,7 @@ def test_a_worker_fed_random_rows_runs_the_tasks_among_them_and_never_stops(
 def test_a_due_countdown_task_wakes_the_worker_not_its_fallback_poll(
     app: Celery, db: psycopg.Connection, start_worker: Callable[..., Worker], e2e_env: dict
 ) -> None:
-    """Issue 25, item 5, in Celery's event loop: with a 30 s fallback poll and no ETA
+    """Due messages wake consumers in Celery's event loop too: with a 30 s fallback poll and no ETA
     lead, a countdown task becomes visible in its queue table and the idle worker reads
     it then (a timer at the due time the publish announced), not 30 s later."""
     settings = {"KPT_POLLING_INTERVAL": "30", "KPT_ETA_LEAD_SECONDS": "0"}
@@ -193,10 +193,10 @@ def test_task_crashing_its_worker_process_is_dead_lettered_after_max_deliveries(
 def test_rows_no_worker_can_decode_never_stop_the_queue(
     app: Celery, db: psycopg.Connection, start_worker: Callable[..., Worker], db_dsn: str
 ) -> None:
-    """Issue 25, item 1: rows naming a body encoding kombu does not know (``rot13``,
-    ``BASE64``) used to raise out of the worker's event loop ("Unrecoverable error") on
-    every start, so the tasks behind them never ran. Now each is dead-lettered alone
-    (reason ``undecodable``, with the error) and the worker runs the rest."""
+    """Rows naming a body encoding kombu does not know (``rot13``, ``BASE64``) are each
+    dead-lettered alone (reason ``undecodable``, with the error) and the worker runs the
+    rest. Raised out of the worker's event loop ("Unrecoverable error"), they would stop
+    it on every start, and the tasks behind them would never run."""
     add = app.tasks["e2e.add"]
     first = add.delay(1, 1)  # declares the queue
     for encoding in ("rot13", "BASE64"):
@@ -349,7 +349,7 @@ def test_database_restart_during_a_long_task_causes_no_duplicate(tmp_path: Path)
 def test_locked_table_and_open_enqueue_transaction_starve_no_lease(
     app: Celery, db: psycopg.Connection, db_dsn: str, start_worker: Callable[..., Worker]
 ) -> None:
-    """Issue 13: workers start while an application's transaction that enqueued stays
+    """Workers start while an application's transaction that enqueued stays
     open; while one runs a task of 4 x VT, a session holds ACCESS EXCLUSIVE on the table
     the heartbeats write for 3 x VT. The task runs exactly once (the other worker reads
     the queue all along): leases renew on a connection of their own."""

@@ -1,4 +1,4 @@
-"""Failover with a real Celery worker (issue 14, item 10): a primary and a synchronous
+"""Failover with a real Celery worker: a primary and a synchronous
 streaming standby made by the test (``initdb``, ``pg_basebackup``, ``pg_ctl``); the
 worker and the producer use kombu's failover list ``url_standby;url_primary`` (the
 standby first: a connection must never settle on the read-only server). Tasks run, the

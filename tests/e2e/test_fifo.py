@@ -1,4 +1,4 @@
-"""FIFO groups with real workers (issue 15, item 4): 2 workers x 4 processes consume a
+"""FIFO groups with real workers: 2 workers x 4 processes consume a
 queue declared with ``x-fifo-groups``; 4 groups x 12 steps, published interleaved with
 Celery's ``headers={"x-group-id": ...}``: each group's steps run one at a time in publish
 order, and different groups run at the same time, with ``acks_late`` tasks (the next step

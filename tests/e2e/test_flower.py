@@ -1,4 +1,4 @@
-"""Flower on a kombu_pgmq broker, in a real browser (issue 16): Flower started with
+"""Flower on a kombu_pgmq broker, in a real browser: Flower started with
 ``python -m kombu_pgmq.flower -A app flower``, a worker consuming ``celery``, headless
 Chromium (Debian's ``chromium`` and ``chromium-driver``, driven by Selenium) opens the
 Broker page and finds the queue with its message counts (Messages = Unacked + Ready +

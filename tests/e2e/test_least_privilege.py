@@ -1,4 +1,4 @@
-"""Least privilege with real Celery processes (issue 14): the schema is installed by an
+"""Least privilege with real Celery processes: the schema is installed by an
 owner role that is no superuser; a ``celery worker`` logs in as a worker role
 (``install_schema=False``), declares its queues and its remote-control (pidbox) queue,
 and runs tasks that an application publishes as a producer role; ``celery inspect ping``

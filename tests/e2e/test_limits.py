@@ -1,4 +1,4 @@
-"""Fleet-wide limits with real workers (issue 29, "Tests"): ``celery worker`` subprocesses
+"""Fleet-wide limits with real workers: ``celery worker`` subprocesses
 consume queue ``celery`` limited by the transport option ``queue_limits`` or by
 ``kombu_pgmq.set_queue_limits``; task ``e2e.limited_run`` (``acks_late``: a message is in
 flight until its body has ended) records the wall-clock start and end of its body in

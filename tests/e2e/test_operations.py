@@ -1,4 +1,4 @@
-"""Steering a running Celery worker from the command line (issue 16): ``kombu-pgmq queue
+"""Steering a running Celery worker from the command line: ``kombu-pgmq queue
 pause|resume`` (the worker stops receiving, publishes land, ``celery inspect
 active_queues`` is unchanged, resume delivers at once) and ``kombu-pgmq task cancel`` (a
 queued countdown task never runs, even for a worker started afterwards; a task already

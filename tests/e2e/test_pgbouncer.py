@@ -1,5 +1,5 @@
-"""A real ``celery worker`` whose broker URL is a PgBouncer's in transaction mode
-(issue 30, item 1): ``broker_transport_options = {"pooler": "transaction", "direct_url":
+"""A real ``celery worker`` whose broker URL is a PgBouncer's in transaction mode:
+``broker_transport_options = {"pooler": "transaction", "direct_url":
 <the server>}``, kombu_pgmq's result backend on the broker's database (``postgresql://``:
 the broker's pooler and direct_url). The session's PgBouncer (tests/conftest.py
 ``pgbouncer``) has 2 server connections per database, shared by the worker's and this

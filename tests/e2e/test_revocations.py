@@ -1,4 +1,4 @@
-"""End to end: durable revocations (issue 27, item 5; :mod:`kombu_pgmq.revocations`).
+"""End to end: durable revocations (:mod:`kombu_pgmq.revocations`).
 
 Celery keeps revoked task ids in each worker's memory: a task revoked while no worker runs
 is executed by the next worker that starts. On kombu_pgmq the revoke broadcast is also

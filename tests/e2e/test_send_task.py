@@ -1,4 +1,4 @@
-"""A Celery task enqueued from SQL (issue 15, item 2): a trigger on ``INSERT INTO orders``
+"""A Celery task enqueued from SQL: a trigger on ``INSERT INTO orders``
 calls ``kombu_pgmq.send_task`` in the inserting transaction; a stock worker runs the task
 of a committed insert, and a rolled-back insert enqueues nothing."""
 

@@ -1,4 +1,4 @@
-"""Enqueue inside the application's transaction (issue 15, item 1), with a real worker:
+"""Enqueue inside the application's transaction, with a real worker:
 ``kombu_pgmq.using(conn)`` on a psycopg 3 connection, a SQLAlchemy Session and a Django
 connection. Commit: the task runs once; rollback: it never runs (it never reached the
 queue table); a savepoint rolled back: its tasks never run, the rest of the transaction's

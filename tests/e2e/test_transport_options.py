@@ -1,4 +1,4 @@
-"""A ``celery worker`` with a bad transport option (issue 25, item 8) stops at once with
+"""A ``celery worker`` with a bad transport option stops at once with
 one line naming the option, the value and the fix, instead of starting with a misspelt
 option ignored (the default silently in force) or dying with Python's 60-line traceback
 from the transport's constructor (called inside ``app.Worker(...)``, before Celery's

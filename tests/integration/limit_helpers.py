@@ -1,4 +1,4 @@
-"""Helpers of the limits tests (issue 29, migration 0021): limits set and read back through
+"""Helpers of the limits tests: limits set and read back through
 SQL, reads through ``kombu_pgmq.read`` as a worker sends them, Kombu consumers that hold
 what they get."""
 

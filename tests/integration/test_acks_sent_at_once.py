@@ -1,4 +1,4 @@
-"""Acks sent at once, without waiting for their result (issue 25, item 11): the connector's
+"""Acks sent at once, without waiting for their result: the connector's
 ``send_nowait`` (a prepared statement sent, its result read before the next statement),
 and what the transport does with an ack whose result says it failed."""
 

@@ -1,8 +1,8 @@
 """``kombu-pgmq queue limit`` and the limits column of ``kombu-pgmq queues`` on a real
-PostgreSQL (migration 0021): set, change (the others kept), show with their use (messages
+PostgreSQL: set, change (the others kept), show with their use (messages
 in flight held by a live consumer), clear (a FIFO queue keeps its group limit), --json,
 errors naming the option or the queue and the fix, and ``queues`` still working when the
-limits cannot be read (no migration 0021, a producer role).
+limits cannot be read (no ``kombu_pgmq.limits_info``, a producer role).
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ def test_queues_without_migration_0021_or_the_privilege(
     with connect(db_dsn) as conn:
         publish(conn, "lim_old", [1])
     limit(db_dsn, "lim_old", "--concurrency", "4")
-    sql(db_dsn, "DROP FUNCTION kombu_pgmq.limits_info(text)")  # as before migration 0021
+    sql(db_dsn, "DROP FUNCTION kombu_pgmq.limits_info(text)")  # a schema without limits
     rows = queue_rows(db_dsn)
     assert rows["lim_old"]["ready"] == 1 and rows["lim_old"]["limits"] is None
     assert invoke("queues", "--url", db_dsn).exit_code == 0

@@ -1,4 +1,4 @@
-"""Coalesced reads (issue 17): while a channel holds messages it reads again only once
+"""Coalesced reads: while a channel holds messages it reads again only once
 half its prefetch window is free, so a backlog is read several messages per round trip;
 an ack made while the read is put off is sent at once, without waiting for its result."""
 
@@ -91,11 +91,11 @@ with Connection(sys.argv[1]) as conn:
 
 
 def test_an_ack_is_on_the_server_before_the_worker_can_die(db_dsn: str) -> None:
-    """Issue 25, item 11: in Celery's event loop an ack made while the read is put off
-    used to wait up to 0.1 s for the read to ride along with; a worker SIGKILLed in that
-    window ran the finished task again. Now the loop's next turn sends it at once
-    (without waiting for the result): it is archived even though the process is killed
-    right after that turn."""
+    """In Celery's event loop an ack made while the read is put off is sent at the
+    loop's next turn (without waiting for the result), not with the read: it is archived
+    even though the process is killed right after that turn. An ack that waited for the
+    read (up to 0.1 s) would let a worker SIGKILLed in that window run the finished task
+    again."""
     import subprocess
     import sys
 

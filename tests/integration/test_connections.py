@@ -1,9 +1,8 @@
-"""One connection per concern, fork safety, and the defects of issue 13, against a real
-PostgreSQL. Each test here failed on the code before the redesign (commit ca9423a; see
-the closing note of issue 13): a shared connection let a blocked statement starve lease
-renewal, a forked child ended its parent's session, close leaked a connection, a LISTEN
-socket above fd 1024 made drain_events spin, an unexpected error killed the heartbeat
-thread, and rows were decoded by position."""
+"""One connection per concern and fork safety, against a real PostgreSQL. Each test
+fails on the defect it names: a shared connection lets a blocked statement starve lease
+renewal, a forked child ends its parent's session, close leaks a connection, a LISTEN
+socket above fd 1024 makes drain_events spin, an unexpected error kills the heartbeat
+thread, rows decoded by position break."""
 
 from __future__ import annotations
 
@@ -119,7 +118,7 @@ def test_locked_table_of_the_heartbeat_starves_no_lease(db_dsn):
 
 def test_reaper_skips_a_queue_locked_by_a_reader(db_dsn):
     """The reaper's DROP would wait for a reader's open transaction: it skips the queue
-    this round instead (migration 0006), and drops it once the reader is done."""
+    this round instead (it locks NOWAIT), and drops it once the reader is done."""
     with connect(db_dsn) as conn:
         Queue("expiring.locked", expires=0.3)(conn.channel()).declare()
         time.sleep(0.5)

@@ -1,4 +1,4 @@
-"""Deduplication ids (issue 15, item 3; SQS FIFO's ``MessageDeduplicationId``): a message
+"""Deduplication ids (SQS FIFO's ``MessageDeduplicationId``): a message
 with an ``x-deduplication-id`` header (or, on a queue declared with
 ``x-deduplicate-task-id``, a Celery task id) is enqueued once per queue within
 ``deduplication_window`` seconds; concurrent publishers never enqueue a duplicate and
@@ -165,10 +165,10 @@ AWKWARD_HEADERS = [{"argsrepr": "('\x00',)"}, {"ratio": float("nan")}, {"note": 
 @pytest.mark.parametrize("other", AWKWARD_HEADERS, ids=["nul", "nan", "surrogate"])
 @pytest.mark.parametrize("dedup_id", ["BANaNa-1", "acct-NaN-1", "Infinity", "a\\u0000b"])
 def test_an_id_that_looks_like_nan_or_nul_still_deduplicates(db_dsn, dedup_id, other):
-    """Issue 25, item 2: a substring test on the headers' JSON text used to move an id
-    containing 'NaN', 'Infinity' or an escaped backslash before 'u0000' into the exact
-    (base64) block whenever another header forced it: the server never saw the id and
-    deduplication silently switched off."""
+    """An id containing 'NaN', 'Infinity' or an escaped backslash before 'u0000' stays
+    readable to the server when another header forces the exact (base64) block. Fails on
+    a substring test of the headers' JSON text: it moves such an id into that block, the
+    server never sees it and deduplication silently switches off."""
     with connect(db_dsn) as conn:
         producer = Producer(conn)
         for _ in range(3):
@@ -221,7 +221,7 @@ def test_a_second_channel_publishes_to_a_plain_queue_with_the_direct_statement(d
     """A queue declared on one channel of a connection is known to all its channels: a
     publish on another channel (Celery's producer pool, kombu's maybe_declare cache)
     takes the plan-cached ``send_queue`` statement, not the deduplicating function
-    (0.4 against 0.6 ms a publish; issue 30). Fails if each channel knew only its own
+    (0.4 against 0.6 ms a publish, measured). Fails if each channel knew only its own
     declarations."""
     from kombu_pgmq._db.broker import Broker
 

@@ -67,7 +67,7 @@ def test_routed_publish_is_delayed_too(db_dsn):
         assert 2.0 < left <= 3.0
 
 
-# -- due messages wake consumers (issue 25, item 5) ---------------------------------------
+# -- due messages wake consumers -------------------------------------------------------
 
 #: A queue whose messages expire 0.6 s after they become visible; the consumer's
 #: fallback poll (30 s) would find a delayed message long after that.
@@ -103,9 +103,9 @@ def _publish_delayed(url: str, how: str) -> None:
 
 @pytest.mark.parametrize("how", ["direct", "deduplicated", "routed", "transaction"])
 def test_a_due_message_wakes_its_waiting_consumer_before_its_ttl_ends(db_dsn, how):
-    """A delayed message with a TTL shorter than the fallback poll's lag used to be
-    deleted unseen (nothing woke the consumer when it became due). Now the publish tells
-    waiting consumers its due time and they read it then."""
+    """A delayed message with a TTL shorter than the fallback poll's lag is delivered:
+    the publish tells waiting consumers its due time and they read it then (left to the
+    fallback poll, it would be deleted unseen)."""
     got: list[Any] = []
     with connect(db_dsn, polling_interval=30) as conn:
         SHORT_TTL(conn.channel()).declare()

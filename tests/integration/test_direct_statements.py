@@ -234,7 +234,7 @@ def test_least_privilege_roles_run_the_queue_s_own_functions(least_privilege_db:
 def test_a_handed_over_row_is_pgmq_s_delivered_row(
     url: str, request: pytest.FixtureRequest
 ) -> None:
-    """A publish handed to a waiting consumer (migration 0023) writes the row as
+    """A publish handed to a waiting consumer writes the row as
     pgmq.read leaves a delivered one (read_ct 1, vt ahead, last_read_at where the table
     has it); the consumer's ack archives it as pgmq.archive would."""
 

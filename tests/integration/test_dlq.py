@@ -63,9 +63,9 @@ def test_list_with_filters(letters):
 
 
 def test_task_filter_finds_a_task_whose_name_looks_like_nan(db_dsn):
-    """Issue 25, item 2: a task named with 'NaN' in it, published with a header jsonb
-    cannot hold (argsrepr with a NUL), used to lose its readable ``task`` header, so
-    ``kombu-pgmq dlq list --task`` never found it."""
+    """A task named with 'NaN' in it, published with a header jsonb cannot hold (argsrepr
+    with a NUL), keeps its readable ``task`` header: ``kombu-pgmq dlq list --task`` finds
+    it."""
     with connect(db_dsn) as conn:
         _dead_letter(
             conn,

@@ -148,7 +148,7 @@ def test_server_left_running_by_a_deleted_virtualenv_is_restarted(embedded_dir: 
 
 
 def test_embedded_server_is_not_reachable_by_other_local_users(embedded_dir: Path) -> None:
-    """Issue 14 (local servers): trust authentication is safe only because nobody else
+    """Trust authentication is safe only because nobody else
     can reach the server: no TCP listener, and the socket sits in a directory only its
     owner may enter."""
     import stat

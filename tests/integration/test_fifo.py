@@ -1,4 +1,4 @@
-"""FIFO groups (issue 15, item 4; SQS FIFO's ``MessageGroupId``): on a queue declared with
+"""FIFO groups (SQS FIFO's ``MessageGroupId``): on a queue declared with
 ``x-fifo-groups``, messages with the same ``x-group-id`` header are delivered one at a time
 in publish order (the next only once the previous is acked or dead-lettered), different
 groups in parallel; messages without the header are not grouped."""
@@ -113,9 +113,9 @@ def test_fifo_queues_cannot_have_priorities(db_dsn):
 
 @pytest.mark.parametrize("group", ["acct-NaN-1", "Infinity", "BANaNa"])
 def test_a_group_id_that_looks_like_nan_keeps_its_order_beside_awkward_headers(db_dsn, group):
-    """Issue 25, item 2: with another header jsonb cannot hold (a NUL in argsrepr), a
-    group id containing 'NaN' used to vanish from the headers the server reads: the
-    group's messages were delivered all at once."""
+    """With another header jsonb cannot hold (a NUL in argsrepr), a group id containing
+    'NaN' stays in the headers the server reads: the group's messages go out one at a
+    time, not all at once."""
     with connect(db_dsn) as conn:
         producer = Producer(conn)
         for step in range(3):

@@ -1,4 +1,4 @@
-"""Hand-over at publish (issue 30, item 4; migration 0023): a publish to a queue an idle
+"""Hand-over at publish: a publish to a queue an idle
 consumer waits on writes the row as delivered to that consumer and sends it in the
 consumer's NOTIFY. Every test counts the messages: a hand-over that goes wrong must leave
 the message visible, or visible again after its visibility timeout, never lost."""

@@ -248,7 +248,7 @@ def test_consumed_queue_dropped_underneath_is_recreated_with_its_bindings(db_dsn
 
 
 def test_message_ttl_counts_from_when_a_delayed_message_becomes_visible(db_dsn):
-    """Issue 14, item 5: x-message-ttl 2 s and a 3 s delay (a countdown): delivered, not
+    """x-message-ttl 2 s and a 3 s delay (a countdown): delivered, not
     deleted undelivered (the TTL starts when the message becomes visible)."""
     with connect(db_dsn, polling_interval=0.2) as conn:
         q = Queue("ttl.delayed", message_ttl=2)
@@ -259,7 +259,7 @@ def test_message_ttl_counts_from_when_a_delayed_message_becomes_visible(db_dsn):
 
 
 def test_basic_get_and_publishes_count_as_use_of_an_x_expires_queue(db_dsn):
-    """Issue 14, item 6: a queue polled with basic_get only, and one that keeps receiving
+    """A queue polled with basic_get only, and one that keeps receiving
     messages, are not dropped by x-expires."""
     with connect(db_dsn) as conn:
         Queue("polled.q", expires=1)(conn.channel()).declare()
@@ -290,7 +290,7 @@ def test_mandatory_publish_without_a_binding_raises(db_dsn):
 
 
 def test_consumers_get_a_full_stale_after_from_a_database_restart(db_dsn):
-    """Issue 14, item 8: heartbeats could not be sent while the server was down; a
+    """Heartbeats could not be sent while the server was down; a
     consumer whose last heartbeat is older than stale_after, but from before the server
     started, is not judged until stale_after has passed since the start."""
     with connect(db_dsn) as conn:

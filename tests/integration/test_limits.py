@@ -1,4 +1,4 @@
-"""Fleet-wide queue limits (issue 29, migration 0021) against a real PostgreSQL, through
+"""Fleet-wide queue limits against a real PostgreSQL, through
 Kombu connections and SQL: a queue's concurrency holds across connections and an ack
 hands the freed slot to a waiting consumer at once; slots come back when leases expire;
 a rate is a token bucket; a refused delivery is not a delivery; priorities, other queues
@@ -86,7 +86,7 @@ def test_slots_come_back_when_an_abandoned_consumers_leases_expire(db_dsn):
             assert len(next_one.got) == 3
             back = next_one.got[-1][0] - taken
             assert 1.5 < back < 2 + 1.5, back
-            # the oldest visible first (issue 30: the read's vt order): the three never
+            # the oldest visible first (the read's vt order): the three never
             # delivered, then the three whose lease ran out, delivered a second time
             assert sorted(int(m.body) for m in next_one.messages()) == [3, 4, 5]
             for message in next_one.held:

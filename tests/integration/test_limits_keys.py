@@ -1,4 +1,4 @@
-"""Per-key limits (issue 29, item 2 and 3; migration 0021) against a real PostgreSQL: a
+"""Per-key limits against a real PostgreSQL: a
 message's key is its ``x-limit-key`` header (or the Celery task name, ``limit_key="task"``;
 FIFO queues key by ``x-group-id``); no key goes over ``key_concurrency`` or ``key_rate``,
 a saturated key never holds back other keys, messages without a key are not key-limited,

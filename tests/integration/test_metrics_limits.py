@@ -1,7 +1,7 @@
 """The limit metrics of ``kombu-pgmq metrics serve`` (:mod:`kombu_pgmq._metrics_limits`)
 on a real PostgreSQL: a queue's limits, its messages in flight held by a live consumer,
 tokens, keys at their limit and the reads held back; none for a queue without limits;
-left out, with ``kombu_pgmq_up 1``, without migration 0021 or the privilege."""
+left out, with ``kombu_pgmq_up 1``, without ``kombu_pgmq.limits_info`` or the privilege."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def test_no_limit_metrics_without_migration_0021_or_the_privilege(
     with serving(lp.worker_url, cache_seconds=0) as port:  # a worker may read them
         body = get(f"http://127.0.0.1:{port}/metrics")[2]
         assert value(body, LIMIT, queue="mlim_lp", limit="concurrency") == 2
-    sql(db_dsn, "DROP FUNCTION kombu_pgmq.limits_info(text)")  # as before migration 0021
+    sql(db_dsn, "DROP FUNCTION kombu_pgmq.limits_info(text)")  # a schema without limits
     for url, queue in ((db_dsn, "mlim_old"), (lp.producer_url, "mlim_lp")):
         with serving(url, cache_seconds=0) as port:
             first, again = (get(f"http://127.0.0.1:{port}/metrics")[2] for _ in range(2))

@@ -1,9 +1,9 @@
-"""``kombu_pgmq.metrics.serve`` on a real PostgreSQL (issue 25): it listens on 127.0.0.1
+"""``kombu_pgmq.metrics.serve`` on a real PostgreSQL: it listens on 127.0.0.1
 unless told otherwise, serves HTTPS with a certificate made here (openssl) and refuses
 plain HTTP then, checks client certificates (mutual TLS), is not stalled by a client that
 connects and sends nothing, requires HTTP basic auth, and reads the statistics once per
-cache window, once for any number of concurrent scrapes. The beat metrics (issue 28) of a
-beat leading in this process, and none (``up`` still 1) without migration 0020 or the
+cache window, once for any number of concurrent scrapes. The beat metrics of a beat
+leading in this process, and none (``up`` still 1) without the beat tables or the
 privilege. (The command: test_cli_operations.)
 """
 
@@ -416,7 +416,7 @@ def test_no_beat_metrics_without_the_tables_or_the_privilege(
 ) -> None:
     from psycopg import sql as pgsql
 
-    sql(db_dsn, "DROP FUNCTION kombu_pgmq.beat_list()")  # as before migration 0020
+    sql(db_dsn, "DROP FUNCTION kombu_pgmq.beat_list()")  # a schema without beat
     lp = least_privilege_db
     ok("add", "--url", lp.producer_url, "tick", TASK, "--every", "30")  # a producer may
     with serving(lp.producer_url, cache_seconds=0) as port:

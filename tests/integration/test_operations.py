@@ -1,4 +1,4 @@
-"""See and steer the broker (issue 16), against a real PostgreSQL: queue statistics
+"""See and steer the broker, against a real PostgreSQL: queue statistics
 (states, bands summed, oldest age, archive, consumers, dead letters), passive declare's
 message_count, Prometheus collectors, peek, pause/resume and the durable cancel.
 Statistics, pause and cancel run on PGMQ's SQL-only install and on the extension.
@@ -256,7 +256,7 @@ def test_cancel_archives_queued_and_delayed_messages_but_not_held_ones(url):
 
 def test_pgmq_functions_still_work_on_the_queues(url):
     """Pause and statistics add rows of kombu_pgmq's own tables only: PGMQ's functions
-    read, archive and measure the same queue tables as before."""
+    read, archive and measure a paused queue's tables as any other."""
     with connect(url) as conn, Management(url) as management:
         publish(conn, "ops_pgmq", [1, 2])
         management.pause("ops_pgmq")
@@ -290,7 +290,7 @@ def test_queue_collector_exports_results_by_state(db_dsn):
 
 
 def test_no_result_metrics_without_the_tables_or_the_privilege(db_dsn, least_privilege_db):
-    sql(db_dsn, "DROP FUNCTION kombu_pgmq.results_stats()")  # as before migration 0018
+    sql(db_dsn, "DROP FUNCTION kombu_pgmq.results_stats()")  # a schema without the result backend
     lp = least_privilege_db
     revoke = "REVOKE EXECUTE ON FUNCTION kombu_pgmq.results_stats() FROM {}"
     sql(lp.owner_url, pgsql.SQL(revoke).format(pgsql.Identifier(lp.producer)))

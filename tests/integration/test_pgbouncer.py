@@ -1,4 +1,4 @@
-"""Through PgBouncer in transaction mode (issue 30, item 1): a real pgbouncer 1.18
+"""Through PgBouncer in transaction mode: a real pgbouncer 1.18
 (:mod:`tests.support.pgbouncer`; 1.21+ for prepared statements through the pooler,
 ``pooler_prepared_statements``) with 2 server connections per database and
 ``server_round_robin`` on, shared by 3 or more Kombu connections, so consecutive

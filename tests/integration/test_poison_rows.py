@@ -1,4 +1,4 @@
-"""Issue 25, item 1: a row no consumer can turn into a Kombu message (an unknown body
+"""A row no consumer can turn into a Kombu message (an unknown body
 encoding, a body the named encoding cannot decode, headers of the wrong shape) is
 dead-lettered alone with reason ``undecodable`` and the error; the rest is delivered.
 Whoever may insert a row must not be able to stop a queue."""
@@ -117,7 +117,7 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def test_fuzz_1000_random_rows_are_each_delivered_exactly_or_dead_lettered(db_dsn):
-    """The fault suite's fuzz (issue 25): 1,000 rows inserted by SQL with random envelopes,
+    """The fault suite's fuzz: 1,000 rows inserted by SQL with random envelopes,
     headers, body encodings and compression. Every row written by kombu_pgmq's encoder
     comes back exactly (body and headers); every other row is delivered or dead-lettered
     with reason ``undecodable``; each is accounted for once; the consumer never stops."""

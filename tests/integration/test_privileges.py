@@ -1,4 +1,4 @@
-"""Least privilege (issue 14): an owner role that is no superuser installs the schema; a
+"""Least privilege: an owner role that is no superuser installs the schema; a
 producer role may only publish; a worker role may consume, ack, reject and declare its
 own queues, nothing else (``install_schema=False``). Each refusal is checked on a real
 server, as the role itself, through Kombu and in plain SQL.
@@ -215,8 +215,8 @@ def _sql_invalid(url: str, statement: str) -> str:
 
 
 def test_a_worker_may_not_read_drain_or_purge_the_dead_letter_queue(least_privilege_db):
-    """Issue 25, item 6: the dead-letter queue is the owner's. The generic functions
-    (kombu_pgmq.read, pop, purge) used to serve it to a worker role too."""
+    """The dead-letter queue is the owner's: the generic functions (kombu_pgmq.read,
+    pop, purge) do not serve it to a worker role."""
     db = least_privilege_db
     _declare_as_worker(db)
     with _connection(db.worker_url) as conn:
@@ -249,8 +249,8 @@ def test_a_worker_may_not_read_drain_or_purge_the_dead_letter_queue(least_privil
 
 
 def test_a_producer_may_not_create_queues_through_send_task(least_privilege_db):
-    """Issue 25, item 6: kombu_pgmq.send_task created a plain-named queue it did not find,
-    for a producer too; creating queues is a worker's or the owner's."""
+    """kombu_pgmq.send_task creates a plain-named queue it does not find only for a worker
+    or the owner: creating queues is theirs, not a producer's."""
     db = least_privilege_db
     refusal = _sql_refused(
         db.producer_url, "SELECT kombu_pgmq.send_task('tasks.t', '[]', '{}', 'brand_new')"
@@ -268,9 +268,9 @@ def test_a_producer_may_not_create_queues_through_send_task(least_privilege_db):
 
 
 def test_every_window_a_caller_sets_is_capped(least_privilege_db):
-    """Issue 25, item 6: a producer's deduplication claim lasted until the year 33715
-    (publish(..., 1e12)); a worker could hide a message for 68 years, hold every
-    publisher of a queue behind an endless lock wait, or keep a consumer alive forever."""
+    """Refused on the server: a producer's deduplication claim until the year 33715
+    (publish(..., 1e12)), a worker hiding a message for 68 years, holding every
+    publisher of a queue behind an endless lock wait, or keeping a consumer alive forever."""
     db = least_privilege_db
     _declare_as_worker(db)
     for statement in (
@@ -353,8 +353,8 @@ def test_an_owner_without_the_grant_option_on_pgmq_gets_the_fix(extension_server
 
 
 def test_a_worker_archives_expired_messages(least_privilege_db):
-    """Issue 27, item 8: a worker role (no rights on PGMQ's tables) archives an expired
-    message too, with its reason (through kombu_pgmq.archive_expired, migration 0019),
+    """A worker role (no rights on PGMQ's tables) archives an expired message too, with
+    its reason (through kombu_pgmq.archive_expired),
     never deletes it."""
     db = least_privilege_db
     _declare_as_worker(db)
@@ -414,7 +414,7 @@ def test_a_role_that_may_not_write_wal_messages_still_publishes(least_privilege_
 
 def test_in_the_event_loop_a_worker_without_table_rights_polls_by_reading(least_privilege_db):
     """The fallback poll's probe (Celery's event loop) reads PGMQ's tables, which a worker
-    role may not: its answer is the refusal, every consumed queue is read as before (a
+    role may not: its answer is the refusal, every consumed queue is read as without a probe (a
     message no publish notified is still delivered), and the LISTEN connection probes no
     more."""
     from .helpers import FakeHub

@@ -1,4 +1,4 @@
-"""Receipt handles (migration 0007): acks, requeues, restores and dead-letters settle a
+"""Receipt handles: acks, requeues, restores and dead-letters settle a
 delivery only while it still holds the message; restores do not count as deliveries;
 an UNLOGGED queue that reuses ids after a crash never has a new message acked by an old
 receipt, and an archive conflict never fails a read."""
@@ -78,10 +78,10 @@ def test_restores_do_not_count_toward_max_deliveries(db_dsn):
 
 
 def test_a_stale_receipt_never_matches_a_later_delivery_after_a_restore(db_dsn, caplog):
-    """Issue 25, item 4: A's delivery lapses, B gets the message (read_ct 2) and closes
-    its channel (a restore). read_ct used to go back to 1, so A's stale receipt matched
-    again and A's late reject dead-lettered the message. Now read_ct stays 2: A's reject
-    is stale, logged, not applied; the message is delivered again."""
+    """A's delivery lapses, B gets the message (read_ct 2) and closes its channel (a
+    restore). read_ct stays 2: A's reject is stale, logged, not applied; the message is
+    delivered again. Fails if a restore takes read_ct back to 1: A's stale receipt would
+    match again and A's late reject dead-letter the message."""
     with connect(db_dsn, visibility_timeout=1, lease_renewal_interval=0) as a:
         publish(a, "restored_again", ["x"])
         old = a.channel().basic_get("restored_again")
@@ -136,11 +136,11 @@ def _archive(db_dsn: str, queue: str) -> list[tuple[Any, ...]]:
 
 
 def test_an_ack_of_a_reused_id_is_archived_under_a_new_one(db_dsn):
-    """Issue 25, item 3: after a crash emptied an UNLOGGED queue and restarted its ids
-    (simulated: TRUNCATE ... RESTART IDENTITY), an ack of a new message whose id is
-    already archived used to drop it (neither queued nor archived). Now it is archived
-    under a fresh id (header x-queue-msg-id: the id it had), the queue's ids move past
-    the archive's, and the reads go on."""
+    """After a crash emptied an UNLOGGED queue and restarted its ids (simulated:
+    TRUNCATE ... RESTART IDENTITY), an ack of a new message whose id is already archived
+    archives it under a fresh id (header x-queue-msg-id: the id it had), never drops it
+    (neither queued nor archived); the queue's ids move past the archive's, and the
+    reads go on."""
     with connect(db_dsn) as conn:
         Queue("reused", durable=False)(conn.channel()).declare()
         publish(conn, "reused", [{"m": "first"}])
@@ -158,7 +158,7 @@ def test_an_ack_of_a_reused_id_is_archived_under_a_new_one(db_dsn):
         ("second", "1"),  # id 1 was taken: archived under the next id after the archive's
         ("fourth", None),
     ]
-    assert fourth.delivery_info["pgmq_msg_id"] > 2  # the queue no longer reuses ids
+    assert fourth.delivery_info["pgmq_msg_id"] > 2  # the queue's ids moved past the archive's
 
 
 def test_a_reused_id_is_archived_by_every_ack_path(db_dsn):
@@ -263,7 +263,7 @@ def test_no_ack_consumer_loses_nothing_when_a_callback_raises(db_dsn):
 
 
 def test_an_undecodable_row_is_dead_lettered_and_the_batch_goes_on(db_dsn):
-    """Issue 14, item 3: a row written by another producer that cannot be decoded goes to
+    """A row written by another producer that cannot be decoded goes to
     the dead-letter queue with reason undecodable and the error; the rest is delivered,
     nothing climbs in read_ct."""
     with connect(db_dsn, max_deliveries=2) as conn:

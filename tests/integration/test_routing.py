@@ -103,10 +103,10 @@ def test_exchange_declare_rules(db_dsn):
 
 
 def test_workers_declaring_a_new_exchange_at_once_both_succeed(db_dsn):
-    """Found by the fault suite (issue 25): workers started together declare Celery's
-    pidbox exchange at the same moment; the one whose insert waited for the other's
-    commit found nothing in its statement's snapshot and died with NotEquivalentError
-    ("different type 'fanout': it is 'None'")."""
+    """Workers started together declare Celery's pidbox exchange at the same moment (a
+    case of the fault suite): both succeed. Fails if the one whose insert waited for the
+    other's commit looks in its statement's snapshot: it finds nothing there and dies
+    with NotEquivalentError ("different type 'fanout': it is 'None'")."""
     import threading
 
     import psycopg

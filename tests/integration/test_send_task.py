@@ -1,4 +1,4 @@
-"""``kombu_pgmq.send_task`` (issue 15, item 2): a Celery protocol 2 message built in SQL,
+"""``kombu_pgmq.send_task``: a Celery protocol 2 message built in SQL,
 as Celery itself sends it through kombu_pgmq, with its options; clear errors. The e2e
 test (``tests/e2e/test_send_task.py``) runs such tasks on a real worker, from a trigger."""
 
@@ -118,8 +118,8 @@ def test_bad_calls_are_clear_errors_and_send_nothing(db_dsn):
 
 
 def test_a_producer_role_may_call_it(least_privilege_db):
-    """On a queue that exists: creating one is a worker's or the owner's (issue 25,
-    item 6; tests/integration/test_privileges.py)."""
+    """On a queue that exists: creating one is a worker's or the owner's (see
+    tests/integration/test_privileges.py)."""
     db = least_privilege_db
     with psycopg.connect(db.worker_url, autocommit=True) as conn:
         conn.execute(

@@ -1,4 +1,4 @@
-"""The SQL behind the Spark data source (migration 0005), without Spark: staged writes,
+"""The SQL behind the Spark data source, without Spark: staged writes,
 commit/abort per attempt, stream horizons, range archiving, snapshots."""
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def test_archive_range_and_snapshot(client, db_dsn) -> None:
 
 
 def test_stream_horizon_waits_for_writers_without_the_stats_privilege(client, db_dsn) -> None:
-    """Issue 14, item 11: a reader role without pg_read_all_stats sees other sessions'
+    """A reader role without pg_read_all_stats sees other sessions'
     xact_start as NULL; the horizon must still wait for a writer in flight."""
     role = f"kpt_reader_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(db_dsn, autocommit=True) as admin:

@@ -1,9 +1,9 @@
 """A cancelled statement (SQLSTATE 57014: ``statement_timeout``, ``pg_cancel_backend``)
-is a :class:`~kombu_pgmq.errors.StatementCanceled`, not a lost connection (issue 25,
-item 9): the connection is kept (same backend pid), kombu does not reconnect, and a
-consumer whose read is cancelled keeps its connection and reads again later. Before,
-57014 was in the "operator intervention" class 57 taken as connection errors: the
-connector dropped the connection and the consumer logged "database connection lost".
+is a :class:`~kombu_pgmq.errors.StatementCanceled`, not a lost connection: the
+connection is kept (same backend pid), kombu does not reconnect, and a consumer whose
+read is cancelled keeps its connection and reads again later. 57014 is in the "operator
+intervention" class 57, whose other states are connection errors: taken as one, it would
+make the connector drop the connection and the consumer log "database connection lost".
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``kombu_pgmq.using(conn)`` at the Kombu level (issue 15, item 1): a publish is part of
+"""``kombu_pgmq.using(conn)`` at the Kombu level: a publish is part of
 the application's transaction (invisible until it commits, gone if it or its savepoint
 rolls back, never committed by us), declarations stay outside it, failures are not
 retried, and bad input gets a clear error."""
@@ -168,9 +168,9 @@ def test_an_application_connection_to_another_database_is_refused(db_dsn, empty_
 def test_the_connection_form_is_checked_against_the_current_celery_apps_broker(
     db_dsn, empty_db_dsn
 ):
-    """Issue 25, item 7: ``apply_async(connection=using(conn))`` with ``conn`` to another
-    database than the app's broker installed PGMQ and kombu_pgmq there and left the task
-    in it, where no worker of the app looks. Now refused before anything is written."""
+    """``apply_async(connection=using(conn))`` with ``conn`` to another database than the
+    app's broker is refused before anything is written (else PGMQ and kombu_pgmq would be
+    installed there and the task left in it, where no worker of the app looks)."""
     with _current_celery_app(db_dsn) as app, psycopg.connect(empty_db_dsn) as elsewhere:
 
         @app.task(name="using_check.noop")

@@ -125,8 +125,8 @@ def test_reject_with_requeue_is_visible_at_once(db_dsn):
 
 
 def test_a_requeued_message_goes_back_to_its_place(db_dsn):
-    """Consumers read oldest visibility first (issue 30); a message requeued at once keeps
-    its place in the queue (migration 0022: vt = its enqueued_at), as AMQP's requeue does,
+    """Consumers read oldest visibility first; a message requeued at once keeps its
+    place in the queue (vt = its enqueued_at), as AMQP's requeue does,
     instead of going behind every message visible meanwhile."""
     with connect(db_dsn, visibility_timeout=600) as conn:
         publish(conn, "place", ["a", "b", "c"])
@@ -415,8 +415,8 @@ def test_declare_and_publish_do_not_wait_for_an_open_transaction_that_enqueued(d
 
 
 def test_headers_postgresql_cannot_store_round_trip(db_dsn):
-    """Issue 14, item 9: a NUL, NaN or a lone surrogate in a header (Celery's argsrepr)
-    no longer fails the publish; the message comes back with its headers as sent."""
+    """A NUL, NaN or a lone surrogate in a header (Celery's argsrepr) does not fail the
+    publish; the message comes back with its headers as sent."""
     headers = {"task": "t", "argsrepr": "('a\x00b',)", "ratio": float("inf"), "s": "\ud800"}
     with connect(db_dsn) as conn:
         publish(conn, "oddheaders", [{"n": 1}], headers=headers)
@@ -435,7 +435,7 @@ def test_message_over_max_message_bytes_is_refused_before_sending(db_dsn):
 
 
 def test_unknown_publish_property_is_ignored_and_the_message_consumed(db_dsn):
-    """Issue 27, item 9 (Celery's test_chord_header_id_duplicated_on_rabbitmq_msg_duplication
+    """Unknown properties (Celery's test_chord_header_id_duplicated_on_rabbitmq_msg_duplication
     passes a signal object through apply_async's keyword arguments into the properties):
     AMQP transports ignore properties they do not know; known ones round-trip."""
     with connect(db_dsn) as conn:

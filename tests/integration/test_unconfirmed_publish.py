@@ -1,4 +1,4 @@
-"""Unconfirmed publishes (transport option ``confirm_publish=False``, issue 30): a publish
+"""Unconfirmed publishes (transport option ``confirm_publish=False``): a publish
 returns once its statement is sent, without waiting for the server; a publish the server
 then refuses is published again (confirmed), and nothing a returned publish sent is lost
 when its process exits at once."""

@@ -1,5 +1,5 @@
-"""Publishes seen before their WAL flush, returned after it (issue 30, item 4; transport
-option ``visible_before_flush``, statement ``flush_commits``).
+"""Publishes seen before their WAL flush, returned after it (transport option
+``visible_before_flush``, statement ``flush_commits``).
 
 A publish that a waiting consumer gets now commits without waiting for the WAL flush, so
 its NOTIFY (a hand-over) leaves at once, then waits for the flush with a second

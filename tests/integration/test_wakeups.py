@@ -80,8 +80,9 @@ def test_publish_from_another_process_wakes_a_sleeping_consumer(db_dsn, via_exch
 
 
 def test_wait_for_waits_for_publishers_that_missed_the_waiting_row(db_dsn):
-    """The protocol of migration 0003: no wake-up is lost to a race (here with the
-    longest wait, max_wait_ms=1 s, migration 0017: the publisher commits after 0.5 s)."""
+    """The wake-up protocol of ``kombu_pgmq.wait_for`` (the queue's advisory lock): no
+    wake-up is lost to a race (here with the longest wait the server allows,
+    max_wait_ms=1 s: the publisher commits after 0.5 s)."""
     with connect(db_dsn) as conn:
         conn.channel().queue_declare("race")
     consumer = Connector(db_dsn)
@@ -130,7 +131,7 @@ def sql_wait_for(owner: str, queue: str, max_wait_ms: int) -> Any:
 
 
 def test_wait_for_does_not_wait_for_a_long_open_enqueue_transaction(db_dsn):
-    """Migration 0006: an application that enqueued inside its own open transaction
+    """An application that enqueued inside its own open transaction
     does not stop a consumer going to sleep; the queue is returned as unsettled (its
     message is found by the fallback poll once committed)."""
     with connect(db_dsn) as conn:
@@ -223,8 +224,7 @@ def test_an_ack_outside_drain_events_is_archived_at_once(db_dsn):
 
 def test_acks_in_the_event_loop_are_sent_at_once_not_held_for_the_next_read(db_dsn):
     """Registered with an event loop, acks go to the server on their own right after the
-    read that delivered them, without waiting for the result (issue 25, item 11; before,
-    they waited for the next read)."""
+    read that delivered them, without waiting for the result, not with the next read."""
     with connect(db_dsn) as conn:
         publish(conn, "hubacks", list(range(6)))
         transport = conn.transport
@@ -321,7 +321,7 @@ def test_in_the_event_loop_the_fallback_poll_probes_without_waiting_then_reads_w
 ):
     """In Celery's event loop (a hub run by hand) the fallback poll reads nothing itself:
     it sends a probe on the LISTEN connection without waiting and returns, so a
-    hand-over arriving meanwhile is not held up behind reads (issue 30, a slow p99). The
+    hand-over arriving meanwhile is not held up behind reads (a slow p99). The
     probe's answer, when the loop sees it, makes only the queue holding a visible message
     (one no publish notified: a lapsed visibility timeout looks the same) be read. Fails
     on a fallback that reads every consumed queue in its own round."""
@@ -387,7 +387,7 @@ def test_the_fallback_probe_gives_up_on_a_table_locked_exclusively(db_dsn):
                 holder.join()
             assert readable, "no answer while the lock was held"
             assert answered < hold_seconds / 2, answered
-            assert ready == {pgmq_queue_name("probe_locked")}  # read it, as before the probe
+            assert ready == {pgmq_queue_name("probe_locked")}  # read, as without a probe
         poller.unregister_from_event_loop()
 
 
@@ -519,8 +519,8 @@ def test_drain_events_without_a_consumer_and_without_timeout_is_an_error(db_dsn)
 
 def test_a_table_vacuumed_a_moment_ago_is_not_due_again(db_dsn):
     """Every consumer of a table checks its dead tuples; the statistics lag, so a table
-    another process just VACUUMed is left alone for a second (issue 30: 64 consumers of one
-    table ran 2.6 VACUUMs a second, back to back)."""
+    another process just VACUUMed is left alone for a second (measured: 64 consumers of
+    one table ran 2.6 VACUUMs a second, back to back)."""
     with connect(db_dsn) as conn:
         publish(conn, "vacuumed", list(range(50)))
     name = pgmq_queue_name("vacuumed")

@@ -1,6 +1,6 @@
 """The local Spark Connect server: one per port under concurrent callers, started again
 after it died or when its Python is gone, stopped by the CLI; settings validation; only
-clients with its token get in, and no secret is on its command lines (issue 14)."""
+clients with its token get in, and no secret is on its command lines."""
 
 from __future__ import annotations
 
@@ -129,7 +129,7 @@ def test_settings_are_validated(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_only_clients_with_the_token_get_in(spark_server: dict[str, Any]) -> None:
-    """Before issue 14 any local user could connect (and run Python UDFs as us)."""
+    """Without the token any local user could connect (and run Python UDFs as us)."""
     from pyspark.sql import SparkSession
 
     port, url = spark_server["port"], spark_server["url"]

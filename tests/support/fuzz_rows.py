@@ -1,4 +1,4 @@
-"""Random PGMQ rows for the fault suite (issue 25): what anyone able to insert a row could
+"""Random PGMQ rows for the fault suite: what anyone able to insert a row could
 write into a queue table, from valid Kombu messages with awkward content to envelopes of
 every wrong shape. Seeded: the same seed gives the same rows.
 

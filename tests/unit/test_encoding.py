@@ -169,8 +169,8 @@ def test_headers_jsonb_cannot_hold_round_trip_exactly(value):
     ids=["nan-in-strings", "escaped-backslash", "escaped-quote", "keys-and-escapes"],
 )
 def test_json_that_only_looks_unsafe_is_stored_as_json(body):
-    """Issue 25, item 2: the text NaN/Infinity inside a string, or an escaped backslash
-    before u0000, is JSON jsonb stores as is (before: base64, unreadable in SQL)."""
+    """The text NaN/Infinity inside a string, or an escaped backslash before u0000, is
+    JSON jsonb stores as is (not base64, which SQL cannot read)."""
     stored, back = roundtrip(kombu_message(body))
     assert stored == body
     assert json.loads(back["body"]) == json.loads(body)
@@ -220,7 +220,7 @@ def test_rows_that_cannot_be_kombu_messages_raise(envelope, error):
 
 
 def test_unknown_properties_are_ignored_known_ones_stored(caplog):
-    """Issue 27, item 9: a property Kombu does not define (Celery passes the apply_async
+    """A property Kombu does not define (Celery passes the apply_async
     options it does not know, e.g. a signal object, as properties) is ignored with a debug
     log, not encoded; the properties Kombu and AMQP define round-trip."""
     message = kombu_message("{}")

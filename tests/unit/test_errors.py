@@ -64,8 +64,8 @@ def test_translate(exc, expected):
 
 
 def test_statement_error_is_not_a_connection_error():
-    """Item 6 of issue 13: the old name meant the opposite of psycopg's OperationalError
-    (a lost connection). The new name says "the statement failed"; the old one warns."""
+    """The alias OperationalError meant the opposite of psycopg's OperationalError (a
+    lost connection): StatementError says "the statement failed"; the alias warns."""
     assert not issubclass(StatementError, ConnectionError)
     with pytest.warns(DeprecationWarning, match="use StatementError"):
         alias = errors_module.OperationalError
@@ -78,7 +78,7 @@ def test_statement_error_is_not_a_connection_error():
 
 @pytest.mark.parametrize("sqlstate", ["25006", "57P01", "57P02", "57P03"])
 def test_failover_states_are_connection_errors(sqlstate):
-    """Issue 14, item 10: a standby answering 25006 after a failover, or a server shutting
+    """A standby answering 25006 after a failover, or a server shutting
     down, makes kombu reconnect (to the new primary) instead of failing the statement."""
     exc = pg_errors.lookup(sqlstate)("server says no")
     assert isinstance(translate(exc), BrokerConnectionError)
@@ -89,7 +89,7 @@ def test_failover_states_are_connection_errors(sqlstate):
     ["canceling statement due to statement timeout", "canceling statement due to user request"],
 )
 def test_a_cancelled_statement_is_a_statement_error_not_a_lost_connection(message):
-    """Issue 25, item 9: 57014 (statement_timeout, pg_cancel_backend) is in class 57 with
+    """57014 (statement_timeout, pg_cancel_backend) is in class 57 with
     the shutdowns, but the connection survives it: the connector must not drop it, and
     kombu must not reconnect and retry. psycopg makes it an OperationalError."""
     exc = pg_errors.lookup("57014")(message)

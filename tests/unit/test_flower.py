@@ -1,4 +1,4 @@
-"""Flower's Broker page for kombu_pgmq brokers (issue 26): a ``Delayed`` column of its own,
+"""Flower's Broker page for kombu_pgmq brokers: a ``Delayed`` column of its own,
 so Messages = Unacked + Ready + Delayed. Flower's app served in this process (tornado),
 the queue statistics faked (no database); the real browser test is
 ``tests/e2e/test_flower.py``."""

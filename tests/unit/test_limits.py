@@ -1,4 +1,4 @@
-"""kombu_pgmq.limits (issue 29): rates parsed as Celery writes ``rate_limit``, limits
+"""kombu_pgmq.limits: rates parsed as Celery writes ``rate_limit``, limits
 checked before they reach the server (every error names the queue, the limit and the
 fix), and transport option ``queue_limits`` refused at Connection time when malformed."""
 

@@ -83,7 +83,7 @@ def test_the_options_kombu_reads_itself_are_accepted_and_left_to_it():
 
 
 def test_a_typo_is_refused_with_the_closest_name():
-    """Issue 25, item 8: an unknown option used to be ignored, the default in force."""
+    """An unknown option is refused, not ignored with the default in force."""
     with pytest.raises(ConfigurationError) as info:
         TransportOptions.parse({"visibilty_timeout": 60})
     assert str(info.value) == (

@@ -1,4 +1,4 @@
-"""What a Spark executor imports (issue 26): ``kombu_pgmq.spark.datasource`` in a
+"""What a Spark executor imports: ``kombu_pgmq.spark.datasource`` in a
 virtualenv that has pyspark and psycopg but neither Celery nor kombu.
 
 The virtualenv is made here (``python -m venv --without-pip``, no network): its

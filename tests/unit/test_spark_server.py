@@ -1,4 +1,4 @@
-"""The local Spark Connect server without a JVM (issue 14, local servers): a port held by
+"""The local Spark Connect server without a JVM: a port held by
 another process is refused before anything is sent to it; the token and settings files are
 private; no secret on the command lines the package starts."""
 
@@ -68,7 +68,7 @@ def local(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[tuple[int
     monkeypatch.setenv(server.ENV_DIR, str(directory))
     monkeypatch.delenv(server.ENV_REMOTE, raising=False)
     monkeypatch.setattr(server, "_children", {})
-    monkeypatch.setattr(server, "_verified", {}, raising=False)  # (absent before issue 14)
+    monkeypatch.setattr(server, "_verified", {}, raising=False)  # the cache of servers checked
     monkeypatch.setattr(server, "subprocess", _fake_subprocess())
     yield port, directory
 
@@ -90,8 +90,8 @@ def test_a_port_held_by_another_process_is_refused(
     local: tuple[int, Path], elsewhere: int, host: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Another local user's listener on the port (first, or on ::1 where clients of
-    localhost may go first) must get neither jobs nor the token: before, any listener on
-    127.0.0.1 was taken for the server and its URL returned."""
+    localhost may go first) must get neither jobs nor the token: a listener on 127.0.0.1
+    is not taken for the server, nor its URL returned, unless it is checked to be ours."""
     port, directory = local
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
