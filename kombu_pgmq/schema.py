@@ -1,4 +1,4 @@
-"""Schema bootstrap: PGMQ itself, then kombu_pgmq's own migrations.
+"""Schema bootstrap: PGMQ itself, then kombu_pgmq's own schema.
 
 :func:`bootstrap` is idempotent and safe when many workers start at once: after a cheap
 check (one query) it takes a transaction-level advisory lock and, in that one
@@ -13,8 +13,15 @@ transaction, installs what is missing:
      (``pgmq.install``), for managed servers without the extension. Its version is
      recorded in ``kombu_pgmq.settings``.
 
-2. kombu_pgmq's migrations, ``sql/migrations/NNNN_name.sql``, each applied once and
-   recorded in ``kombu_pgmq.migrations``.
+2. kombu_pgmq's schema, recorded by migration version in ``kombu_pgmq.migrations``:
+
+   * on a database without it (no ``kombu_pgmq.migrations``), ``sql/schema.sql``, the
+     current schema in one script, and every migration recorded as applied;
+   * on a database an earlier release installed, the migrations after its recorded
+     version, ``sql/migrations/NNNN_name.sql``, each applied once and recorded.
+
+   Both give the same schema (``tests/integration/test_schema_current.py`` compares the
+   catalogs); ``docs/development.md`` says how to change it.
 
 PGMQ must provide every function kombu_pgmq calls (headers, batch ``set_vt``, ``pop``
 with a quantity) and be at least :data:`MIN_PGMQ_VERSION`; otherwise
@@ -27,7 +34,7 @@ The role that runs :func:`bootstrap` (``kombu-pgmq schema install``) owns every 
 it needs no superuser (the SQL-only PGMQ installs as any role with ``CREATE`` on the
 database). Other roles get only what :func:`grant` (``kombu-pgmq schema grant producer|
 worker ROLE``) gives them, and never a privilege on PGMQ's tables: what they may do to
-messages is what kombu_pgmq's ``SECURITY DEFINER`` functions do (migration 0010).
+messages is what kombu_pgmq's ``SECURITY DEFINER`` functions do (``sql/schema.sql``).
 
 * ``producer``: publish to queues and exchanges that exist (Celery's declaration before
   a first publish becomes a passive check), count ready messages.
@@ -54,7 +61,7 @@ from dataclasses import dataclass
 
 from . import errors
 from ._db.connector import Connector
-from ._db.queries import migrations
+from ._db.queries import current_schema, migrations
 from ._db.schema_store import SchemaStore
 
 logger = logging.getLogger(__name__)
@@ -80,7 +87,8 @@ class SchemaInfo:
             PGMQ installed by something else).
         method: ``"extension"``, ``"sql"``, ``"create_extension"`` or ``"install_sql"``.
         schema_version: kombu_pgmq migration version now applied.
-        applied: migrations applied by this call (empty when already current).
+        applied: migrations applied by this call (empty when already current; every
+            version when it installed the schema, from ``sql/schema.sql``).
     """
 
     pgmq_version: str
@@ -147,15 +155,16 @@ def _check_pgmq(store: SchemaStore, version: str) -> None:
 
 
 def bootstrap(conninfo: str | Connector) -> SchemaInfo:
-    """Install PGMQ (if needed) and apply kombu_pgmq's migrations; return what was found.
+    """Install PGMQ (if needed), then kombu_pgmq's schema (``sql/schema.sql``) or the
+    migrations it lacks; return what was found.
 
     Arguments:
         conninfo: libpq URL/DSN, or an open connector (not inside a transaction).
 
     Raises:
         UnsupportedPgmqVersion: PGMQ is older than :data:`MIN_PGMQ_VERSION`.
-        BootstrapError: installing PGMQ or a migration failed (nothing is half-applied:
-            it all runs in one transaction).
+        BootstrapError: installing PGMQ, the schema or a migration failed (nothing is
+            half-applied: it all runs in one transaction).
         BrokerConnectionError: the server cannot be reached.
     """
     own = not isinstance(conninfo, Connector)
@@ -174,15 +183,10 @@ def _bootstrap(store: SchemaStore) -> SchemaInfo:
             store.lock_bootstrap(BOOTSTRAP_LOCK_KEY)
             version, method = _install_pgmq(store)
             _check_pgmq(store, version)
-            store.create_migrations_table()
-            applied_before = set(store.applied_migrations())
-            applied = []
-            for migration in migrations():
-                if migration.version in applied_before:
-                    continue
-                logger.info("applying kombu_pgmq migration %04d_%s", *migration[:2])
-                store.apply_migration(migration.version, migration.name, migration.sql)
-                applied.append(migration.version)
+            if store.migrations_table_present():
+                applied = _upgrade(store)
+            else:
+                applied = _install_current(store)
             if method == "install_sql":
                 store.record_pgmq_install(version)
             if applied:  # functions added by these migrations reach the granted roles
@@ -192,6 +196,26 @@ def _bootstrap(store: SchemaStore) -> SchemaInfo:
     except errors.KombuPgmqError as exc:
         raise errors.BootstrapError(f"schema bootstrap failed: {exc}") from exc
     return SchemaInfo(version, method, latest, tuple(applied))
+
+
+def _install_current(store: SchemaStore) -> list[int]:
+    """Install the current schema (``sql/schema.sql``) and record every migration."""
+    logger.info("installing the kombu_pgmq schema (version %d)", len(migrations()))
+    store.install_current(current_schema(), [(m.version, m.name) for m in migrations()])
+    return [m.version for m in migrations()]
+
+
+def _upgrade(store: SchemaStore) -> list[int]:
+    """Apply the migrations not recorded yet, in version order; return their versions."""
+    applied_before = set(store.applied_migrations())
+    applied = []
+    for migration in migrations():
+        if migration.version in applied_before:
+            continue
+        logger.info("applying kombu_pgmq migration %04d_%s", *migration[:2])
+        store.apply_migration(migration.version, migration.name, migration.sql)
+        applied.append(migration.version)
+    return applied
 
 
 def verify(client: Connector) -> None:

@@ -370,14 +370,6 @@ CREATE EXTENSION IF NOT EXISTS pgmq
 -- Serializes bootstrap across processes until the transaction ends.
 SELECT pg_advisory_xact_lock(%(key)s::bigint)
 
--- name: migrations_table
-CREATE SCHEMA IF NOT EXISTS kombu_pgmq;
-CREATE TABLE IF NOT EXISTS kombu_pgmq.migrations (
-    version integer PRIMARY KEY,
-    name text NOT NULL,
-    applied_at timestamptz NOT NULL DEFAULT now()
-)
-
 -- name: applied_migrations
 SELECT version FROM kombu_pgmq.migrations ORDER BY version
 

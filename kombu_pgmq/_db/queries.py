@@ -1,4 +1,6 @@
-"""Named SQL statements loaded from ``sql/queries.sql`` and ``sql/migrations/``.
+"""Named SQL statements loaded from ``sql/queries.sql``, the current schema
+``sql/schema.sql`` (what a new install runs) and the migrations ``sql/migrations/`` (what
+upgrades an install of an earlier release).
 
 In a source checkout the files live in the top-level ``sql/`` directory; in an installed
 wheel they are shipped as ``kombu_pgmq/sql/`` (hatch ``force-include``).
@@ -16,7 +18,7 @@ _MIGRATION = re.compile(r"^(\d{4})_(\w+)\.sql$")
 
 
 def sql_dir() -> Path:
-    """Return the directory holding ``queries.sql`` and ``migrations/``."""
+    """Return the directory holding ``queries.sql``, ``schema.sql`` and ``migrations/``."""
     package = Path(__file__).resolve().parent.parent  # kombu_pgmq/
     for candidate in (package / "sql", package.parent / "sql"):
         if (candidate / "queries.sql").is_file():
@@ -37,6 +39,13 @@ def queries() -> dict[str, str]:
         lines = [line for line in body.strip().splitlines() if not line.startswith("--")]
         result[name] = "\n".join(lines).strip()
     return result
+
+
+@cache
+def current_schema() -> str:
+    """Return ``sql/schema.sql``: the schema as the latest migration leaves it, one script
+    that installs it on a database with PGMQ and without kombu_pgmq."""
+    return (sql_dir() / "schema.sql").read_text(encoding="utf-8")
 
 
 class Migration(NamedTuple):

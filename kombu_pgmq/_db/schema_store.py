@@ -88,13 +88,21 @@ class SchemaStore:
         """Run a SQL script of several statements (PGMQ's SQL-only install)."""
         self.db.script(script)
 
-    def create_migrations_table(self) -> None:
-        """Create schema ``kombu_pgmq`` and ``kombu_pgmq.migrations`` if missing."""
-        self.db.script(self.db.statement("migrations_table"))
+    def install_current(self, script: str, versions: list[tuple[int, str]]) -> None:
+        """Run the current schema's ``script`` (``sql/schema.sql``: it creates schema
+        ``kombu_pgmq`` and ``kombu_pgmq.migrations``) and record every migration of
+        ``versions`` (``(version, name)``) as applied."""
+        self.db.script(script)
+        for version, name in versions:
+            self.record_migration(version, name)
 
     def apply_migration(self, version: int, name: str, script: str) -> None:
         """Run migration ``script`` and record it as ``version``/``name``."""
         self.db.script(script)
+        self.record_migration(version, name)
+
+    def record_migration(self, version: int, name: str) -> None:
+        """Record migration ``version``/``name`` as applied."""
         self.db.scalar("record_migration", {"version": version, "name": name})
 
     def record_pgmq_install(self, version: str) -> None:
