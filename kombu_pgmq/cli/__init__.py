@@ -8,7 +8,7 @@ starts it); each names the database it reads on stderr (``database: ...``, no pa
 ``--url``, ``--embedded`` and ``--json`` go before the command or after it
 (``kombu-pgmq --url URL queues`` is ``kombu-pgmq queues --url URL``)::
 
-    kombu-pgmq schema install [--url URL]     # PGMQ + kombu_pgmq's migrations (idempotent)
+    kombu-pgmq schema install [--url URL]     # PGMQ + kombu_pgmq's schema (idempotent)
     kombu-pgmq schema status  [--url URL]     # what is installed; installs nothing
     kombu-pgmq schema grant worker|producer ROLE [--url URL]   # least privilege
     kombu-pgmq dlq list [--queue Q] [--reason R] [--task T] [--id N ...] [--limit 50] [--json]

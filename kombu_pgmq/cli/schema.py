@@ -32,7 +32,7 @@ def schema_group() -> None:
 )
 @url_option
 def schema_install(url: str | None) -> None:
-    """Install PGMQ (if missing) and apply kombu_pgmq's migrations.
+    """Install PGMQ (if missing) and kombu_pgmq's schema, or the migrations it lacks.
 
     Idempotent and safe while workers run: one transaction under an advisory lock.
     Workers do this themselves unless the transport option install_schema is off.
