@@ -18,11 +18,9 @@ carrying its send time. Per message (p50 / p99 over the pooled rounds, ms):
   round trip), ``read->callback``.
 
 Brokers: ``kombu_pgmq`` (default ``postgresql://postgres@127.0.0.1:5432/kpb_latency``;
-the message handed over in the wake-up, migration 0023), the same with a consumer that
-reads after the wake-up (``kombu_pgmq read``: transport option ``handover=False``), the
-same with publishes seen only once flushed (``kombu_pgmq strict``: the publisher's
-``visible_before_flush=False``), the same with ``synchronous_commit=off`` publishes
-(``kombu_pgmq async``), and ``redis``.
+the message handed over in the wake-up), the same with publishes seen only once flushed
+(``kombu_pgmq strict``: the publisher's ``visible_before_flush=False``), the same with
+``synchronous_commit=off`` publishes (``kombu_pgmq async``), and ``redis``.
 It also measures one round trip (``SELECT 1``) on a connection used back to back and on
 one idle for ``--interval-ms`` before each statement: what the read after a wake-up costs
 when the server process serving it was asleep.
@@ -180,9 +178,7 @@ def main() -> None:
         cases[name] = (url, {}, {})
         if pg_dsn(url):
             ensure_database(pg_dsn(url) or url)
-            cases[f"{name} read"] = (url, {}, {"handover": False})
-            # nothing visible before the publish's WAL flush (the default before issue 30's
-            # fourth session)
+            # nothing visible before the publish's WAL flush
             cases[f"{name} strict"] = (url, {"visible_before_flush": False}, {})
             cases[f"{name} async"] = (url, ASYNC, {})
     interval = args.interval_ms / 1000

@@ -226,31 +226,31 @@ arriving meanwhile would wait behind them); a role without rights on PGMQ's tabl
 reads every queue instead. An ack that frees a prefetch slot wakes the consumer at
 once.
 
-Hand-over (issue 30, migration 0023; transport option ``handover``): a consumer going to
-sleep on a queue it takes with acks also offers one hand-over slot there (its LISTEN
-connection's own NOTIFY channel, a session advisory lock that connection holds while it
-listens, its visibility timeout). A publish (the queue's send function, statement
-``send_queue``: Celery's ``apply_async``, Kombu's default exchange, an exchange routing to
-one queue) to such a queue claims the slot of the consumer waiting longest (``FOR UPDATE
-SKIP LOCKED``: publishers never wait on each other), writes the row as delivered to it
-(``read_ct`` 1, ``vt`` = now + its visibility timeout, ``last_read_at``, as ``pgmq.read``
-leaves a row) and sends the row in that consumer's NOTIFY: the consumer delivers it
-without a read (one round trip less after each wake-up: Celery's latency p50 -0.9 ms on
-the benchmark machine), and only that consumer wakes, not every one waiting on the queue.
-The slot is offered again once the channel has room (a statement not waited for), so a
-channel gets at most one message past its prefetch window this way. In Celery's event loop
-the round that delivers a handed message sends nothing more: reads that fell due with it
-(the fallback poll, another queue notified) and the new offer wait 1 ms, until the loop's
-next turn has written the task to the pool (a read before it held that write, and was most
-of Celery's latency p99 gap to Redis). Nothing is lost: a handed row is a delivery; a
-consumer that dies before taking it, or whose LISTEN connection drops in that instant (the
-notification is lost with it), gets it delivered again after its visibility timeout; a
-consumer whose LISTEN connection is gone no longer holds its lock, so publishers skip its
-slot; rows handed over while a consumer is cancelled or closed are made visible again at
-once (not counted as deliveries). Not handed over: messages over 7800 bytes (a NOTIFY
-payload's limit), delayed ones, deduplicated ones, publishes in the application's
-transaction or to several queues, paused and limited queues (FIFO groups included),
-``no_ack`` consumers. ``kombu_pgmq_handovers_total`` counts them.
+Hand-over: a consumer going to sleep on a queue it takes with acks also offers one
+hand-over slot there (its LISTEN connection's own NOTIFY channel, a session advisory lock
+that connection holds while it listens, its visibility timeout). A publish (the queue's
+send function, statement ``send_queue``: Celery's ``apply_async``, Kombu's default
+exchange, an exchange routing to one queue) to such a queue claims the slot of the
+consumer waiting longest (``FOR UPDATE SKIP LOCKED``: publishers never wait on each
+other), writes the row as delivered to it (``read_ct`` 1, ``vt`` = now + its visibility
+timeout, ``last_read_at``, as ``pgmq.read`` leaves a row) and sends the row in that
+consumer's NOTIFY: the consumer delivers it without a read (one round trip less after
+each wake-up: Celery's latency p50 -0.9 ms on the benchmark machine), and only that
+consumer wakes, not every one waiting on the queue. The slot is offered again once the
+channel has room (a statement not waited for), so a channel gets at most one message past
+its prefetch window this way. In Celery's event loop the round that delivers a handed
+message sends nothing more: reads that fell due with it (the fallback poll, another queue
+notified) and the new offer wait 1 ms, until the loop's next turn has written the task to
+the pool (a read before it held that write, and was most of Celery's latency p99 gap to
+Redis). Nothing is lost: a handed row is a delivery; a consumer that dies before taking
+it, or whose LISTEN connection drops in that instant (the notification is lost with it),
+gets it delivered again after its visibility timeout; a consumer whose LISTEN connection
+is gone no longer holds its lock, so publishers skip its slot; rows handed over while a
+consumer is cancelled or closed are made visible again at once (not counted as
+deliveries). Not handed over: messages over 7800 bytes (a NOTIFY payload's limit),
+delayed ones, deduplicated ones, publishes in the application's transaction or to several
+queues, paused and limited queues (FIFO groups included), ``no_ack`` consumers.
+``kombu_pgmq_handovers_total`` counts them.
 
 With Celery, the transport runs in the worker's event loop (``asynloop``):
 ``implements.asynchronous`` is true, and :meth:`Transport.register_with_event_loop`
@@ -373,10 +373,11 @@ Unknown names are refused with the closest known one
 'visibilty_timeout': did you mean 'visibility_timeout'? (kombu_pgmq's options: ...)``),
 except those kombu reads itself from the same dict
 (:data:`~kombu_pgmq.transport.options.KOMBU_OPTIONS`: ``body_encoding``,
-``deadletter_queue``, its connect retries and a publish's retry policy). A bad value
-(wrong type, out of range, NaN or infinite) names the option, the value, what is expected
-and the default. ``celery worker`` checks them before it starts and exits with that one
-line (:mod:`kombu_pgmq._worker_checks`).
+``deadletter_queue``, its connect retries and a publish's retry policy). A removed option
+(:data:`~kombu_pgmq.transport.options.REMOVED_OPTIONS`) is refused, saying what the
+transport does instead. A bad value (wrong type, out of range, NaN or infinite) names the
+option, the value, what is expected and the default. ``celery worker`` checks them before
+it starts and exits with that one line (:mod:`kombu_pgmq._worker_checks`).
 
 * ``visibility_timeout`` (seconds, default 30): how long a delivered, unacked message
   stays invisible after its last lease renewal before it is delivered again; so how
@@ -408,9 +409,6 @@ line (:mod:`kombu_pgmq._worker_checks`).
   a direct publish returns once its statement is sent (see Durability: a server crash
   forgets the last ~600 ms of publishes); py-amqp's option of the same name, where False
   is the default.
-* ``handover`` (bool, default True): a consumer waiting on a queue offers a hand-over
-  slot, so a publish gives it the message in its wake-up instead of waking it to read
-  (see Wake-ups). False: it is woken and reads, as before migration 0023.
 * ``visible_before_flush`` (bool, default True): a direct publish a consumer waits for
   reaches it before its WAL flush and returns after it (see Durability). False: it is
   seen only once it is on disk (one transaction a publish, as before issue 30's fourth

@@ -47,10 +47,9 @@ class Handover:
     def slot(self, listener: Listener, names: Iterable[str]) -> HandoffSlot | None:
         """The slot of ``listener``'s connection to offer with ``wait_for`` on PGMQ queues
         ``names``: those of them consumed with acks (``no_ack`` consumers pop instead).
-        None without a LISTEN connection (or before it leased its sequence) or with the
-        transport option ``handover=False``."""
+        None without a LISTEN connection (or before it leased its sequence)."""
         slot, seq = listener.slot, listener.slot_seq
-        if slot is None or seq is None or not self.transport.options.handover:
+        if slot is None or seq is None:
             return None
         queues = sorted(n for n in names if self._consumer(n, acks=True) is not None)
         vt = self.transport.options.vt_seconds

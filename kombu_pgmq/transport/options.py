@@ -5,7 +5,8 @@ Kombu connection from ``Connection(transport_options=...)`` / Celery's
 Each field carries its unit and its documentation (``metadata``); the README's table of
 transport options is checked against :data:`OPTIONS` by a test, so the two cannot drift.
 The options kombu itself reads from the same dict (:data:`KOMBU_OPTIONS`) are accepted
-and left to it; any other name is refused, with the closest known name (a typo such as
+and left to it; a removed option (:data:`REMOVED_OPTIONS`) is refused, saying what
+replaced it; any other name is refused, with the closest known name (a typo such as
 ``visibilty_timeout`` would otherwise pass silently and leave the default in force).
 """
 
@@ -23,7 +24,7 @@ from .._priorities import validate_steps
 from ..errors import ConfigurationError
 from ..limits import validate_limits
 
-__all__ = ["JSONB_MAX_BYTES", "KOMBU_OPTIONS", "OPTIONS", "TransportOptions"]
+__all__ = ["JSONB_MAX_BYTES", "KOMBU_OPTIONS", "OPTIONS", "REMOVED_OPTIONS", "TransportOptions"]
 
 #: Largest value a jsonb column holds (PostgreSQL's limit, 255 MiB).
 JSONB_MAX_BYTES = 268_435_455
@@ -55,6 +56,15 @@ KOMBU_OPTIONS = frozenset(
         "retry_errors",
     }
 )
+
+#: Removed transport options: ``{name: what the transport does instead}``. Passing one
+#: is refused with that text: a configuration naming it asks for a behaviour the
+#: transport does not have, so it is not ignored.
+REMOVED_OPTIONS: Mapping[str, str] = {
+    "handover": "a consumer waiting on a queue is handed the next message published there "
+    "in its wake-up whenever the message allows it (docs: Delivery semantics and "
+    "durability, Hand-over)",
+}
 
 
 def _doc(unit: str, text: str) -> dict[str, str]:
@@ -101,10 +111,6 @@ class TransportOptions:
     confirm_publish: bool = field(
         default=True,
         metadata=_doc("bool", "a publish returns once committed (False: once sent; py-amqp's)"),
-    )
-    handover: bool = field(
-        default=True,
-        metadata=_doc("bool", "an idle consumer is handed a publish in its wake-up (no read)"),
     )
     visible_before_flush: bool = field(
         default=True,
@@ -214,7 +220,6 @@ class TransportOptions:
         for name in (
             "durable_acks",
             "confirm_publish",
-            "handover",
             "visible_before_flush",
             "install_schema",
         ):
@@ -271,7 +276,6 @@ class TransportOptions:
             polling_interval=polling,
             durable_acks=values["durable_acks"],
             confirm_publish=values["confirm_publish"],
-            handover=values["handover"],
             visible_before_flush=values["visible_before_flush"],
             vacuum_threshold=threshold,
             install_schema=values["install_schema"],
@@ -355,7 +359,16 @@ def _number(value: Any) -> float | None:
 
 
 def _refuse_unknown(options: Mapping[str, Any]) -> None:
-    """Raise :class:`ConfigurationError` for names neither ours nor kombu's."""
+    """Raise :class:`ConfigurationError` for removed names (:data:`REMOVED_OPTIONS`), then
+    for names neither ours nor kombu's."""
+    removed = sorted(str(name) for name in options if name in REMOVED_OPTIONS)
+    if removed:
+        raise ConfigurationError(
+            "; ".join(
+                f"transport option {name!r} was removed: {REMOVED_OPTIONS[name]}; remove it"
+                for name in removed
+            )
+        )
     known = [*OPTIONS, *sorted(KOMBU_OPTIONS)]
     unknown = sorted(
         str(name) for name in options if name not in OPTIONS and name not in KOMBU_OPTIONS

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from kombu_pgmq.transport.options import OPTIONS
+from kombu_pgmq.transport.options import OPTIONS, REMOVED_OPTIONS
 from tests.e2e.helpers import celery_cli
 from tests.support.doc_samples import check_sample
 
@@ -41,8 +41,14 @@ OURS = ", ".join(OPTIONS)
             "is invalid: expected seconds > 0 (default: 1.0)",
             None,
         ),
+        (
+            {"handover": False},
+            "kombu_pgmq: broker_transport_options: transport option 'handover' was removed: "
+            f"{REMOVED_OPTIONS['handover']}; remove it",
+            None,
+        ),
     ],
-    ids=["bad-value", "typo", "nan"],
+    ids=["bad-value", "typo", "nan", "removed"],
 )
 def test_a_worker_with_a_bad_transport_option_stops_with_one_line(
     e2e_env: dict[str, str], options: dict[str, Any], line: str, sample: str | None

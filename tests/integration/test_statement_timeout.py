@@ -26,6 +26,9 @@ from kombu_pgmq._db.connector import Connector
 from .helpers import FakeHub, connect, publish, table
 
 TIMEOUT = {"connection_options": {"options": "-c statement_timeout=300"}}  # ms
+#: A deduplicated message is never handed over to a waiting consumer: it wakes it, and
+#: the consumer reads it (the read these tests cancel).
+NOT_HANDED_OVER = {"x-deduplication-id": "second"}
 
 
 @contextlib.contextmanager
@@ -96,16 +99,14 @@ def test_a_publish_past_statement_timeout_fails_and_the_connection_stays(db_dsn)
 
 def test_a_consumer_whose_read_is_cancelled_keeps_its_connection(db_dsn, caplog):
     caplog.set_level(logging.WARNING, logger="kombu_pgmq")
-    # handover=False: the second message must be read (a waiting consumer would be
-    # handed it with its NOTIFY, no read to cancel)
-    with connect(db_dsn, polling_interval=0.5, handover=False, **TIMEOUT) as conn:
+    with connect(db_dsn, polling_interval=0.5, **TIMEOUT) as conn:
         publish(conn, "blocked", ["first"])
         got: list[Any] = []
         with Consumer(conn, [Queue("blocked")], on_message=lambda m: (got.append(m), m.ack())):
             conn.drain_events(timeout=5)
             assert len(got) == 1
             pid = conn.transport.broker().db.backend_pid
-            publish(conn, "blocked", ["second"])
+            publish(conn, "blocked", ["second"], headers=NOT_HANDED_OVER)
             with _locked(db_dsn, "blocked"):
                 conn.transport.poller.wake("blocked")  # read it now: blocked, cancelled
                 with pytest.raises(TimeoutError):
@@ -127,7 +128,7 @@ def test_in_the_event_loop_a_cancelled_read_reaches_neither_celery_nor_the_conne
     reported and the connection dropped. A cancelled read is neither: logged, retried."""
     caplog.set_level(logging.WARNING, logger="kombu_pgmq")
     loop = FakeHub()
-    with connect(db_dsn, handover=False, **TIMEOUT) as conn:  # read, not handed over
+    with connect(db_dsn, **TIMEOUT) as conn:
         publish(conn, "hubslow", ["first"])
         got: list[Any] = []
         conn.transport.register_with_event_loop(conn.connection, loop)
@@ -138,7 +139,7 @@ def test_in_the_event_loop_a_cancelled_read_reaches_neither_celery_nor_the_conne
                 loop.run_once()
             assert len(got) == 1
             pid = conn.transport.broker().db.backend_pid
-            publish(conn, "hubslow", ["second"])
+            publish(conn, "hubslow", ["second"], headers=NOT_HANDED_OVER)
             with _locked(db_dsn, "hubslow"):
                 conn.transport.poller.wake("hubslow")
                 for _ in range(3):

@@ -2,11 +2,12 @@
 
 The docs (README.md, docs/, benchmarks/README.md) and the transport's docstring quote
 :class:`~kombu_pgmq.transport.options.TransportOptions`' errors in code spans and code
-blocks: ``transport option NAME=VALUE ...`` and ``unknown transport option 'NAME' ...``,
-optionally after ``ConfigurationError:`` or the worker's ``kombu_pgmq:
-broker_transport_options:``. Each quote is checked against the message ``parse`` raises for
-that option and value: ``...`` in a quote stands for any text, and a quote may stop
-early, at the end of a word (a heading quotes the start of a message).
+blocks: ``transport option NAME=VALUE ...``, ``unknown transport option 'NAME' ...`` and
+``transport option 'NAME' was removed ...``, optionally after ``ConfigurationError:`` or
+the worker's ``kombu_pgmq: broker_transport_options:``. Each quote is checked against the
+message ``parse`` raises for that option and value: ``...`` in a quote stands for any
+text, and a quote may stop early, at the end of a word (a heading quotes the start of a
+message).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ _FENCE = re.compile(r"^\s*```[^\n]*\n(.*?)^\s*```", re.DOTALL | re.MULTILINE)
 _SPAN = re.compile(r"(``?)(?!`)(.+?)(?<!`)\1(?!`)", re.DOTALL)
 _BAD_VALUE = re.compile(r"transport option (\w+)=(.+?) is invalid")
 _UNKNOWN = re.compile(r"unknown transport option '(\w+)'")
+_REMOVED = re.compile(r"transport option '(\w+)' was removed")
 
 
 def _quotes(text: str) -> list[str]:
@@ -68,7 +70,7 @@ def _message(quote: str) -> str:
     core = quote[len(prefix) :]
     if match := _BAD_VALUE.match(core):
         options = {match.group(1): _value(match.group(2))}
-    elif match := _UNKNOWN.match(core):
+    elif match := _UNKNOWN.match(core) or _REMOVED.match(core):
         options = {match.group(1): 1}
     else:
         raise AssertionError(f"a quote this test cannot check yet (teach it): {quote!r}")
