@@ -16,7 +16,7 @@ anything is read), then reads the current state. After a lost connection (a serv
 restart, a failover) the consumer reconnects, LISTENs again and **re-reads** every task it
 still waits for, so a result stored while it was disconnected is found; while the server
 is unreachable it retries every second and ``get(timeout=...)`` still times out on time.
-Every ``resync_seconds`` (30) it re-reads what it waits for anyway: a notification lost
+Every :data:`RESYNC_SECONDS` (30) it re-reads what it waits for anyway: a notification lost
 by means nobody saw (a half-open TCP connection) costs at most that long.
 
 Behind a transaction pooler without ``direct_url`` (the backend's ``listen_dsn`` is
@@ -48,16 +48,18 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["ResultConsumer"]
 
-#: Seconds between re-reads of what is waited for, whatever the notifications said.
+#: Seconds between re-reads of what is waited for, whatever the notifications said: the
+#: longest a result whose notification was lost unseen (a half-open TCP connection) waits.
+#: 30 s: such a loss is rare, and the re-read costs one statement per waiting process
+#: every period.
 RESYNC_SECONDS = 30.0
-#: Seconds between reconnect attempts while the server is unreachable.
+#: Seconds between reconnect attempts while the server is unreachable: a restarted
+#: server is found within a second; an attempt while it is down is refused at once.
 RECONNECT_SECONDS = 1.0
 
 
 class ResultConsumer(BaseResultConsumer):
     """Waits for results of the task ids it is told to :meth:`consume_from`."""
-
-    resync_seconds = RESYNC_SECONDS
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -207,7 +209,7 @@ class ResultConsumer(BaseResultConsumer):
             self._warned = False
         self._listening = True
         if first:
-            self._next_resync = time.monotonic() + self.resync_seconds
+            self._next_resync = time.monotonic() + RESYNC_SECONDS
         else:
             self._resync()
         return db
@@ -225,8 +227,8 @@ class ResultConsumer(BaseResultConsumer):
 
     def _resync(self, every: float | None = None) -> None:
         """Re-read every subscribed task (results stored while nothing listened); the
-        next re-read in ``every`` seconds (None: ``resync_seconds``)."""
-        self._next_resync = time.monotonic() + (self.resync_seconds if every is None else every)
+        next re-read in ``every`` seconds (None: :data:`RESYNC_SECONDS`)."""
+        self._next_resync = time.monotonic() + (RESYNC_SECONDS if every is None else every)
         ids = list(self._subscribed)
         if not ids:
             return

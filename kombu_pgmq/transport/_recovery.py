@@ -16,7 +16,9 @@ __all__ = ["RECONNECT_SECONDS", "Recovery"]
 
 logger = logging.getLogger("kombu_pgmq.transport.poller")
 
-#: Seconds between reconnection attempts of a consumer in Celery's event loop.
+#: Seconds between reconnection attempts of a consumer in Celery's event loop: a restarted
+#: or promoted server is found within a second; an attempt while it is down is refused at
+#: once.
 RECONNECT_SECONDS = 1.0
 
 

@@ -36,7 +36,9 @@ logger = logging.getLogger(__name__)
 #: Longest a background statement waits for a lock before it gives up (the round is
 #: skipped and tried again), e.g. a reaper's DROP behind a reader's open transaction.
 LOCK_TIMEOUT = "1s"
-#: Seconds between attempts while the database cannot be reached.
+#: Seconds between attempts while the database cannot be reached: as the consumer's own
+#: reconnection (:data:`~kombu_pgmq.transport._recovery.RECONNECT_SECONDS`), so leases and
+#: heartbeats resume with it.
 RETRY_SECONDS = 1.0
 
 

@@ -16,7 +16,7 @@ asks the server, on the LISTEN connection and without waiting, which of them hol
 visible message (:meth:`Listener.probe`), and reads only those when the answer comes.
 In Celery's event loop, a round that delivers messages handed over at publish reads
 nothing more until the loop's next turn has written those tasks to the pool
-(:attr:`Poller.read_after_handover_seconds`).
+(:data:`READ_AFTER_HANDOVER_SECONDS`).
 
 Statements go through the transport's statement connection only (the channels'), never
 the lease or heartbeat connections.
@@ -53,24 +53,35 @@ logger = logging.getLogger(__name__)
 #: which a long transaction elsewhere keeps (kombu_pgmq._db.positions).
 REFRESH_SECONDS = 2.0
 
+#: Consecutive full reads of a queue after which this connection stops waiting on it (a
+#: backlog: publishers stop notifying until it is drained again). Three: leaving and
+#: joining ``kombu_pgmq.waiting`` again costs two statements (``stop_waiting`` now,
+#: ``wait_for`` once a read finds the queue drained), not worth it for a burst that one or
+#: two reads drain; a queue whose reads keep filling is a backlog, where every publish's
+#: NOTIFY would go to a consumer that reads anyway (a NOTIFY takes a database-wide lock
+#: at commit). Not measured against other values.
+BUSY_AFTER_FULL_READS = 3
+
+#: Seconds, in Celery's event loop, between two statements of acks alone (not riding
+#: with a read): an ack made sooner after the last one waits for a read or for this, so a
+#: backlog drains with acks batched while a lone ack goes at once (Nagle's algorithm).
+#: 2 ms: every ack sent alone cost 30 % of the backlog drain rate, batched within 2 ms
+#: 2-5 %, and a task's ack still reached the server a median 1.8 ms after the task ended
+#: (3.5 ms while acks waited for the next read), which is what a worker killed right
+#: after a task takes along (benchmarks/README.md, "acks sent at once, duplicates per
+#: kill").
+ACK_BATCH_SECONDS = 0.002
+
+#: Seconds, in Celery's event loop, that reads and slot offers wait after a round that
+#: delivered handed-over messages: Celery writes those tasks to its pool on the loop's
+#: next turn, and a read now (say the fallback poll) would hold that write. 1 ms puts
+#: the reads after that turn; 3 ms and 5 ms measured no better (benchmarks/README.md:
+#: "Celery's write to its pool no longer waits for a read", ``kombu_pgmq_3ms``).
+READ_AFTER_HANDOVER_SECONDS = 0.001
+
 
 class Poller(Recovery, DueReads):
     """Wake-ups, polling rounds and event-loop registration of one transport."""
-
-    #: Consecutive full reads of a queue after which this connection stops waiting on
-    #: it (a backlog: publishers stop notifying until it is drained again).
-    busy_after_full_reads = 3
-
-    #: Seconds, in Celery's event loop, between two statements of acks alone (not riding
-    #: with a read): an ack made sooner after the last one waits for a read or for this,
-    #: so a backlog drains with acks batched while a lone ack goes at once (Nagle's
-    #: algorithm).
-    ack_batch_seconds = 0.002
-
-    #: Seconds, in Celery's event loop, that reads and slot offers wait after a round
-    #: that delivered handed-over messages: Celery writes those tasks to its pool on the
-    #: loop's next turn, and a read now (say the fallback poll) would hold that write.
-    read_after_handover_seconds = 0.001
 
     def __init__(self, transport: TransportView) -> None:
         self.transport = transport
@@ -209,7 +220,7 @@ class Poller(Recovery, DueReads):
     def defers_acks(self) -> bool:
         """True while acks go through :meth:`defer_ack`: inside :meth:`drain_events`
         (archived before it returns) and once registered with Celery's event loop (sent
-        at once, or batched for ``ack_batch_seconds``)."""
+        at once, or batched for :data:`ACK_BATCH_SECONDS`)."""
         return self._draining > 0 or self._hub is not None
 
     def defer_ack(self, held: Receipt) -> None:
@@ -217,8 +228,8 @@ class Poller(Recovery, DueReads):
         event loop, on the loop's thread, it is sent at once instead, without waiting
         for its result, as kombu's AMQP and Redis transports write an ack in ``ack()``
         (a worker killed right after its task finished then has its ack on the server):
-        unless the last acks went less than ``ack_batch_seconds`` ago or the statement
-        connection is busy, then with the next read or at a timer, together."""
+        unless the last acks went less than :data:`ACK_BATCH_SECONDS` ago or the
+        statement connection is busy, then with the next read or at a timer, together."""
         self.acks.add(held)
         if (
             self._hub is not None
@@ -230,14 +241,14 @@ class Poller(Recovery, DueReads):
 
     def _send_acks_soon(self) -> None:
         """In Celery's event loop: send the batched acks now if the last ones went at
-        least ``ack_batch_seconds`` ago and the statement connection is free, else at a
+        least :data:`ACK_BATCH_SECONDS` ago and the statement connection is free, else at a
         timer (one at a time) or with the next read, whichever comes first."""
-        wait = self._acks_sent_at + self.ack_batch_seconds - monotonic()
+        wait = self._acks_sent_at + ACK_BATCH_SECONDS - monotonic()
         if wait <= 0:
             self._send_acks_if_free()
             if not self.acks:
                 return
-            wait = self.ack_batch_seconds  # the connection was busy: try again then
+            wait = ACK_BATCH_SECONDS  # the connection was busy: try again then
         if not self._ack_timer_pending and self._hub is not None:
             self._ack_timer_pending = True
             self._hub.call_later(wait, self._on_ack_timer)
@@ -351,7 +362,7 @@ class Poller(Recovery, DueReads):
         retry: dict[str, float] = {}
         self._polling = True
         try:
-            # read_after_handover_seconds: in Celery's event loop, not at a deferred round
+            # READ_AFTER_HANDOVER_SECONDS: in Celery's event loop, not at a deferred round
             defer = self._hub is not None and bool(self.handover.handed)
             defer = defer and not self._reading_deferred
             delivered, to_read = self.handover.deliver(self._waiting, defer_rearm=defer)
@@ -396,7 +407,7 @@ class Poller(Recovery, DueReads):
             self._full_reads.pop(name, None)
         for name in full:
             streak = self._full_reads[name] = self._full_reads.get(name, 0) + 1
-            if streak >= self.busy_after_full_reads and name in self._waiting:
+            if streak >= BUSY_AFTER_FULL_READS and name in self._waiting:
                 to_busy.append(name)
         if to_busy:
             # A backlog: publishers stop notifying (their commits would serialize).
@@ -444,10 +455,10 @@ class Poller(Recovery, DueReads):
 
     def _defer_reads(self) -> None:
         """In Celery's event loop: read the ready queues at a timer of the loop, after
-        its next turn (see :attr:`read_after_handover_seconds`)."""
+        its next turn (see :data:`READ_AFTER_HANDOVER_SECONDS`)."""
         if not self._reads_deferred and self._hub is not None:
             self._reads_deferred = True
-            self._hub.call_later(self.read_after_handover_seconds, self._on_deferred_reads)
+            self._hub.call_later(READ_AFTER_HANDOVER_SECONDS, self._on_deferred_reads)
 
     def _on_deferred_reads(self) -> None:
         self._reads_deferred = False
