@@ -13,12 +13,15 @@ BENCHMARKS = "<!-- benchmarks/README.md -->"
 
 def on_page_markdown(markdown: str, *, page: Any, **kwargs: Any) -> str:
     """Pages that are generated where they hold a marker: the command line reference
-    (every command's ``--help``, from the click commands themselves) and the full
-    benchmark report (``benchmarks/README.md``, its links to ``../docs/`` made relative to
-    the docs directory, its links to files beside it made their paths: see
+    (every command's ``--help``, from the click commands themselves), the table of
+    transport options (from ``TransportOptions``' fields) and the full benchmark report
+    (``benchmarks/README.md``, its links to ``../docs/`` made relative to the docs
+    directory, its links to files beside it made their paths: see
     :func:`_benchmark_report`)."""
     if CLI in markdown:
         markdown = markdown.replace(CLI, _cli_reference())
+    if TRANSPORT_OPTIONS in markdown:
+        markdown = markdown.replace(TRANSPORT_OPTIONS, options_table(page.file.src_uri))
     if BENCHMARKS in markdown:
         markdown = markdown.replace(BENCHMARKS, _benchmark_report())
     return markdown
@@ -103,3 +106,26 @@ def _cli_reference() -> str:
 
     walk(main, ["kombu-pgmq"], None)
     return "\n".join(parts)
+
+
+#: Where a page gets the table of transport options (the marker
+#: ``kombu_pgmq.transport.options.OPTIONS_MARKER`` that the transport's docstring uses).
+TRANSPORT_OPTIONS = "<!-- transport-options -->"
+_RST_CODE = re.compile(r"``(.+?)``")
+
+
+def options_table(page_path: str) -> str:
+    """The Markdown table of the transport options for the page at ``page_path`` (under
+    ``docs/``; links are made relative to it), one row per option from
+    :func:`kombu_pgmq.transport.options.option_docs`: name, type, unit, default, meaning
+    and the pages that say more."""
+    from kombu_pgmq.transport.options import option_docs
+
+    up = "../" * page_path.count("/")
+    rows = ["| option | type | unit | default | meaning |", "|---|---|---|---|---|"]
+    for option in option_docs():
+        meaning = _RST_CODE.sub(r"`\1`", option.doc)
+        meaning += "".join(f" See [{title}]({up}{path})." for title, path in option.see)
+        name, default = f"`{option.name}`", f"`{option.default}`"
+        rows.append(f"| {name} | {option.type} | {option.unit} | {default} | {meaning} |")
+    return "\n".join(rows)

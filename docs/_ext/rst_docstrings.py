@@ -138,9 +138,18 @@ def _convert(line: str, in_section: bool) -> str:
     return line
 
 
+def _fill_in(text: str) -> str:
+    """``text`` with what a module fills into its docstring at import done here too
+    (griffe reads the source): the transport options' list
+    (:func:`kombu_pgmq.transport.options.options_rst`)."""
+    from kombu_pgmq.transport.options import OPTIONS_MARKER, options_rst
+
+    return text.replace(OPTIONS_MARKER, options_rst()) if OPTIONS_MARKER in text else text
+
+
 class RstDocstrings(griffe.Extension):
     """Rewrite every docstring's reST into Markdown as griffe loads it."""
 
     def on_instance(self, *, node: Any, obj: griffe.Object, agent: Any, **kwargs: Any) -> None:
         if obj.docstring is not None:
-            obj.docstring.value = rst_to_markdown(obj.docstring.value)
+            obj.docstring.value = rst_to_markdown(_fill_in(obj.docstring.value))

@@ -377,92 +377,11 @@ except those kombu reads itself from the same dict
 (:data:`~kombu_pgmq.transport.options.REMOVED_OPTIONS`) is refused, saying what the
 transport does instead. A bad value (wrong type, out of range, NaN or infinite) names the
 option, the value, what is expected and the default. ``celery worker`` checks them before
-it starts and exits with that one line (:mod:`kombu_pgmq._worker_checks`).
+it starts and exits with that one line (:mod:`kombu_pgmq._worker_checks`). The list below
+is made from :class:`~kombu_pgmq.transport.options.TransportOptions`, whose fields
+document themselves, when this module is imported.
 
-* ``visibility_timeout`` (seconds, default 30): how long a delivered, unacked message
-  stays invisible after its last lease renewal before it is delivered again; so how
-  long a crashed worker's messages wait. Tasks may run far longer (leases are renewed).
-  At most 43200 (12 hours, SQS's maximum; the server refuses more).
-* ``lease_renewal_interval`` (seconds, default ``visibility_timeout / 3``; 0 = off):
-  how often held messages' visibility timeouts are pushed forward. Must be below
-  ``visibility_timeout``; the margin is how long a stalled process or a database
-  outage may last before a held message is delivered again.
-* ``max_deliveries`` (int, default ``None`` = unlimited): deliveries after which a
-  message is dead-lettered instead of delivered again.
-* ``dead_letter_queue`` (str, default ``"kombu_pgmq_dlq"``): Kombu name of the
-  dead-letter queue (not kombu's ``deadletter_queue`` option, which is for unroutable
-  messages).
-* ``read_batch_size`` (int, default 100): most messages read in one round trip.
-* ``priority_steps`` (list of ints 0-9, default None = one band per priority level):
-  floors of the priority bands of queues *first declared* by this process with
-  ``x-max-priority`` (as kombu's Redis transport; e.g. ``[0, 3, 6, 9]``: 4 tables).
-* ``eta_lead_seconds`` (seconds, default 2): a Celery ETA/countdown task becomes visible
-  this long before its ETA (Celery then waits for the ETA itself; consumers are woken
-  when it becomes due).
-* ``polling_interval`` (seconds, default 1): fallback poll of every consumed queue, for
-  messages that become visible without a publish (visibility timeout expiry; in
-  Celery's event loop a probe sent without waiting, then a read of the queues it
-  found). New and due delayed messages wake consumers at once through LISTEN/NOTIFY.
-* ``durable_acks`` (bool, default False): commit acks synchronously (see Durability).
-* ``confirm_publish`` (bool, default True): a publish returns once the server committed
-  it and its commit is on disk. False: it commits without waiting for the WAL flush, and
-  a direct publish returns once its statement is sent (see Durability: a server crash
-  forgets the last ~600 ms of publishes); py-amqp's option of the same name, where False
-  is the default.
-* ``visible_before_flush`` (bool, default True): a direct publish a consumer waits for
-  reaches it before its WAL flush and returns after it (see Durability). False: it is
-  seen only once it is on disk (one transaction a publish, as before issue 30's fourth
-  session).
-* ``vacuum_threshold`` (dead tuples, default 20000; 0 = never): a consuming process
-  VACUUMs a consumed queue's table when it has more dead row versions than this
-  (checked every ``consumer_heartbeat_interval``). Every delivery and ack leaves one; a
-  busy queue collects them faster than autovacuum (once a minute at best, and sometimes
-  off) removes them. Only tables the role owns (roles granted as workers leave them to
-  autovacuum). While an old transaction holds the database's xmin horizon, a table
-  already VACUUMed under it is skipped (another VACUUM would remove nothing) and the
-  holder is logged once it is a minute old (docs: Long transactions).
-* ``install_schema`` (bool, default True): on connect, install PGMQ (extension, or the
-  bundled SQL-only form) and kombu_pgmq's migrations if missing. When False, PGMQ and
-  the migrations must already be there (roles granted as producer or worker).
-* ``consumer_heartbeat_interval`` (seconds, default 10): how often a consuming process
-  marks its consumers live and runs the reaper of abandoned queues.
-* ``max_message_bytes`` (bytes, default 67108864 = 64 MiB): largest message a publish
-  sends (body and headers as stored); a larger one raises ``ConfigurationError`` before
-  anything is sent (jsonb's limit is 255 MiB). A message over about 2 kB is compressed
-  by PostgreSQL (TOAST): with lz4 on the transport's connection when the server has it
-  and its configuration names no ``default_toast_compression``.
-* ``consumer_stale_after`` (seconds, default 30): a consumer without a heartbeat for this
-  long counts as gone (its process died); its ``auto_delete`` queues are dropped. At most
-  86400 (a day).
-* ``deduplication_window`` (seconds, default 300): a message whose
-  ``x-deduplication-id`` header (or, on a queue declared with ``x-deduplicate-task-id``,
-  Celery task id) was published to the same queue less than this long ago is not
-  enqueued again (SQS FIFO's ``MessageDeduplicationId``); the publish returns as if it
-  had, and logs at debug level. At most 604800 (7 days; the server refuses more).
-* ``connection_options`` (dict): extra libpq parameters, merged over the URL's.
-* ``queue_limits`` (dict, default ``{}``): fleet-wide limits per Kombu queue,
-  ``{"queue": {"concurrency": 20, "rate": "100/s", "burst": 10, "key_concurrency": 2,
-  "key_rate": "5/s", "key_burst": 1, "limit_key": "task"}}`` (any subset). A worker sets
-  them when it declares the queue, replacing the limits stored for it (those not named
-  are removed; ``kombu-pgmq queue limit`` changes them at run time until then). Checked
-  when the connection is made: an unknown limit or a bad rate raises
-  ``ConfigurationError``. See :mod:`kombu_pgmq.limits`.
-* ``pooler`` (None, ``"session"`` or ``"transaction"``, default None): the broker URL is
-  a connection pooler's. ``"transaction"`` (PgBouncer's ``pool_mode = transaction``):
-  every transaction may run on another server connection, so nothing relies on session
-  state (see PgBouncer below). ``"session"``: nothing changes. Anything else raises
-  ``ConfigurationError``.
-* ``direct_url`` (libpq URL, default None): with ``pooler="transaction"``, a URL straight
-  to the server (not through the pooler) for LISTEN (consumers' wake-ups) and the beat's
-  leader election. Never shown in logs or ``repr``.
-* ``pooler_prepared_statements`` (bool, default False): with ``pooler="transaction"``,
-  the pooler keeps protocol-level prepared statements (PgBouncer >= 1.21 with
-  ``max_prepared_statements`` > 0, the default from 1.22): statements are then prepared
-  through it as on a direct connection, saving their parse and plan on every call. Each
-  new connection checks it first (one statement sent prepared: PgBouncer renames a
-  client's statements, a pooler that passes psycopg's names through does not keep
-  them); a pooler that does not keep them, or no pooler, raises a ``ConfigurationError``
-  naming this option before anything is sent.
+<!-- transport-options -->
 
 PgBouncer
 =========
@@ -493,7 +412,10 @@ With ``broker_url`` pointing at PgBouncer in transaction mode, set
 from __future__ import annotations
 
 from .channel import Channel, QoS
-from .options import TransportOptions
+from .options import OPTIONS_MARKER, TransportOptions, options_rst
 from .transport import Transport
 
 __all__ = ["Channel", "QoS", "Transport", "TransportOptions"]
+
+if __doc__:  # None under python -OO
+    __doc__ = __doc__.replace(OPTIONS_MARKER, options_rst())

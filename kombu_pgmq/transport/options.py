@@ -2,8 +2,9 @@
 Kombu connection from ``Connection(transport_options=...)`` / Celery's
 ``broker_transport_options``.
 
-Each field carries its unit and its documentation (``metadata``); the README's table of
-transport options is checked against :data:`OPTIONS` by a test, so the two cannot drift.
+Each field carries its unit and its documentation (``metadata``): the Transport Options
+of :mod:`kombu_pgmq.transport`'s docstring and the docs' table of transport options are
+generated from them (:func:`option_docs`), so no copy can drift.
 The options kombu itself reads from the same dict (:data:`KOMBU_OPTIONS`) are accepted
 and left to it; a removed option (:data:`REMOVED_OPTIONS`) is refused, saying what
 replaced it; any other name is refused, with the closest known name (a typo such as
@@ -14,9 +15,11 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
+import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 from .. import _conninfo as conninfo
 from .._db.pooling import POOLERS
@@ -24,7 +27,17 @@ from .._priorities import validate_steps
 from ..errors import ConfigurationError
 from ..limits import validate_limits
 
-__all__ = ["JSONB_MAX_BYTES", "KOMBU_OPTIONS", "OPTIONS", "REMOVED_OPTIONS", "TransportOptions"]
+__all__ = [
+    "JSONB_MAX_BYTES",
+    "KOMBU_OPTIONS",
+    "OPTIONS",
+    "OPTIONS_MARKER",
+    "REMOVED_OPTIONS",
+    "OptionDoc",
+    "TransportOptions",
+    "option_docs",
+    "options_rst",
+]
 
 #: Largest value a jsonb column holds (PostgreSQL's limit, 255 MiB).
 JSONB_MAX_BYTES = 268_435_455
@@ -67,97 +80,302 @@ REMOVED_OPTIONS: Mapping[str, str] = {
 }
 
 
-def _doc(unit: str, text: str) -> dict[str, str]:
-    return {"unit": unit, "doc": text}
+def _doc(
+    unit: str,
+    text: str,
+    *,
+    default: str | None = None,
+    see: tuple[tuple[str, str], ...] = (),
+) -> dict[str, Any]:
+    """A field's ``metadata``: its ``unit`` ("" when it has none), its documentation
+    (``text``, reST inline markup: ``code`` only), how its default reads when not as
+    Python writes it (``default``), and pages of the docs that say more (``see``:
+    ``(title, path under docs/ with an optional #anchor)``)."""
+    return {"unit": unit, "doc": text, "default": default, "see": see}
 
 
 @dataclass(frozen=True)
 class TransportOptions:
-    """The transport options in force for one Kombu connection (see the module docstring
-    of :mod:`kombu_pgmq.transport` for what each does)."""
+    """The transport options in force for one Kombu connection. Each field's ``metadata``
+    documents it (:func:`option_docs`): the Transport Options of :mod:`kombu_pgmq.transport`
+    and the docs' table are made from it."""
 
     visibility_timeout: float = field(
         default=30.0,
         metadata=_doc(
-            "seconds", "invisibility of a delivered, unacked message after its last lease renewal"
+            "seconds",
+            "how long a delivered, unacked message stays invisible after its last lease "
+            "renewal before it is delivered again: how long a crashed worker's tasks wait "
+            "before they run again. Tasks may run far longer (held messages' leases are "
+            "renewed). Lower it for a faster redelivery after a crash; raise it to ride out "
+            "longer stalls of a process or of the database (a renewal must come within it). "
+            "From 1 to 43200 (12 hours, SQS's maximum; the server refuses more).",
         ),
     )
     lease_renewal_interval: float | None = field(
         default=None,
         metadata=_doc(
             "seconds",
-            "how often held messages' leases are renewed (None: visibility_timeout / 3; 0: off)",
+            "how often a connection pushes the visibility timeout of every message it holds "
+            "(running, prefetched, waiting for an ETA) to now + ``visibility_timeout``, in one "
+            "statement. Below ``visibility_timeout``: the margin is how long a stalled "
+            "process or a database outage may last before a held message is delivered "
+            "again, and a shorter interval widens it at one statement more per round. 0 "
+            "turns renewal off (a task running longer than ``visibility_timeout`` then runs "
+            "again).",
+            default="visibility_timeout / 3",
         ),
     )
     max_deliveries: int | None = field(
-        default=None, metadata=_doc("deliveries", "dead-letter after this many deliveries")
+        default=None,
+        metadata=_doc(
+            "deliveries",
+            "after this many deliveries the next read moves the message to "
+            "``dead_letter_queue`` instead of delivering it (SQS's ``maxReceiveCount``), so "
+            "that a message whose task kills its worker every time stops being retried. "
+            "Restored deliveries (a channel closed, a delivery callback failed) do not count. "
+            "None: unlimited.",
+        ),
     )
     dead_letter_queue: str = field(
-        default="kombu_pgmq_dlq", metadata=_doc("queue name", "where dead letters go")
+        default="kombu_pgmq_dlq",
+        metadata=_doc(
+            "",
+            "Kombu name of the queue dead letters go to (a PGMQ queue; each copy has an "
+            "``x-dead-letter`` header with the original queue, ``msg_id``, ``read_ct``, the "
+            "reason and times); applications sharing a database may each have their own. "
+            "Not kombu's ``deadletter_queue``, which is for unroutable messages.",
+            see=(("Long tasks, countdowns, priorities, dead letters", "guides/long-tasks.md"),),
+        ),
     )
     read_batch_size: int = field(
-        default=100, metadata=_doc("messages", "most messages read in one round trip")
+        default=100,
+        metadata=_doc(
+            "messages",
+            "most messages read in one round trip: a consumer reads up to its free "
+            "prefetch, and this caps a read when the prefetch is unlimited (kombu's "
+            "``prefetch_count`` 0). Lower it so that such a consumer holds fewer messages at "
+            "once (other consumers get the rest); raise it for fewer round trips while it "
+            "drains a backlog.",
+        ),
     )
     priority_steps: tuple[int, ...] | None = field(
-        default=None, metadata=_doc("priorities", "floors of the priority bands")
+        default=None,
+        metadata=_doc(
+            "priorities",
+            "floors of the priority bands (0 to 9) of a queue *first declared* by this "
+            "process with ``x-max-priority``, e.g. ``[0, 3, 6, 9]``: 4 tables instead of "
+            "one per priority level, so a read visits fewer tables, for coarser priorities "
+            "(as kombu's Redis transport). None: a band per priority level.",
+        ),
     )
     eta_lead_seconds: float = field(
-        default=2.0, metadata=_doc("seconds", "an ETA task becomes visible this early")
+        default=2.0,
+        metadata=_doc(
+            "seconds",
+            "a Celery countdown/ETA task waits in its queue table (PGMQ's native delay) until "
+            "this long before its ETA; then a worker receives it and Celery runs it at the "
+            "ETA (waiting consumers are woken when it becomes due). Raise it when ETA tasks "
+            "start late (busy workers, a publisher's clock behind the database server's); "
+            "lower it to keep them out of workers' prefetch for less time.",
+        ),
     )
     polling_interval: float = field(
-        default=1.0, metadata=_doc("seconds", "fallback poll of every consumed queue")
+        default=1.0,
+        metadata=_doc(
+            "seconds",
+            "fallback poll of every consumed queue, for messages that become visible without "
+            "a publish (a lapsed visibility timeout); in a worker, a probe sent on the LISTEN "
+            "connection without waiting (which queues hold a visible message), then a read "
+            "of those only. New messages, and delayed ones when they become due, wake "
+            "consumers at once (LISTEN/NOTIFY); behind a transaction pooler without "
+            "``direct_url`` consumers poll at this interval. Longer: fewer statements from "
+            "idle consumers, later redelivery of lapsed messages.",
+        ),
     )
-    durable_acks: bool = field(default=False, metadata=_doc("bool", "commit acks synchronously"))
+    durable_acks: bool = field(
+        default=False,
+        metadata=_doc(
+            "",
+            "commit acks synchronously. By default deliveries and acks commit "
+            "asynchronously: a server crash (PostgreSQL or the machine) may forget the last "
+            "~600 ms of them (3 x ``wal_writer_delay``), and those messages are delivered "
+            "again, never lost. True: an acked task never runs again for that reason, at one "
+            "WAL flush per batch of acks.",
+            see=(("Delivery semantics and durability", "guides/delivery.md#durability"),),
+        ),
+    )
     confirm_publish: bool = field(
         default=True,
-        metadata=_doc("bool", "a publish returns once committed (False: once sent; py-amqp's)"),
+        metadata=_doc(
+            "",
+            "a publish returns once the server committed it and its commit is on disk. "
+            "False: it commits without waiting for the WAL flush (``synchronous_commit = "
+            "off`` for its transaction), and a publish to the default exchange (Celery's "
+            "``apply_async``) returns once its statement is sent (the server's answer is read "
+            "before the connection's next statement; a publish the server refuses is "
+            "published again, logged as a warning, at the next publish or when the channel "
+            "closes). Faster producers; what it risks: a server crash forgets the publishes "
+            "of its last moments, at most ~600 ms (3 x ``wal_writer_delay``; 0.4 to 273 ms "
+            "measured over 10 crashes), as RabbitMQ without publisher confirms or Redis "
+            "without ``appendfsync always``, and a refused last publish of a process that "
+            "exits without closing its connection is lost. py-amqp's option of the same name "
+            "(there False is the default). Publishes in the application's transaction "
+            "commit with it.",
+            see=(
+                ("Delivery semantics and durability", "guides/delivery.md#durability"),
+                ("Benchmarks", "benchmarks.md"),
+            ),
+        ),
     )
     visible_before_flush: bool = field(
         default=True,
-        metadata=_doc("bool", "a waiting consumer gets a publish before its WAL flush"),
+        metadata=_doc(
+            "",
+            "a direct publish (Celery's ``apply_async``, the default exchange, an exchange "
+            "routing to one queue) that a waiting consumer gets commits without waiting for "
+            "the WAL flush, so the consumer gets it at once, then waits for the flush in a "
+            "second transaction (one logical decoding message, prefix ``kombu_pgmq.flush``): "
+            "``publish`` still returns only once the message is on disk. A publish nobody "
+            "waits for commits once, synchronously. The consumer gets the message about one "
+            "WAL flush sooner, for a second transaction id, a small WAL record and one more "
+            "round trip per such publish. False: one transaction per publish, which returns "
+            "sooner (a producer publishes more per second), and a task never starts from a "
+            "message a server crash then forgets; also for a role that may not run "
+            "``pg_logical_emit_message`` (each of its connections otherwise turns the option "
+            "off with a warning) and for logical decoding clients that should not see the "
+            "``kombu_pgmq.flush`` messages.",
+            see=(("Seen before the flush", "guides/delivery.md#seen-before-the-flush"),),
+        ),
     )
     vacuum_threshold: int = field(
-        default=20_000, metadata=_doc("dead tuples", "VACUUM a consumed queue table above this")
+        default=20_000,
+        metadata=_doc(
+            "dead tuples",
+            "a consuming process VACUUMs a consumed queue's table when it holds more dead row "
+            "versions than this (checked every ``consumer_heartbeat_interval``): every "
+            "delivery and ack leaves one, and a busy queue collects them faster than "
+            "autovacuum (once a minute at best) removes them. Only tables its role owns "
+            "(roles granted as workers leave them to autovacuum). While an old transaction "
+            "holds the database's xmin horizon, a table already VACUUMed under it is skipped "
+            "and the holder is logged once it is a minute old. Lower: smaller tables under "
+            "churn, more VACUUMs; 0: never, leave it to autovacuum.",
+            see=(("Long transactions", "guides/long-transactions.md"),),
+        ),
     )
     install_schema: bool = field(
-        default=True, metadata=_doc("bool", "install PGMQ and the migrations on connect")
+        default=True,
+        metadata=_doc(
+            "",
+            "on connect, install PGMQ (the extension, or the bundled SQL-only form) and "
+            "kombu_pgmq's migrations if missing. False for roles that may not (granted as "
+            "producer or worker by ``kombu-pgmq schema grant``): the schema must be there, "
+            "and a missing one is a clear error.",
+            see=(("Least privilege", "guides/least-privilege.md"),),
+        ),
     )
     connection_options: Mapping[str, Any] = field(
-        default_factory=dict, metadata=_doc("dict", "extra libpq parameters")
+        default_factory=dict,
+        metadata=_doc(
+            "",
+            "extra libpq parameters, merged over the URL's, for what the URL should not "
+            "carry (e.g. ``{'connect_timeout': 5}``).",
+        ),
     )
     consumer_heartbeat_interval: float = field(
-        default=10.0, metadata=_doc("seconds", "consumer heartbeats and reaper runs")
+        default=10.0,
+        metadata=_doc(
+            "seconds",
+            "how often a consuming process marks its consumers live, runs the reaper of "
+            "abandoned queues and checks ``vacuum_threshold``. Shorter: quicker clean-up, "
+            "more statements from every consuming process; keep it well below "
+            "``consumer_stale_after``.",
+        ),
     )
     max_message_bytes: int = field(
         default=64 * 1024 * 1024,
-        metadata=_doc("bytes", "largest message (body and headers as stored) a publish sends"),
+        metadata=_doc(
+            "bytes",
+            "largest message a publish sends (body and headers as stored; 64 MiB); a larger "
+            "one is a ``ConfigurationError`` before anything is sent. From 1024 to 268435455 "
+            "(jsonb's limit, 255 MiB): raise it for large arguments, lower it to refuse them "
+            "early. A message over about 2 kB is compressed by PostgreSQL (TOAST): with lz4 "
+            "on the transport's connection when the server has it and its configuration "
+            "names no ``default_toast_compression``.",
+        ),
     )
     consumer_stale_after: float = field(
-        default=30.0, metadata=_doc("seconds", "a consumer without heartbeat counts as gone")
+        default=30.0,
+        metadata=_doc(
+            "seconds",
+            "a consumer whose process sent no heartbeat for this long counts as gone (its "
+            "process died): its ``auto_delete`` queues are dropped. Shorter: a dead process's "
+            "queues go sooner; longer: a process that stalls (a paused VM) keeps them. At "
+            "most 86400 (a day).",
+        ),
     )
     deduplication_window: float = field(
         default=300.0,
-        metadata=_doc("seconds", "a deduplication id is accepted once within this window"),
+        metadata=_doc(
+            "seconds",
+            "a message whose ``x-deduplication-id`` header (or, on a queue declared with "
+            "``x-deduplicate-task-id``, Celery task id) was published to the same queue less "
+            "than this long ago is not enqueued again (SQS FIFO's "
+            "``MessageDeduplicationId``); the publish returns as if it had, and logs at debug "
+            "level. Longer catches duplicates sent further apart. At most 604800 (7 days; "
+            "the server refuses more).",
+        ),
     )
     queue_limits: Mapping[str, Mapping[str, Any]] = field(
         default_factory=dict,
-        metadata=_doc("dict", "fleet-wide limits per queue, set when a worker declares it"),
+        metadata=_doc(
+            "",
+            "fleet-wide limits per Kombu queue, ``{'queue': {'concurrency': 20, 'rate': "
+            "'100/s'}}`` (also ``burst``, ``key_concurrency``, ``key_rate``, ``key_burst``, "
+            "``limit_key``; any subset). A worker sets them when it declares the queue, "
+            "replacing the limits stored for it (those not named are removed; ``kombu-pgmq "
+            "queue limit`` changes them at run time until then). Checked when the "
+            "connection is made: an unknown limit or a bad rate is a "
+            "``ConfigurationError``.",
+            see=(("Limits", "limits.md"),),
+        ),
     )
     pooler: str | None = field(
         default=None,
         metadata=_doc(
-            "None, 'session' or 'transaction'",
-            "the broker URL is a pooler's (PgBouncer): 'transaction' relies on no session state",
+            "",
+            "the broker URL is a connection pooler's: ``'transaction'`` for PgBouncer's "
+            "``pool_mode = transaction`` (statements rely on no session state: no prepared "
+            "statements unless ``pooler_prepared_statements``, settings per transaction, "
+            "LISTEN on ``direct_url``); ``'session'``: nothing changes; None: no pooler.",
+            see=(("PgBouncer", "pgbouncer.md"),),
         ),
     )
     direct_url: str | None = field(
         default=None,
         repr=False,  # may hold a password
-        metadata=_doc("libpq URL", "with pooler='transaction': LISTEN here (None: consumers poll)"),
+        metadata=_doc(
+            "",
+            "with ``pooler='transaction'``: a libpq URL straight to the server (not through "
+            "the pooler), for what a transaction pooler cannot carry: consumers' LISTEN "
+            "wake-ups and the beat's leader lock. Without it consumers poll every "
+            "``polling_interval`` (one WARNING per process says so) and beat refuses to "
+            "start. Never shown in logs or ``repr``.",
+            see=(("PgBouncer", "pgbouncer.md"),),
+        ),
     )
     pooler_prepared_statements: bool = field(
         default=False,
-        metadata=_doc("bool", "with pooler='transaction': it keeps prepared statements (1.21+)"),
+        metadata=_doc(
+            "",
+            "with ``pooler='transaction'``: the pooler keeps protocol-level prepared "
+            "statements (PgBouncer >= 1.21 with ``max_prepared_statements`` > 0, the default "
+            "from 1.22), so statements are prepared through it as on a direct connection, "
+            "saving their parse and plan on every call. Each new connection checks it first: "
+            "a pooler that does not keep them is a ``ConfigurationError`` naming this option "
+            "before anything is sent.",
+            see=(("PgBouncer", "pgbouncer.md"),),
+        ),
     )
 
     @property
@@ -398,7 +616,96 @@ def _refuse_unknown(options: Mapping[str, Any]) -> None:
     )
 
 
-#: ``{name: (unit, default, doc)}`` of every transport option (README's table).
+#: ``{name: (unit, default, doc)}`` of every transport option, in the order documented.
 OPTIONS: dict[str, tuple[str, Any, str]] = {
     f.name: (f.metadata["unit"], _default(f), f.metadata["doc"]) for f in fields(TransportOptions)
 }
+
+#: Where a module docstring lists the transport options (:func:`options_rst`), and the
+#: docs page their table (``docs/_ext/hooks.py``).
+OPTIONS_MARKER = "<!-- transport-options -->"
+
+#: How each field's annotation reads in the docs: what a user passes.
+_TYPE_NAMES = {
+    "bool": "bool",
+    "float": "number",
+    "float | None": "number or None",
+    "int": "int",
+    "int | None": "int or None",
+    "str": "str",
+    "str | None": "str or None",
+    "tuple[int, ...] | None": "list of ints or None",
+    "Mapping[str, Any]": "dict",
+    "Mapping[str, Mapping[str, Any]]": "dict of dicts",
+}
+
+
+class OptionDoc(NamedTuple):
+    """One transport option as the docs show it (from its field in
+    :class:`TransportOptions`)."""
+
+    name: str
+    #: what a user passes (``"number"``, ``"dict"``...)
+    type: str
+    #: ``"seconds"``, ``"bytes"``...; ``""`` when it has none
+    unit: str
+    #: the default as Python writes it (``30``, ``None``, ``'kombu_pgmq_dlq'``)
+    default: str
+    #: what it does and why one would change it (reST inline markup: ``code`` only)
+    doc: str
+    #: ``(title, path under docs/ with an optional #anchor)`` of pages that say more
+    see: tuple[tuple[str, str], ...]
+
+
+def option_docs() -> list[OptionDoc]:
+    """Every transport option's documentation, in field order: the one source of the
+    Transport Options of :mod:`kombu_pgmq.transport` (:func:`options_rst`) and of the docs'
+    table."""
+    return [
+        OptionDoc(
+            f.name,
+            _TYPE_NAMES[str(f.type)],
+            f.metadata["unit"],
+            f.metadata["default"] or _shown(_default(f)),
+            f.metadata["doc"],
+            f.metadata["see"],
+        )
+        for f in fields(TransportOptions)
+    ]
+
+
+def options_rst(width: int = 88) -> str:
+    """The transport options as a reST bullet list, one item per option: ``* ``name``
+    (type, unit, default ``value``): what it does. Docs: pages.`` (lines broken outside
+    code only)."""
+    items = []
+    for option in option_docs():
+        head = ", ".join(
+            part for part in (option.type, option.unit, f"default ``{option.default}``") if part
+        )
+        see = f" Docs: {'; '.join(title for title, _ in option.see)}." if option.see else ""
+        text = _CODE.sub(
+            lambda code: code.group(0).replace(" ", "\0"),
+            f"* ``{option.name}`` ({head}): {option.doc}{see}",
+        )
+        wrapped = textwrap.fill(
+            text,
+            width,
+            subsequent_indent="  ",
+            break_long_words=False,
+            break_on_hyphens=False,
+        )
+        items.append(wrapped.replace("\0", " "))
+    return "\n".join(items)
+
+
+_CODE = re.compile(r"``.+?``")
+
+
+def _shown(value: Any) -> str:
+    """``value`` as a default reads: ``30`` for 30.0, ``'name'`` for a string."""
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, Mapping):
+        return repr(dict(value))
+    return repr(value)

@@ -1,58 +1,113 @@
-"""TransportOptions: parsed and validated once; the docs' table (docs/guides/celery.md)
-and the transport's docstring list exactly these options."""
+"""TransportOptions: parsed and validated once; documented by its fields' metadata, from
+which the transport's docstring and the docs' table of transport options are generated."""
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import math
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 import kombu_pgmq.transport as transport_module
 from kombu_pgmq.errors import ConfigurationError
-from kombu_pgmq.transport.options import KOMBU_OPTIONS, OPTIONS, TransportOptions
+from kombu_pgmq.transport.options import (
+    KOMBU_OPTIONS,
+    OPTIONS,
+    OPTIONS_MARKER,
+    TransportOptions,
+    option_docs,
+    options_rst,
+)
 
-README = Path(__file__).resolve().parents[2] / "docs" / "guides" / "celery.md"
-
-
-def _readme_table() -> dict[str, tuple[str, str]]:
-    text = README.read_text(encoding="utf-8")
-    section = text.split("## Transport options", 1)[1].split("\n## ", 1)[0]
-    rows = re.findall(r"^\| `(\w+)` \| ([^|]+) \| ([^|]+) \|", section, re.MULTILINE)
-    return {name: (unit.strip(), default.strip()) for name, unit, default in rows}
-
-
-def test_readme_table_lists_every_option_with_its_unit():
-    table = _readme_table()
-    assert sorted(table) == sorted(OPTIONS)
-    for name, (unit, _default) in table.items():
-        assert unit == OPTIONS[name][0], name
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
 
 
-def _shown(value: object) -> str:
-    if isinstance(value, str):
-        return f'"{value}"'
-    if isinstance(value, float):
-        return f"{value:g}"
-    return str(value)
+def _hooks():
+    """``docs/_ext/hooks.py``, the MkDocs hooks that build the docs' table."""
+    spec = importlib.util.spec_from_file_location("docs_hooks", DOCS / "_ext" / "hooks.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def test_readme_defaults_match():
-    table = _readme_table()
-    for name, (_unit, default) in table.items():
-        if name == "lease_renewal_interval":
-            continue  # "visibility_timeout / 3"
-        shown = default.split("`")[1]
-        assert shown == _shown(OPTIONS[name][1]), (name, shown)
+def _anchors(page: Path) -> set[str]:
+    """The anchors of ``page``'s headings, as MkDocs' ``toc`` makes them."""
+    headings = re.findall(r"^#+ (.+)$", page.read_text(encoding="utf-8"), re.MULTILINE)
+    return {re.sub(r"[\s]+", "-", re.sub(r"[^\w\s-]", "", h).strip().lower()) for h in headings}
 
 
-def test_transport_docstring_documents_every_option():
+def test_every_option_documents_itself():
+    """A doc that says what the option does and why one would change it (checked by
+    reading: here, that it is there and renders in reST and in a Markdown table), its
+    type known to the docs, and pages that exist."""
+    for option in option_docs():
+        assert len(option.doc) > 80 and option.doc.endswith("."), option.name
+        assert "|" not in option.doc, option.name  # a Markdown table cell
+        assert not re.search(r":\w+:`", option.doc), option.name  # roles: reST only
+        assert option.doc.count("``") % 2 == 0, option.name
+        for _title, target in option.see:
+            path, _, anchor = target.partition("#")
+            assert (DOCS / path).is_file(), (option.name, target)
+            assert not anchor or anchor in _anchors(DOCS / path), (option.name, target)
+
+
+def test_the_generated_docs_follow_the_fields():
+    docs = {option.name: option for option in option_docs()}
+    assert list(docs) == list(OPTIONS)
+    assert [d.unit for d in docs.values()] == [unit for unit, _, _ in OPTIONS.values()]
+    assert docs["visibility_timeout"][1:4] == ("number", "seconds", "30")
+    assert docs["lease_renewal_interval"].default == "visibility_timeout / 3"
+    assert docs["max_deliveries"][1:4] == ("int or None", "deliveries", "None")
+    assert docs["dead_letter_queue"].default == "'kombu_pgmq_dlq'"
+    assert docs["priority_steps"].type == "list of ints or None"
+    assert docs["confirm_publish"][1:4] == ("bool", "", "True")
+    assert docs["connection_options"][1:4] == ("dict", "", "{}")
+    assert docs["max_message_bytes"].default == "67108864"
+
+
+def test_the_transport_docstring_lists_the_generated_options():
+    """Generated into ``__doc__`` at import: the source holds the marker, no copy."""
     doc = transport_module.__doc__ or ""
-    block = doc.split("Transport Options\n=================", 1)[1]
+    block = doc.split("Transport Options\n=================", 1)[1].split("\nPgBouncer\n")[0]
+    assert options_rst() in block and OPTIONS_MARKER not in doc
     for name in OPTIONS:
-        assert f"``{name}``" in block, name
+        assert f"* ``{name}`` (" in block, name
+    source = inspect.getsource(transport_module)
+    assert source.count(OPTIONS_MARKER) == 1
+    assert "* ``visibility_timeout``" not in source
+
+
+def test_the_options_rst_breaks_lines_outside_code_only():
+    rst = options_rst(width=60)
+    assert all(line.count("``") % 2 == 0 for line in rst.splitlines())
+    assert "``visibility_timeout / 3``" in rst
+
+
+def test_the_docs_table_is_generated_from_the_fields():
+    hooks = _hooks()
+    assert hooks.TRANSPORT_OPTIONS == OPTIONS_MARKER
+    table = hooks.options_table("guides/celery.md")
+    lines = table.splitlines()
+    assert lines[:2] == ["| option | type | unit | default | meaning |", "|---|---|---|---|---|"]
+    rows = [
+        re.match(r"\| `(\w+)` \| ([^|]+) \| ([^|]*) \| `([^`]+)` \| (.+) \|$", r) for r in lines[2:]
+    ]
+    assert all(rows), lines
+    assert [(r[1], r[2], r[3].strip(), r[4]) for r in rows if r] == [
+        (o.name, o.type, o.unit, o.default) for o in option_docs()
+    ]
+    assert "``" not in table  # Markdown code spans
+    pooler = next(r[5] for r in rows if r and r[1] == "pooler")
+    assert pooler.endswith("See [PgBouncer](../pgbouncer.md).")  # relative to the page
+    page = SimpleNamespace(file=SimpleNamespace(src_uri="guides/celery.md"))
+    built = hooks.on_page_markdown(f"before\n\n{OPTIONS_MARKER}\n\nafter", page=page)
+    assert built == f"before\n\n{table}\n\nafter"
 
 
 def test_defaults_parse():
