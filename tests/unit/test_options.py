@@ -110,6 +110,19 @@ def test_the_docs_table_is_generated_from_the_fields():
     assert built == f"before\n\n{table}\n\nafter"
 
 
+def test_the_docs_show_the_generated_table_and_no_copy():
+    """The docs page holds the marker the hook fills in; it and the README keep no
+    hand-written rows of transport options (the README links the page)."""
+    page = (DOCS / "guides" / "celery.md").read_text(encoding="utf-8")
+    section = page.split("## Transport options", 1)[1].split("\n## ", 1)[0]
+    assert section.count(OPTIONS_MARKER) == 1
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "(docs/guides/celery.md)" in readme
+    for text in (section, readme):
+        rows = re.findall(r"^\| `(\w+)` \|", text, re.MULTILINE)
+        assert not set(rows) & set(OPTIONS), rows
+
+
 def test_defaults_parse():
     options = TransportOptions.parse({})
     assert options.vt_seconds == 30
