@@ -243,7 +243,7 @@ class DeadLetterQueue:
         assert info.queue is not None
         bands = targets.get(info.queue)
         if bands is None:
-            stored = self._broker.queue_info(info.queue)
+            stored = self._broker.declarations.queue_info(info.queue)
             if stored is None:
                 raise errors.QueueNotFound(
                     f"dead letter {info.msg_id} came from queue {info.queue!r}, which no "

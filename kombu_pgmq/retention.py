@@ -21,8 +21,8 @@ from typing import Any
 from . import _conninfo as conninfo
 from . import errors
 from ._db.admin import Admin
-from ._db.broker import Broker
 from ._db.connector import Connector
+from ._db.declarations import Declarations
 from ._naming import pgmq_queue_name
 
 #: Name of the Celery task registered by :func:`add_beat_task`.
@@ -55,7 +55,7 @@ def prune_archives(
     if not url:
         raise errors.ConfigurationError("prune_archives needs a broker url (postgresql://...)")
     db = Connector(conninfo.to_dsn(url))
-    admin, broker = Admin(db), Broker(db)
+    admin, declarations = Admin(db), Declarations(db)
     try:
         tables = dict(admin.queue_tables())
         if queues is None:
@@ -63,7 +63,7 @@ def prune_archives(
         else:
             names = []
             for queue in queues:
-                info = broker.queue_info(queue)
+                info = declarations.queue_info(queue)
                 bands = info.band_queues if info and info.band_queues else None
                 for name in bands or [pgmq_queue_name(queue)]:
                     if name not in tables:

@@ -1,5 +1,10 @@
 """Broker operations: what the transport asks of PostgreSQL, one typed method per named
 statement of ``sql/queries.sql``, sent through a :class:`~kombu_pgmq._db.connector.Connector`.
+The :class:`Broker`'s own methods are the messages' (publish, read, ack, requeue, dead
+letters: some sent without waiting for their result); it has the connector's
+:class:`~kombu_pgmq._db.declarations.Declarations` (``broker.declarations``: queues,
+exchanges, bindings) and :class:`~kombu_pgmq._db.queue_functions.QueueFunctions`
+(``broker.queue_functions``: the statements through the queues' own functions).
 
 Queue names given here are PGMQ names (see :mod:`kombu_pgmq._naming`) unless a parameter
 says ``kombu_queue``. Every method may raise
@@ -10,20 +15,18 @@ reconnects) or :class:`~kombu_pgmq.errors.StatementError` (the statement failed)
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from psycopg import errors as pg_errors
-from psycopg import sql
 from psycopg.types.json import Jsonb
 
-from ..errors import PermissionDenied, QueueNotFound, StatementError
+from ..errors import KombuPgmqError, PermissionDenied, QueueNotFound
 from . import handoff
 from .connector import Connector
 from .declarations import Declarations
 from .external import ExternalConnector
-from .nowait import Nowait
 from .positions import ReadPosition, ReadPositions
+from .queue_functions import QueueFunctions
 from .rows import (
     KEY_LIMITED,
     PositionedRow,
@@ -39,18 +42,10 @@ from .rows import (
     VersionRow,
     receipt_handles,
     slot_holds,
+    text_array,
 )
 
 logger = logging.getLogger(__name__)
-
-#: statement -> the per-queue function it calls (kombu_pgmq.<prefix>_q_<queue>)
-_QUEUE_FUNCTIONS = {
-    "read_queue": "read",
-    "ack_queue": "ack",
-    "archive_expired": "ack",
-    "send_queue": "send",
-}
-
 
 #: read statements' position parameters for a read of nothing (acks alone)
 _NO_SCAN = {"scan_from": float("inf"), "watch_xids": [], "watch_bounds": [], "stamp": False}
@@ -58,16 +53,16 @@ _NO_SCAN = {"scan_from": float("inf"), "watch_xids": [], "watch_bounds": [], "st
 __all__ = ["Broker", "QueueInfo", "Receipt", "RoutingTable", "Row"]
 
 
-class Broker(Declarations, Nowait):
+class Broker:
     """Typed broker operations over one connector (see the module docstring)."""
 
     def __init__(self, db: Connector) -> None:
         self.db = db
-        #: (statement, PGMQ queue) -> the statement composed for that queue's tables
-        self._statements: dict[tuple[str, str], bytes] = {}
-        #: PGMQ queues whose own functions (``kombu_pgmq.read_q_<queue>``,
-        #: ``ack_q_<queue>``) answered a call: acks of them may be sent without waiting.
-        self._functions: set[str] = set()
+        #: Queues, exchanges and bindings: declared, bound, sized and purged on the same
+        #: connector.
+        self.declarations = Declarations(db)
+        #: The statements this connector sends through the queues' own functions.
+        self.queue_functions = QueueFunctions(db)
         #: PGMQ queues known to be limited, learned from each read (their acks of tasks
         #: that run on hold concurrency slots).
         self.limited: set[str] = set()
@@ -127,6 +122,43 @@ class Broker(Declarations, Nowait):
         }
         rows: list[Any] = self.db.fetch("send", params, synchronous=flush)
         return None if not rows or rows[0][0] is None else int(rows[0][0])
+
+    def send_nowait(
+        self,
+        queue: str,
+        message: str,
+        headers: str,
+        delay_seconds: int,
+        *,
+        on_error: Callable[[KombuPgmqError], None],
+    ) -> bool:
+        """Publish one message without deduplication (statement ``send_queue`` through
+        the queue's send function, prepared on this connection) and return without
+        waiting for the server: the statement commits on its own as soon as it arrives,
+        without waiting for the WAL flush (``confirm_publish=False``: a server crash may
+        forget it). ``on_error`` gets a failure when the result is read, before this
+        connection's next statement (the message may then not be in the queue: publish
+        it again). Returns False, sending nothing, where this path does not apply (an
+        application's connection, a queue whose functions this connection has not called
+        yet): the caller publishes with :meth:`send`.
+
+        Raises:
+            BrokerConnectionError: the statement could not be sent.
+        """
+        if isinstance(self.db, ExternalConnector):
+            return False
+        handed = handoff.tail(message, headers, delay_seconds)
+        params = {
+            "message": message.encode("utf-8", "surrogatepass"),
+            "headers": headers.encode("utf-8", "surrogatepass"),
+            "delay_seconds": str(delay_seconds).encode(),
+            "handoff": None if handed is None else handed.encode("utf-8", "surrogatepass"),
+            "commit": b"async",  # without waiting for the WAL flush
+            "version": None,  # a publish to the queue, not routed
+        }
+        return self.queue_functions.send_nowait(
+            "send_queue", queue, params, on_result=_ignore, on_error=on_error
+        )
 
     def read(self, queue: str, vt_seconds: int, qty: int) -> Reads:
         """Deliver up to ``qty`` visible messages, invisible for ``vt_seconds`` afterwards
@@ -253,7 +285,7 @@ class Broker(Declarations, Nowait):
             "commit": self._commit_mode(flush),
             "version": version,
         }
-        rows: list[SentRow] = self._queue_fetch("send_queue", queue, params, SentRow)
+        rows: list[SentRow] = self.queue_functions.fetch("send_queue", queue, params, SentRow)
         return self._flushed(rows)
 
     def _flushed(self, rows: list[SentRow]) -> list[SentRow]:
@@ -327,7 +359,7 @@ class Broker(Declarations, Nowait):
             **(self.positions.params(queue) if qty else _NO_SCAN),
         }
         try:
-            rows = self._queue_fetch(
+            rows = self.queue_functions.fetch(
                 "read_queue", queue, params, ReadRow, synchronous=True if durable else None
             )
         except QueueNotFound:
@@ -353,53 +385,6 @@ class Broker(Declarations, Nowait):
                 delivered.limits[queue] = Throttle(r.read_ct, r.age_seconds)
         return delivered, [int(r.msg_id) for r in rows if r.acked]
 
-    def _queue_statement(self, name: str, queue: str) -> bytes:
-        """Statement ``name`` (``read_queue``, ``ack_queue``, ``archive_expired``) calling
-        ``queue``'s own function (``kombu_pgmq.read_q_<queue>`` or ``ack_q_<queue>``),
-        composed once per queue."""
-        key = (name, queue)
-        statement = self._statements.get(key)
-        if statement is None:
-            function = f"{_QUEUE_FUNCTIONS[name]}_q_{queue}"
-            composed = sql.SQL(self.db.statement(name)).format(
-                function=sql.Identifier("kombu_pgmq", function)
-            )
-            statement = self._statements[key] = composed.as_bytes(self.db.connection)
-        return statement
-
-    def _queue_fetch(
-        self,
-        name: str,
-        queue: str,
-        params: dict[str, Any],
-        row: Any = None,
-        *,
-        synchronous: bool | None = True,
-    ) -> list[Any]:
-        """Run statement ``name`` through ``queue``'s own function (see
-        :meth:`_queue_statement`); if the function is missing (a queue made by plain
-        ``pgmq.create``), create the queue's functions and run it again.
-
-        Raises:
-            QueueNotFound: the queue does not exist.
-        """
-        statement = self._queue_statement(name, queue)
-        try:
-            try:
-                rows = self.db.fetch(statement, params, row, synchronous=synchronous)
-            except StatementError as exc:
-                if not isinstance(exc.__cause__, pg_errors.UndefinedFunction):
-                    raise
-                self._functions.discard(queue)
-                self.db.execute("queue_functions", {"queue": queue})
-                rows = self.db.fetch(statement, params, row, synchronous=synchronous)
-        except QueueNotFound:
-            self._functions.discard(queue)
-            self._statements.pop((name, queue), None)  # composed again if it comes back
-            raise
-        self._functions.add(queue)
-        return rows
-
     def pop(self, queue: str, qty: int) -> list[Row]:
         """Deliver and delete up to ``qty`` visible messages (no ack will follow)."""
         return self.db.fetch("pop", {"queue": queue, "qty": qty}, Row)
@@ -412,7 +397,7 @@ class Broker(Declarations, Nowait):
             queue = receipts[0].queue
             params = {**self._ack_params(receipts), "commit": None if durable else "off"}
             try:
-                rows = self._queue_fetch(
+                rows = self.queue_functions.fetch(
                     "ack_queue", queue, params, synchronous=True if durable else None
                 )
             except QueueNotFound:
@@ -426,6 +411,49 @@ class Broker(Declarations, Nowait):
             synchronous=True if durable else None,  # ack_async sets it off itself
         )
         return {(r.queue, int(r.msg_id)) for r in rows}
+
+    def ack_nowait(
+        self,
+        receipts: Sequence[Receipt],
+        *,
+        durable: bool,
+        on_settled: Callable[[set[tuple[str, int]]], None],
+        on_error: Callable[[KombuPgmqError], None],
+    ) -> bool:
+        """Send the acks of one queue (receipts) without waiting for the result: the
+        server archives them as soon as the statement arrives (statement ``ack_queue``
+        through the queue's ack function, prepared on this connection). ``on_settled``
+        gets the ``(queue, msg_id)`` settled (a stale receipt is left out) and
+        ``on_error`` a failure, when the result is read: before the next statement on
+        this connection. Returns False, sending nothing, where this path does not apply
+        (receipts of several queues, an application's connection, a queue whose
+        functions this connection has not called yet): the caller archives them with
+        :meth:`ack`.
+
+        Raises:
+            BrokerConnectionError: the statement could not be sent.
+        """
+        if not receipts or isinstance(self.db, ExternalConnector):
+            return False
+        queue = receipts[0].queue
+        if any(r.queue != queue for r in receipts):
+            return False
+
+        def settled(rows: list[tuple[str | None, ...]]) -> None:
+            on_settled({(queue, int(r[0])) for r in rows if r[0] is not None})
+
+        holds = slot_holds(receipts)
+        params = {
+            "ack_ids": text_array(r.msg_id for r in receipts),
+            "ack_cts": text_array(r.read_ct for r in receipts),
+            "ack_enqueued": text_array(r.enqueued_at for r in receipts),
+            "holds": text_array(holds["holds"]),
+            "hold_seconds": str(holds["hold_seconds"]).encode(),
+            "commit": b"on" if durable else b"off",
+        }
+        return self.queue_functions.send_nowait(
+            "ack_queue", queue, params, on_result=settled, on_error=on_error
+        )
 
     @staticmethod
     def _ack_params(receipts: Sequence[Receipt]) -> dict[str, Any]:
@@ -473,7 +501,7 @@ class Broker(Declarations, Nowait):
             return []
         params = self._ack_params(receipts)
         try:
-            rows = self._queue_fetch("archive_expired", receipts[0].queue, params)
+            rows = self.queue_functions.fetch("archive_expired", receipts[0].queue, params)
         except QueueNotFound:
             return []
         return sorted(int(r[0]) for r in rows)
@@ -558,3 +586,7 @@ class Broker(Declarations, Nowait):
         }
         row = self.db.fetch("send_routed", params, VersionRow, synchronous=flush)[0]
         return int(row.version), list(row.msg_ids)
+
+
+def _ignore(rows: list[tuple[str | None, ...]]) -> None:
+    """A publish's result: its msg_id (and whether consumers were woken); nothing to do."""

@@ -52,7 +52,7 @@ from .pooling import is_pooled, local_settings, pooler_prepares
 from .queries import queries
 from .row_factory import named_row as _named_row
 
-__all__ = ["Connector", "Query"]
+__all__ = ["Connector", "Query", "numbered"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +108,21 @@ _NOT_KEPT = ("26000", "42P05")
 #: The same, seen as a protocol violation: "bind message supplies 5 parameters, but
 #: prepared statement ... requires 11" (another client's statement of the same name).
 _NOT_KEPT_BIND = "08P01"
+
+
+def numbered(statement: bytes, names: Sequence[str]) -> bytes:
+    """``statement`` with psycopg's named placeholders (``%(name)s``) as PostgreSQL's
+    ``$1``... in the order of ``names`` (and ``%%`` as ``%``): the form a statement sent
+    by :meth:`Connector.send_nowait` takes.
+
+    Raises:
+        ValueError: the statement has a placeholder not in ``names``.
+    """
+    for number, param in enumerate(names, 1):
+        statement = statement.replace(b"%(" + param.encode() + b")s", b"$%d" % number)
+    if b"%(" in statement:
+        raise ValueError(f"statement has placeholders not in {names}: {statement[:200]!r}")
+    return statement.replace(b"%%", b"%")
 
 
 def _not_kept(exc: psycopg.Error) -> bool:

@@ -15,8 +15,7 @@ from typing import NamedTuple
 from psycopg import sql
 
 from ..errors import KombuPgmqError
-from .connector import Connector
-from .nowait import numbered
+from .connector import Connector, numbered
 
 __all__ = ["Consumers", "HandoffSlot", "Waiting"]
 

@@ -1,7 +1,8 @@
-"""Declarations: queues, exchanges and bindings (the part of :class:`~kombu_pgmq._db.broker.Broker`
-that declares, binds, sizes and purges), one typed method per named statement of
-``sql/queries.sql``, sent through ``self.db`` (a
-:class:`~kombu_pgmq._db.connector.Connector`). Errors as in :mod:`kombu_pgmq._db.broker`.
+"""Declarations: queues, exchanges and bindings declared, bound, sized and purged, one
+typed method per named statement of ``sql/queries.sql``, sent through a
+:class:`~kombu_pgmq._db.connector.Connector` (a
+:class:`~kombu_pgmq._db.broker.Broker` has one on its connector:
+``broker.declarations``). Errors as in :mod:`kombu_pgmq._db.broker`.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ __all__ = ["Declarations"]
 
 
 class Declarations:
-    """Queue, exchange and binding statements (a base of :class:`Broker`)."""
+    """Queue, exchange and binding statements over one connector."""
 
-    db: Connector
+    def __init__(self, db: Connector) -> None:
+        self.db = db
 
     # -- queues ----------------------------------------------------------------------
 

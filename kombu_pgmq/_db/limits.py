@@ -11,8 +11,7 @@ from datetime import datetime
 from typing import Any, NamedTuple
 
 from ..errors import KombuPgmqError
-from .connector import Connector
-from .nowait import numbered
+from .connector import Connector, numbered
 from .rows import text_array
 
 __all__ = ["LimitInfo", "LimitStore"]

@@ -20,8 +20,8 @@ from typing import Any
 from celery.schedules import BaseSchedule, crontab
 
 from .._db.beat import StoredEntry
-from .._db.broker import Broker
 from .._db.connector import Connector
+from .._db.declarations import Declarations
 from .._naming import pgmq_queue_name
 from ..errors import ConfigurationError
 from .schedules import CATCH_UP, from_row, latest_due, next_due, to_row
@@ -249,7 +249,7 @@ def validate_queue(name: str, options: Mapping[str, Any], app: Any, db: Connecto
         declared = {str(getattr(q, "name", q)) for q in app.conf.task_queues or ()}
         if queue in declared or queue == app.conf.task_default_queue:
             return
-    if Broker(db).queue_exists(pgmq_queue_name(queue)):
+    if Declarations(db).queue_exists(pgmq_queue_name(queue)):
         return
     raise ConfigurationError(
         f"periodic task {name!r}: queue {queue!r} does not exist (not in task_queues, not "

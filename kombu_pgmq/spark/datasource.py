@@ -84,8 +84,8 @@ from pyspark.sql.streaming.datasource import SupportsTriggerAvailableNow
 from pyspark.sql.types import StructType
 
 from .. import _conninfo as conninfo
-from .._db.broker import Broker
 from .._db.connector import Connector
+from .._db.declarations import Declarations
 from .._db.spark_store import SnapshotRow, SparkStore
 from .._naming import pgmq_queue_name
 from ..errors import ConfigurationError
@@ -145,7 +145,7 @@ class _Options:
 
 
 class _Db:
-    """One connection of a data source step: broker operations and the Spark store."""
+    """One connection of a data source step: declarations and the Spark store."""
 
     def __init__(self, dsn: str, *, bootstrap: bool = False) -> None:
         _reachable_socket(dsn)
@@ -156,7 +156,7 @@ class _Db:
         except BaseException:
             self.connector.close()
             raise
-        self.broker = Broker(self.connector)
+        self.declarations = Declarations(self.connector)
         self.store = SparkStore(self.connector)
 
     def close(self) -> None:
@@ -239,7 +239,7 @@ class QueueWriter(DataSourceWriter):
         # Kombu queue if missing); the write is a row of kombu_pgmq.spark_writes.
         client = options.client()
         try:
-            client.broker.create_queue(options.pgmq_queue, options.queue)
+            client.declarations.create_queue(options.pgmq_queue, options.queue)
             client.store.open_write(self.write_id, options.pgmq_queue)
         finally:
             client.close()

@@ -267,7 +267,7 @@ class Channel(virtual.Channel):
             )
         bands = priorities.make_bands(queue, max_priority, self.options.priority_steps)
         try:
-            info = self.pgmq.create_queue(
+            info = self.pgmq.declarations.create_queue(
                 name,
                 queue,
                 durable=bool(durable),
@@ -308,13 +308,13 @@ class Channel(virtual.Channel):
         Raises:
             PermissionDenied: the queue does not exist (the message names the fix).
         """
-        info = self.pgmq.queue_info(queue)
+        info = self.pgmq.declarations.queue_info(queue)
         if info is None:
             raise errors.PermissionDenied(
                 f"queue {queue!r} does not exist and this role may not create queues "
                 f"({refused}); declare it once with a worker or the schema owner's role"
             ) from refused
-        ttl, expires = self.pgmq.lifetime(queue)
+        ttl, expires = self.pgmq.declarations.lifetime(queue)
         return info._replace(message_ttl_ms=ttl, expires_ms=expires)
 
     def prepare_queue_arguments(self, arguments: Any, **kwargs: Any) -> Any:
@@ -323,31 +323,32 @@ class Channel(virtual.Channel):
         return to_rabbitmq_queue_arguments(arguments, **kwargs)
 
     def _has_queue(self, queue: str, **kwargs: Any) -> bool:
-        return self.pgmq.queue_exists(pgmq_queue_name(queue))
+        return self.pgmq.declarations.queue_exists(pgmq_queue_name(queue))
 
     def _size(self, queue: str) -> int:
         total = 0
         for name in self.connection.topology.bands(queue).queues:
             with contextlib.suppress(errors.QueueNotFound):
-                total += self.pgmq.size(name)
+                total += self.pgmq.declarations.size(name)
         return total
 
     def _purge(self, queue: str) -> int:
         total = 0
         for name in self.connection.topology.bands(queue).queues:
             with contextlib.suppress(errors.QueueNotFound):
-                total += self.pgmq.purge(name)
+                total += self.pgmq.declarations.purge(name)
         return total
 
     def _delete(self, queue: str, *args: Any, **kwargs: Any) -> None:
         name = pgmq_queue_name(queue)
         self._known_queues.discard(name)
+        declarations = self.pgmq.declarations
         try:
-            self.pgmq.drop_queue(name, queue)  # every band with it
+            declarations.drop_queue(name, queue)  # every band with it
         except errors.PermissionDenied as exc:
             # a worker's role: its transient queues only (kombu deletes pidbox reply
             # queues once it read the replies)
-            if not self.pgmq.drop_transient_queue(queue) and self.pgmq.queue_info(queue):
+            if not declarations.drop_transient_queue(queue) and declarations.queue_info(queue):
                 raise errors.PermissionDenied(
                     f"queue {queue!r} is durable and this role may delete only transient "
                     f"queues (non-durable, auto_delete, x-expires) ({exc}); the schema "
@@ -503,7 +504,7 @@ class Channel(virtual.Channel):
         """Get one message synchronously (``None`` if the queue has none ready)."""
         message = self.reader.read_one(queue, no_ack)
         if self.reader.lifetime(queue)[1] is not None:
-            self.pgmq.touch_queue(queue)  # basic.get counts as use (x-expires)
+            self.pgmq.declarations.touch_queue(queue)  # basic.get counts as use (x-expires)
         if message is not None and not no_ack:
             self.qos.append(message, message.delivery_tag)
             self.connection.keep_leases()
@@ -526,7 +527,7 @@ class Channel(virtual.Channel):
         self._known_queues.discard(pgmq_queue_name(queue))
         self._new_queue(queue, **self._declared.get(queue, {}))
         for exchange, routing_key in self.publisher.bindings_made.get(queue, ()):
-            self.pgmq.bind(exchange, routing_key, queue)
+            self.pgmq.declarations.bind(exchange, routing_key, queue)
         for tag, consumed in self._tag_to_queue.items():
             if consumed == queue:
                 self.connection.register_consumer(queue, tag)

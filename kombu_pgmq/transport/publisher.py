@@ -96,7 +96,7 @@ class Publisher(ChannelPart):
         if not exchange:
             return
         if passive:
-            if self.pgmq.exchange_type(exchange) is None:
+            if self.pgmq.declarations.exchange_type(exchange) is None:
                 raise ChannelError(
                     f"NOT_FOUND - no exchange {exchange!r} in vhost {self._vhost()!r}",
                     (50, 10),
@@ -110,12 +110,12 @@ class Publisher(ChannelPart):
                 f"{', '.join(sorted(EXCHANGE_TYPES))}"
             )
         try:
-            stored = self.pgmq.declare_exchange(
+            stored = self.pgmq.declarations.declare_exchange(
                 exchange, type, durable=bool(durable), auto_delete=bool(auto_delete)
             )
         except errors.PermissionDenied as exc:
             # a producer's role: a passive declaration of an exchange that exists
-            found = self.pgmq.exchange_type(exchange)
+            found = self.pgmq.declarations.exchange_type(exchange)
             if found is None:
                 raise errors.PermissionDenied(
                     f"exchange {exchange!r} does not exist and this role may not declare "
@@ -135,7 +135,7 @@ class Publisher(ChannelPart):
 
     def exchange_delete(self, exchange: str, if_unused: bool = False, nowait: bool = False) -> None:
         """Delete the exchange and its bindings (queues stay)."""
-        self.pgmq.delete_exchange(exchange)
+        self.pgmq.declarations.delete_exchange(exchange)
 
     def queue_bind(
         self,
@@ -150,10 +150,10 @@ class Publisher(ChannelPart):
             return  # the default exchange routes by queue name, no binding needed
         self.channel.declare_queue(queue)
         try:
-            self.pgmq.bind(exchange, routing_key or "", queue)
+            self.pgmq.declarations.bind(exchange, routing_key or "", queue)
         except errors.PermissionDenied as exc:
             # a producer's role: a passive check of a binding that exists
-            if not self.pgmq.binding_exists(exchange, routing_key or "", queue):
+            if not self.pgmq.declarations.binding_exists(exchange, routing_key or "", queue):
                 raise errors.PermissionDenied(
                     f"queue {queue!r} is not bound to exchange {exchange!r} with routing key "
                     f"{routing_key!r} and this role may not bind ({exc}); bind it once with "
@@ -172,7 +172,7 @@ class Publisher(ChannelPart):
         """Remove the binding in the database (every process routes without it from its
         next publish)."""
         if exchange:
-            self.pgmq.unbind(exchange, routing_key or "", queue)
+            self.pgmq.declarations.unbind(exchange, routing_key or "", queue)
             self.bindings_made.get(queue, set()).discard((exchange, routing_key or ""))
 
     def list_bindings(self) -> Any:
@@ -274,7 +274,7 @@ class Publisher(ChannelPart):
                 # Maybe bound since we loaded the table: a version check (one tiny query,
                 # not a reload) decides. Celery's events take this path whenever no
                 # monitor listens.
-                if not fresh and self.pgmq.routing_version() != routes.version:
+                if not fresh and self.pgmq.declarations.routing_version() != routes.version:
                     transport.topology.reload_routes()
                     fresh = True
                     continue

@@ -479,7 +479,7 @@ class Reader(ChannelPart):
         """``(x-message-ttl, x-expires)`` of ``queue`` in ms (cached per channel)."""
         lifetime = self._lifetimes.get(queue)
         if lifetime is None:
-            lifetime = self._lifetimes[queue] = self.pgmq.lifetime(queue)
+            lifetime = self._lifetimes[queue] = self.pgmq.declarations.lifetime(queue)
         return lifetime
 
     def _queue_ttl_seconds(self, queue: str) -> float | None:

@@ -48,7 +48,7 @@ class Topology:
         bands = self._bands.get(queue)
         if bands is None:
             name = pgmq_queue_name(queue)
-            info = self._broker().queue_info(queue)
+            info = self._broker().declarations.queue_info(queue)
             if info is None:  # not declared yet: ask again next time
                 return priorities.single(name)
             bands = self._bands[queue] = priorities.stored(name, info.floors, info.band_queues)
@@ -91,7 +91,7 @@ class Topology:
         time)."""
         plain = self._plain.get(queue)
         if plain is None:
-            info = self._broker().queue_info(queue)
+            info = self._broker().declarations.queue_info(queue)
             if info is None:
                 return False
             plain = self._plain[queue] = not info.deduplicate_task_id
@@ -121,7 +121,7 @@ class Topology:
 
     def reload_routes(self) -> Routes:
         """Load the routing table (and every queue's bands with it) in one statement."""
-        table = self._broker().routing_table()
+        table = self._broker().declarations.routing_table()
         for queue, (floors, queues) in table.bands.items():
             self._bands[queue] = priorities.stored(pgmq_queue_name(queue), floors, queues)
         routes = self._routes = Routes(table)

@@ -250,20 +250,20 @@ def test_a_priority_publish_to_a_queue_declared_elsewhere_reads_its_declaration_
     """A connection that publishes with a priority to a queue it never declared needs the
     stored bands and the stored deduplication setting: both come from one ``queue_info``
     row, read once per queue and transport (fails if each cache read its own)."""
-    from kombu_pgmq._db.broker import Broker
+    from kombu_pgmq._db.declarations import Declarations
 
     with connect(db_dsn) as other:
         Queue("banded_elsewhere", queue_arguments={"x-max-priority": 3})(
             other.default_channel
         ).declare()
     reads = []
-    queue_info = Broker.queue_info
+    queue_info = Declarations.queue_info
 
     def counting(self, queue):
         reads.append(queue)
         return queue_info(self, queue)
 
-    monkeypatch.setattr(Broker, "queue_info", counting)
+    monkeypatch.setattr(Declarations, "queue_info", counting)
     with connect(db_dsn) as conn, conn.channel() as channel:
         producer = Producer(channel)
         for n in range(3):

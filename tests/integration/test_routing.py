@@ -209,7 +209,7 @@ def test_a_routed_publish_to_one_queue_is_one_guarded_direct_statement(db_dsn):
         )
         Producer(conn.channel(), exchange=celery).publish({"n": 3}, routing_key="prio", priority=9)
         assert sent == ["direct"] * 3
-        statements = conn.transport.broker()._statements
+        statements = conn.transport.broker().queue_functions._statements
         assert ("send_queue", "celery") in statements
         high = conn.transport.topology.bands("prio").queue_for(9)
         assert high != "prio" and ("send_queue", high) in statements
@@ -290,9 +290,9 @@ def test_a_queue_deleted_by_another_process_under_a_cached_routed_statement(db_d
     with connect(db_dsn) as conn:
         bind(conn, "dropped", ex, "k")
         publish_to(conn, ex, "k", {"n": 0})
-        assert ("send_queue", "dropped") in conn.transport.broker()._statements
+        assert ("send_queue", "dropped") in conn.transport.broker().queue_functions._statements
         with connect(db_dsn) as other:
             other.channel().queue_delete("dropped")
         publish_to(conn, ex, "k", {"n": 1})
-        assert ("send_queue", "dropped") not in conn.transport.broker()._statements
+        assert ("send_queue", "dropped") not in conn.transport.broker().queue_functions._statements
     assert sql(db_dsn, "SELECT to_regclass(%s)", [table("dropped")]) == [(None,)]

@@ -13,6 +13,7 @@ from psycopg import sql
 
 from kombu_pgmq._db.broker import Broker
 from kombu_pgmq._db.connector import Connector
+from kombu_pgmq._db.declarations import Declarations
 from kombu_pgmq._db.spark_store import SparkStore
 from kombu_pgmq._encoding import dumps
 from kombu_pgmq.errors import StatementError
@@ -23,7 +24,7 @@ from tests.integration.helpers import connect, drain, publish
 @pytest.fixture
 def client(db_dsn: str):
     connector = Connector(db_dsn)
-    Broker(connector).create_queue("rows", "rows")
+    Declarations(connector).create_queue("rows", "rows")
     yield SparkStore(connector)
     connector.close()
 
