@@ -3,8 +3,10 @@ statement of ``sql/queries.sql``, sent through a :class:`~kombu_pgmq._db.connect
 The :class:`Broker`'s own methods are the messages' (publish, read, ack, requeue, dead
 letters: some sent without waiting for their result); it has the connector's
 :class:`~kombu_pgmq._db.declarations.Declarations` (``broker.declarations``: queues,
-exchanges, bindings) and :class:`~kombu_pgmq._db.queue_functions.QueueFunctions`
-(``broker.queue_functions``: the statements through the queues' own functions).
+exchanges, bindings), :class:`~kombu_pgmq._db.queue_functions.QueueFunctions`
+(``broker.queue_functions``: the statements through the queues' own functions) and
+:class:`~kombu_pgmq._db.consumers.Consumers` (``broker.consumers``: consumers, wake-ups,
+the reaper).
 
 Queue names given here are PGMQ names (see :mod:`kombu_pgmq._naming`) unless a parameter
 says ``kombu_queue``. Every method may raise
@@ -23,6 +25,7 @@ from psycopg.types.json import Jsonb
 from ..errors import KombuPgmqError, PermissionDenied, QueueNotFound
 from . import handoff
 from .connector import Connector
+from .consumers import Consumers
 from .declarations import Declarations
 from .external import ExternalConnector
 from .positions import ReadPosition, ReadPositions
@@ -63,6 +66,8 @@ class Broker:
         self.declarations = Declarations(db)
         #: The statements this connector sends through the queues' own functions.
         self.queue_functions = QueueFunctions(db)
+        #: Consumers, wake-ups and the reaper on the same connector.
+        self.consumers = Consumers(db)
         #: PGMQ queues known to be limited, learned from each read (their acks of tasks
         #: that run on hold concurrency slots).
         self.limited: set[str] = set()

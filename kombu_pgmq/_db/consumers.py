@@ -21,7 +21,7 @@ __all__ = ["Consumers", "HandoffSlot", "Waiting"]
 
 
 class Waiting(NamedTuple):
-    """What :meth:`Broker.wait_for` learned (see there)."""
+    """What :meth:`Consumers.wait_for` learned (see there)."""
 
     unsettled: list[str]
     due: dict[str, float]

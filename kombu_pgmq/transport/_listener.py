@@ -31,7 +31,6 @@ import selectors
 from collections.abc import Callable, Iterable
 
 from .._db import handoff
-from .._db.broker import Broker
 from .._db.connector import Connector
 from .._db.consumers import Consumers
 from .._db.rows import Row
@@ -61,6 +60,8 @@ class Listener:
     def __init__(self, dsn: str | None) -> None:
         self._dsn = dsn
         self._connector: Connector | None = None
+        #: Consumers' statements on the LISTEN connection (one per connection).
+        self._consumers: Consumers | None = None
         self._notified: list[tuple[str, str]] = []
         #: Queues where a message was requeued to its place (NOTIFY payload 'rewind'),
         #: below the position reads start at: read from the start (:meth:`take_rewound`).
@@ -97,7 +98,9 @@ class Listener:
         """True without a LISTEN connection: nothing notifies, consumers poll."""
         return self._dsn is None
 
-    def _broker(self) -> Broker:
+    def _connect(self) -> Connector:
+        """The LISTEN connection, LISTENing and holding its hand-over lock (connected
+        if needed)."""
         connector = self._connector
         if connector is None:
             if self._dsn is None:
@@ -118,9 +121,9 @@ class Listener:
             except BaseException:
                 connector.close()
                 raise
-            self._connector = connector
+            self._connector, self._consumers = connector, consumers
             self.generation += 1
-        return Broker(connector)
+        return connector
 
     def _on_notify(self, channel: str, payload: str) -> None:
         if self.slot is not None and channel == self.slot[0]:
@@ -166,9 +169,9 @@ class Listener:
         asked about, if the probe failed). False, sending nothing, where a probe does not
         apply (no LISTEN connection, the last probe still unanswered, a role that may not
         read PGMQ's tables, nothing to ask): the caller reads the queues itself."""
-        connector = self._connector
+        connector, consumers = self._connector, self._consumers
         names = sorted(queues)
-        if connector is None or not self.probes or not names:
+        if connector is None or consumers is None or not self.probes or not names:
             return False
 
         def failed(error: KombuPgmqError) -> None:
@@ -180,7 +183,7 @@ class Listener:
             if not connector.free():
                 return False
             froms = [scan_from(n) if scan_from else float("-inf") for n in names]
-            Consumers(connector).visible_nowait(
+            consumers.visible_nowait(
                 names, froms, on_visible=lambda found: self._probed.update(found), on_error=failed
             )
         except KombuPgmqError:
@@ -193,15 +196,15 @@ class Listener:
         if not new:
             return
         self._queues |= new
-        if self._connector is not None and self._dsn is not None:
-            Consumers(self._connector).listen(CHANNEL_PREFIX + q for q in sorted(new))
+        if self._consumers is not None and self._dsn is not None:
+            self._consumers.listen(CHANNEL_PREFIX + q for q in sorted(new))
 
     def unlisten(self, queues: Iterable[str]) -> None:
         gone = set(queues) & self._queues
         self._queues -= gone
-        if gone and self._connector is not None:
+        if gone and self._consumers is not None:
             try:
-                Consumers(self._connector).unlisten(CHANNEL_PREFIX + q for q in sorted(gone))
+                self._consumers.unlisten(CHANNEL_PREFIX + q for q in sorted(gone))
             except KombuPgmqError:
                 self._drop()  # reconnects listening to the rest
 
@@ -214,7 +217,7 @@ class Listener:
         """
         if self._dsn is None:
             return -1
-        return self._broker().db.fileno()
+        return self._connect().fileno()
 
     @property
     def wake_fileno(self) -> int:
@@ -250,14 +253,14 @@ class Listener:
             return set(), {}
         connector = self._connector
         if connector is None:
-            self._broker()
+            self._connect()
             return None
         try:
             connector.poll_notifies()
             connector.free()  # a probe's answer, if it came (never blocks)
         except KombuPgmqError:
             self._drop()
-            self._broker()
+            self._connect()
             return None
         notified, self._notified[:] = list(self._notified), []
         cut = len(CHANNEL_PREFIX)
@@ -324,7 +327,7 @@ class Listener:
     def _drop(self) -> None:
         self._probed = set()  # the caller reads every queue after a lost connection
         self.slot_seq = None  # the lease ended with the session
-        connector, self._connector = self._connector, None
+        connector, self._connector, self._consumers = self._connector, None, None
         if connector is not None:
             connector.close()
 
@@ -333,6 +336,7 @@ class Listener:
         the server (the connector abandons it) and close this process's copies of the
         pipe."""
         self._connector, connector = None, self._connector
+        self._consumers = None
         self.slot_seq = None
         if connector is not None:
             connector.close()  # in a child, the connector abandons: nothing is sent

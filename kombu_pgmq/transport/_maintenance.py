@@ -99,6 +99,7 @@ class Maintainer(Service):
         found_below: Callable[[set[str]], None] = lambda queues: None,
     ) -> None:
         super().__init__(dsn, interval_seconds)
+        self._consumers: Consumers | None = None
         self._owner = owner
         self._consumed_tables = consumed_tables
         self.vacuum_threshold = vacuum_threshold
@@ -118,6 +119,15 @@ class Maintainer(Service):
         self.vacuums = 0
         self.vacuums_skipped = 0
 
+    @property
+    def consumers(self) -> Consumers:
+        """Consumers' statements on this service's connection (one per connection)."""
+        connector = self.connector
+        consumers = self._consumers
+        if consumers is None or consumers.db is not connector:
+            consumers = self._consumers = Consumers(connector)
+        return consumers
+
     def round(self) -> None:
         """One round: heartbeat, reap, VACUUM what is due (skipped without consumers).
 
@@ -127,7 +137,7 @@ class Maintainer(Service):
         tables = self._consumed_tables()
         if not tables:
             return
-        consumers = Consumers(self.connector)
+        consumers = self.consumers
         consumers.heartbeat(self._owner())
         dropped = consumers.reap()
         if dropped:
@@ -181,9 +191,10 @@ class Maintainer(Service):
             return
         vacuumer = Connector(self._dsn, role="vacuum")
         try:
+            vacuums = Consumers(vacuumer)
             for name in due:
                 try:
-                    Consumers(vacuumer).vacuum(name)
+                    vacuums.vacuum(name)
                     self.vacuums += 1
                     self._vacuumed_under[name] = xmin
                 except errors.QueueNotFound:

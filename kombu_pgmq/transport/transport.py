@@ -211,6 +211,7 @@ class Transport(virtual.Transport):
         if broker is not None:
             return broker
         connector = self._statements
+        fresh = False
         if connector is None and self.binding is not None:
             # A bound connection (kombu_pgmq.using) declares through the process's shared
             # connection to that database: no connection of its own, no reaper run.
@@ -227,14 +228,17 @@ class Transport(virtual.Transport):
                 connector.close()
                 raise
             self._statements = connector
+            fresh = True
+        broker = Broker(connector)
+        broker.visible_before_flush = self.options.visible_before_flush
+        if fresh:
             try:
-                self.reap(Consumers(connector))
+                self.reap(broker.consumers)
             except errors.PermissionDenied:
                 logger.debug("not reaping abandoned queues: this role is not a worker")
             except errors.KombuPgmqError as exc:
                 logger.warning("reaping abandoned queues failed: %s", exc)
-        broker = self._broker = Broker(connector)
-        broker.visible_before_flush = self.options.visible_before_flush
+        self._broker = broker
         return broker
 
     def publisher(self) -> Broker:
@@ -286,7 +290,7 @@ class Transport(virtual.Transport):
 
     def register_consumer(self, queue: str, consumer_tag: str) -> None:
         """Record a consumer (its heartbeats keep auto_delete/x-expires queues alive)."""
-        Consumers(self.broker().db).register_consumer(
+        self.broker().consumers.register_consumer(
             queue, self.owner, consumer_tag, stale_after_seconds=self.options.consumer_stale_after
         )
         with self._consumers_lock:
@@ -304,7 +308,7 @@ class Transport(virtual.Transport):
         if broker is None:
             return False
         try:
-            return Consumers(broker.db).release_consumer(queue, self.owner, consumer_tag)
+            return broker.consumers.release_consumer(queue, self.owner, consumer_tag)
         except errors.KombuPgmqError as exc:
             logger.warning("could not release consumer of %r (%s); it goes stale", queue, exc)
             return False
@@ -329,7 +333,7 @@ class Transport(virtual.Transport):
         tables are locked by an open transaction is skipped until the next run. Returns
         the Kombu names dropped.
         """
-        dropped = (consumers or Consumers(self.broker().db)).reap()
+        dropped = (consumers or self.broker().consumers).reap()
         if dropped:
             logger.info("dropped %d abandoned queue(s): %s", len(dropped), ", ".join(dropped))
         return dropped

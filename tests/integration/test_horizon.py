@@ -16,7 +16,6 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from kombu_pgmq import cli
 from kombu_pgmq._db import horizon as horizon_module
-from kombu_pgmq._db.consumers import Consumers
 from kombu_pgmq._naming import pgmq_queue_name
 from kombu_pgmq.cli import operations
 from kombu_pgmq.management import Management
@@ -137,11 +136,11 @@ def test_vacuum_backs_off_while_the_horizon_is_held_and_resumes_after(db_dsn, mo
     def round_() -> None:
         # the statistics lag, and a table VACUUMed less than a second ago is not due
         wait_for(
-            lambda: Consumers(maintainer.connector).dead_tuples([name], 1.0).get(name, 0) > 1,
+            lambda: maintainer.consumers.dead_tuples([name], 1.0).get(name, 0) > 1,
             10,
             "the table due for VACUUM",
         )
-        maintainer.vacuum(Consumers(maintainer.connector), [name])
+        maintainer.vacuum(maintainer.consumers, [name])
 
     caplog.set_level(logging.INFO, logger="kombu_pgmq.transport._maintenance")
     try:
