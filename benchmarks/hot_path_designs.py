@@ -38,14 +38,14 @@ from kombu_pgmq._db.rows import Receipt
 QUEUE = "hot_path"
 
 
-def step(pgmq: Broker, design: str, acks: list[Receipt]) -> tuple[float, list[Receipt]]:
+def step(broker: Broker, design: str, acks: list[Receipt]) -> tuple[float, list[Receipt]]:
     """One timed round trip of ``design``: ack ``acks``, read one message."""
     if design == "kombu_pgmq.read":
-        pgmq.keyed.add(QUEUE)  # read as a queue with key limits is
+        broker.keyed.add(QUEUE)  # read as a queue with key limits is
     else:
-        pgmq.keyed.discard(QUEUE)
+        broker.keyed.discard(QUEUE)
     t0 = time.perf_counter()
-    rows = pgmq.read_many([QUEUE], 30, 1, acks, durable_acks=False)
+    rows = broker.read_many([QUEUE], 30, 1, acks, durable_acks=False)
     elapsed = time.perf_counter() - t0
     return elapsed, [Receipt(QUEUE, r.msg_id, r.read_ct, r.enqueued_at) for r in rows]
 
@@ -63,7 +63,7 @@ def main() -> None:
     with Connection(args.url, transport_options={}) as conn:
         conn.channel().queue_declare(QUEUE)
     db = Connector(args.url)
-    pgmq = Broker(db)
+    broker = Broker(db)
     designs = ["queue function", "kombu_pgmq.read"]
     results = []
     for rnd in range(args.rounds):
@@ -71,10 +71,10 @@ def main() -> None:
             acks: list[Receipt] = []
             times = []
             for i in range(args.messages):
-                pgmq.send(QUEUE, json.dumps({"n": i}), "{}", deduplicated=False)
-                elapsed, acks = step(pgmq, design, acks)
+                broker.send(QUEUE, json.dumps({"n": i}), "{}", deduplicated=False)
+                elapsed, acks = step(broker, design, acks)
                 times.append(elapsed * 1000)
-            pgmq.ack(acks)
+            broker.ack(acks)
             times.sort()
             row = {
                 "round": rnd,

@@ -283,9 +283,9 @@ class BoundTransport(Transport):
         self._check_broker()
         return super().broker()
 
-    def publisher(self) -> Broker:
+    def broker_for_publish(self) -> Broker:
         self._check_broker()
-        return super().publisher()
+        return super().broker_for_publish()
 
     def register_consumer(self, queue: str, consumer_tag: str) -> None:
         raise errors.ConfigurationError(

@@ -25,6 +25,6 @@ class ChannelPart:
         return self.channel.connection
 
     @property
-    def pgmq(self) -> Broker:
+    def broker(self) -> Broker:
         """Broker operations on the transport's statement connection."""
-        return self.channel.pgmq
+        return self.channel.broker

@@ -1,6 +1,6 @@
 """Kombu semantics on PGMQ: :class:`Channel` (queues, exchanges, publish, consume) and
 :class:`QoS` (prefetch, ack, reject, restore). No SQL here: statements go through the
-transport's :class:`~kombu_pgmq._db.broker.Broker` (``channel.pgmq``)."""
+transport's :class:`~kombu_pgmq._db.broker.Broker` (``channel.broker``)."""
 
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ class QoS(virtual.QoS):
         held = receipt(message.delivery_info)
         STATS.acks += 1
         transport = self.channel.connection
-        if held.queue in self.channel.pgmq.limited:
+        if held.queue in self.channel.broker.limited:
             # Celery's early ack of a task that runs on: the ack holds its concurrency
             # slot, released when the task finishes (see _slots)
             request = running_request(message)
@@ -104,7 +104,7 @@ class QoS(virtual.QoS):
             transport.poller.defer_ack(held)
         else:
             durable = transport.options.durable_acks
-            warn_stale("ack", [held], self.channel.pgmq.ack([held], durable=durable))
+            warn_stale("ack", [held], self.channel.broker.ack([held], durable=durable))
             super().ack(delivery_tag)
             transport.poller.wake()  # a prefetch slot is free: read now
 
@@ -119,7 +119,7 @@ class QoS(virtual.QoS):
         with self.channel.connection.leases.lock:
             if requeue:
                 STATS.requeues += 1
-                warn_stale("requeue", [held], self.channel.pgmq.requeue([held], 0))
+                warn_stale("requeue", [held], self.channel.broker.requeue([held], 0))
             else:
                 kombu_queue = message.delivery_info["kombu_queue"]
                 self.channel.reader.dead_letter(kombu_queue, held.queue, [held], "rejected")
@@ -150,7 +150,7 @@ class QoS(virtual.QoS):
         self._delivered.clear()
         if held:
             try:
-                self.channel.pgmq.requeue(held, 0, uncount=True)
+                self.channel.broker.requeue(held, 0, uncount=True)
             except errors.KombuPgmqError as exc:
                 # Not lost: they become visible anyway when their visibility timeout ends.
                 logger.warning(
@@ -189,7 +189,7 @@ class Channel(virtual.Channel):
         self.publisher = Publisher(self)
 
     @property
-    def pgmq(self) -> Broker:
+    def broker(self) -> Broker:
         """Broker operations on the connection's statement connection."""
         return self.connection.broker()
 
@@ -267,7 +267,7 @@ class Channel(virtual.Channel):
             )
         bands = priorities.make_bands(queue, max_priority, self.options.priority_steps)
         try:
-            info = self.pgmq.declarations.create_queue(
+            info = self.broker.declarations.create_queue(
                 name,
                 queue,
                 durable=bool(durable),
@@ -308,13 +308,13 @@ class Channel(virtual.Channel):
         Raises:
             PermissionDenied: the queue does not exist (the message names the fix).
         """
-        info = self.pgmq.declarations.queue_info(queue)
+        info = self.broker.declarations.queue_info(queue)
         if info is None:
             raise errors.PermissionDenied(
                 f"queue {queue!r} does not exist and this role may not create queues "
                 f"({refused}); declare it once with a worker or the schema owner's role"
             ) from refused
-        ttl, expires = self.pgmq.declarations.lifetime(queue)
+        ttl, expires = self.broker.declarations.lifetime(queue)
         return info._replace(message_ttl_ms=ttl, expires_ms=expires)
 
     def prepare_queue_arguments(self, arguments: Any, **kwargs: Any) -> Any:
@@ -323,26 +323,26 @@ class Channel(virtual.Channel):
         return to_rabbitmq_queue_arguments(arguments, **kwargs)
 
     def _has_queue(self, queue: str, **kwargs: Any) -> bool:
-        return self.pgmq.declarations.queue_exists(pgmq_queue_name(queue))
+        return self.broker.declarations.queue_exists(pgmq_queue_name(queue))
 
     def _size(self, queue: str) -> int:
         total = 0
         for name in self.connection.topology.bands(queue).queues:
             with contextlib.suppress(errors.QueueNotFound):
-                total += self.pgmq.declarations.size(name)
+                total += self.broker.declarations.size(name)
         return total
 
     def _purge(self, queue: str) -> int:
         total = 0
         for name in self.connection.topology.bands(queue).queues:
             with contextlib.suppress(errors.QueueNotFound):
-                total += self.pgmq.declarations.purge(name)
+                total += self.broker.declarations.purge(name)
         return total
 
     def _delete(self, queue: str, *args: Any, **kwargs: Any) -> None:
         name = pgmq_queue_name(queue)
         self._known_queues.discard(name)
-        declarations = self.pgmq.declarations
+        declarations = self.broker.declarations
         try:
             declarations.drop_queue(name, queue)  # every band with it
         except errors.PermissionDenied as exc:
@@ -504,7 +504,7 @@ class Channel(virtual.Channel):
         """Get one message synchronously (``None`` if the queue has none ready)."""
         message = self.reader.read_one(queue, no_ack)
         if self.reader.lifetime(queue)[1] is not None:
-            self.pgmq.declarations.touch_queue(queue)  # basic.get counts as use (x-expires)
+            self.broker.declarations.touch_queue(queue)  # basic.get counts as use (x-expires)
         if message is not None and not no_ack:
             self.qos.append(message, message.delivery_tag)
             self.connection.keep_leases()
@@ -527,7 +527,7 @@ class Channel(virtual.Channel):
         self._known_queues.discard(pgmq_queue_name(queue))
         self._new_queue(queue, **self._declared.get(queue, {}))
         for exchange, routing_key in self.publisher.bindings_made.get(queue, ()):
-            self.pgmq.declarations.bind(exchange, routing_key, queue)
+            self.broker.declarations.bind(exchange, routing_key, queue)
         for tag, consumed in self._tag_to_queue.items():
             if consumed == queue:
                 self.connection.register_consumer(queue, tag)
@@ -535,4 +535,4 @@ class Channel(virtual.Channel):
     def _restore(self, message: Any) -> None:
         """Make one unacked message visible again (no copy is published; the delivery
         does not count toward ``max_deliveries``)."""
-        self.pgmq.requeue([receipt(message.delivery_info)], 0, uncount=True)
+        self.broker.requeue([receipt(message.delivery_info)], 0, uncount=True)

@@ -96,7 +96,7 @@ class Publisher(ChannelPart):
         if not exchange:
             return
         if passive:
-            if self.pgmq.declarations.exchange_type(exchange) is None:
+            if self.broker.declarations.exchange_type(exchange) is None:
                 raise ChannelError(
                     f"NOT_FOUND - no exchange {exchange!r} in vhost {self._vhost()!r}",
                     (50, 10),
@@ -110,12 +110,12 @@ class Publisher(ChannelPart):
                 f"{', '.join(sorted(EXCHANGE_TYPES))}"
             )
         try:
-            stored = self.pgmq.declarations.declare_exchange(
+            stored = self.broker.declarations.declare_exchange(
                 exchange, type, durable=bool(durable), auto_delete=bool(auto_delete)
             )
         except errors.PermissionDenied as exc:
             # a producer's role: a passive declaration of an exchange that exists
-            found = self.pgmq.declarations.exchange_type(exchange)
+            found = self.broker.declarations.exchange_type(exchange)
             if found is None:
                 raise errors.PermissionDenied(
                     f"exchange {exchange!r} does not exist and this role may not declare "
@@ -135,7 +135,7 @@ class Publisher(ChannelPart):
 
     def exchange_delete(self, exchange: str, if_unused: bool = False, nowait: bool = False) -> None:
         """Delete the exchange and its bindings (queues stay)."""
-        self.pgmq.declarations.delete_exchange(exchange)
+        self.broker.declarations.delete_exchange(exchange)
 
     def queue_bind(
         self,
@@ -150,10 +150,10 @@ class Publisher(ChannelPart):
             return  # the default exchange routes by queue name, no binding needed
         self.channel.declare_queue(queue)
         try:
-            self.pgmq.declarations.bind(exchange, routing_key or "", queue)
+            self.broker.declarations.bind(exchange, routing_key or "", queue)
         except errors.PermissionDenied as exc:
             # a producer's role: a passive check of a binding that exists
-            if not self.pgmq.declarations.binding_exists(exchange, routing_key or "", queue):
+            if not self.broker.declarations.binding_exists(exchange, routing_key or "", queue):
                 raise errors.PermissionDenied(
                     f"queue {queue!r} is not bound to exchange {exchange!r} with routing key "
                     f"{routing_key!r} and this role may not bind ({exc}); bind it once with "
@@ -172,7 +172,7 @@ class Publisher(ChannelPart):
         """Remove the binding in the database (every process routes without it from its
         next publish)."""
         if exchange:
-            self.pgmq.declarations.unbind(exchange, routing_key or "", queue)
+            self.broker.declarations.unbind(exchange, routing_key or "", queue)
             self.bindings_made.get(queue, set()).discard((exchange, routing_key or ""))
 
     def list_bindings(self) -> Any:
@@ -243,7 +243,7 @@ class Publisher(ChannelPart):
         if exchange.endswith(".pidbox"):  # Celery's remote control: record revokes
             revoked = revocations.revoked_ids(message)
             if revoked:
-                revocations.record(self.connection.publisher().db, revoked)
+                revocations.record(self.connection.broker_for_publish().db, revoked)
         delay = _note_delay(message, self.options.eta_lead_seconds)
         body, headers = encoding.encode(message)
         _check_size(exchange, body, headers, self.options.max_message_bytes)
@@ -274,7 +274,7 @@ class Publisher(ChannelPart):
                 # Maybe bound since we loaded the table: a version check (one tiny query,
                 # not a reload) decides. Celery's events take this path whenever no
                 # monitor listens.
-                if not fresh and self.pgmq.declarations.routing_version() != routes.version:
+                if not fresh and self.broker.declarations.routing_version() != routes.version:
                     transport.topology.reload_routes()
                     fresh = True
                     continue
@@ -308,8 +308,8 @@ class Publisher(ChannelPart):
                 queue for queue, _ in targets
             )
             try:
-                publisher = transport.publisher()
-                version, msg_ids = publisher.send_routed(
+                through = transport.broker_for_publish()
+                version, msg_ids = through.send_routed(
                     names,
                     body,
                     headers,
@@ -317,7 +317,7 @@ class Publisher(ChannelPart):
                     delay_seconds=delay,
                     deduplication_window=self.options.deduplication_window,
                     deduplicated=not plain,
-                    flush=self.options.confirm_publish or publisher is not self.pgmq,
+                    flush=self.options.confirm_publish or through is not self.broker,
                 )
             except errors.QueueNotFound as exc:
                 # A bound queue was dropped meanwhile (its bindings normally go with it):
@@ -381,15 +381,15 @@ class Publisher(ChannelPart):
         # No deduplication id: the header is absent (a substring test, conservative) and
         # this channel declared the queue without x-deduplicate-task-id.
         plain = self.channel.plain(queue) and '"x-deduplication-id"' not in headers
-        publisher = self.connection.publisher()
-        if publisher is not self.pgmq and not self.channel.declared(queue):
+        through = self.connection.broker_for_publish()
+        if through is not self.broker and not self.channel.declared(queue):
             # In the application's transaction a failed statement aborts that transaction:
             # make sure the queue exists first (declared on our own connection).
             self.channel.declare_queue(queue)
             if priority:
                 name = self.connection.topology.bands(queue).queue_for(priority)
         # in the application's transaction, its commit is the application's
-        own = publisher is self.pgmq
+        own = through is self.broker
         if (
             not confirm
             and plain
@@ -399,7 +399,7 @@ class Publisher(ChannelPart):
             return
         flush = confirm or not own
         try:
-            msg_id = publisher.send(
+            msg_id = through.send(
                 name,
                 body,
                 headers,
@@ -415,7 +415,7 @@ class Publisher(ChannelPart):
             self.channel.declare_queue(queue)
             if priority:
                 name = self.connection.topology.bands(queue).queue_for(priority)
-            msg_id = publisher.send(
+            msg_id = through.send(
                 name, body, headers, delay, deduplication_window=window, flush=flush
             )
         if msg_id is None:
@@ -440,7 +440,7 @@ class Publisher(ChannelPart):
             failed.append((queue, body, headers, priority, delay))
 
         try:
-            sent = self.pgmq.send_nowait(name, body, headers, delay, on_error=keep)
+            sent = self.broker.send_nowait(name, body, headers, delay, on_error=keep)
         except errors.QueueNotFound:
             sent = False  # the confirmed path declares the queue again
         self.republish_failed()

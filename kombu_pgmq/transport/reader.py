@@ -224,7 +224,7 @@ class Reader(ChannelPart):
             try:
                 durable = self.options.durable_acks
                 names = [name for _, name in acked]
-                rows = self.pgmq.read_many(
+                rows = self.broker.read_many(
                     names,
                     self.vt_seconds,
                     remaining,
@@ -355,14 +355,14 @@ class Reader(ChannelPart):
             gone = [r for r in held if (name, r.msg_id) not in kept]
             if gone:
                 with contextlib.suppress(errors.QueueNotFound):
-                    self.pgmq.discard(gone)
+                    self.broker.discard(gone)
 
     def release(self, messages: list[Any]) -> None:
         """Make read but undelivered messages visible again (a callback failed): the
         application never saw them, so the delivery does not count."""
         held = [receipt(m.delivery_info) for m in messages]
         if held:
-            self.pgmq.requeue(held, 0, uncount=True)
+            self.broker.requeue(held, 0, uncount=True)
 
     def fetch(self, queue: str, qty: int, *, no_ack: bool) -> tuple[list[Any], int]:
         """Read up to ``qty`` messages of one queue, priority bands highest first (all
@@ -371,7 +371,7 @@ class Reader(ChannelPart):
         names = self.connection.topology.bands(queue).read_order
         if len(names) > 1 and not no_ack:
             try:
-                rows = self.pgmq.read_many(names, self.vt_seconds, qty)
+                rows = self.broker.read_many(names, self.vt_seconds, qty)
             except errors.QueueNotFound:
                 pass  # one is gone: band by band below (recreates a consumed queue)
             else:
@@ -399,8 +399,8 @@ class Reader(ChannelPart):
         found dropped is declared again (and yields nothing this time)."""
         try:
             if no_ack:
-                return Reads(self.pgmq.pop(name, qty))
-            return self.pgmq.read(name, self.vt_seconds, qty)
+                return Reads(self.broker.pop(name, qty))
+            return self.broker.read(name, self.vt_seconds, qty)
         except errors.QueueNotFound:
             if queue in self.channel.consumed_queues:
                 self.channel.recreate(queue)
@@ -461,7 +461,7 @@ class Reader(ChannelPart):
         """Archive expired messages (reason ``expired``) instead of delivering them; one
         popped by a ``no_ack`` get is gone already (logged)."""
         held = [receipt(m.delivery_info) for m in expired]
-        archived = self.pgmq.archive_expired(held)
+        archived = self.broker.archive_expired(held)
         logger.debug(
             "%d expired message(s) of queue %r archived (reason expired), not delivered",
             len(archived),
@@ -479,7 +479,7 @@ class Reader(ChannelPart):
         """``(x-message-ttl, x-expires)`` of ``queue`` in ms (cached per channel)."""
         lifetime = self._lifetimes.get(queue)
         if lifetime is None:
-            lifetime = self._lifetimes[queue] = self.pgmq.declarations.lifetime(queue)
+            lifetime = self._lifetimes[queue] = self.broker.declarations.lifetime(queue)
         return lifetime
 
     def _queue_ttl_seconds(self, queue: str) -> float | None:
@@ -535,10 +535,10 @@ class Reader(ChannelPart):
             "errors": error_texts,
         }
         try:
-            moved = self.pgmq.dead_letter(name, receipts, **kwargs)
+            moved = self.broker.dead_letter(name, receipts, **kwargs)
         except errors.QueueNotFound:
             self.channel.declare_queue(dlq_kombu)
-            moved = self.pgmq.dead_letter(name, receipts, **kwargs)
+            moved = self.broker.dead_letter(name, receipts, **kwargs)
         STATS.dead_lettered += len(moved)
         if moved:
             logger.warning(

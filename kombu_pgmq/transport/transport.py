@@ -241,10 +241,11 @@ class Transport(virtual.Transport):
         self._broker = broker
         return broker
 
-    def publisher(self) -> Broker:
-        """Where this transport's publishes are written: the application's connection of
-        a bound connection or of the innermost ``with kombu_pgmq.using(conn):`` block
-        (:mod:`kombu_pgmq.transactional`), else the statement connection."""
+    def broker_for_publish(self) -> Broker:
+        """The broker this transport's publishes go through: on the application's
+        connection of a bound connection or of the innermost ``with
+        kombu_pgmq.using(conn):`` block (:mod:`kombu_pgmq.transactional`), else
+        :meth:`broker` (the statement connection)."""
         if self.binding is not None:
             return self.binding.publisher
         binding = current_binding()

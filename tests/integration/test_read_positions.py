@@ -39,15 +39,15 @@ READS = pytest.mark.parametrize("direct", [True, False], ids=["read_queue", "kom
 
 
 @contextlib.contextmanager
-def broker(dsn: str, queue: str, *, direct: bool = True) -> Iterator[Broker]:
+def queue_broker(dsn: str, queue: str, *, direct: bool = True) -> Iterator[Broker]:
     with connect(dsn) as conn:
         conn.channel().queue_declare(queue)
     db = Connector(dsn)
     try:
-        pgmq = Broker(db)
+        broker = Broker(db)
         if not direct:  # read as a queue with key limits is: through kombu_pgmq.read
-            pgmq.keyed.add(pgmq_queue_name(queue))
-        yield pgmq
+            broker.keyed.add(pgmq_queue_name(queue))
+        yield broker
     finally:
         db.close()
 
@@ -66,32 +66,32 @@ def held(dsn: str, *, write: bool = False) -> Iterator[psycopg.Connection]:
         holder.rollback()
 
 
-def cycle(pgmq: Broker, queue: str, n: int) -> None:
+def cycle(broker: Broker, queue: str, n: int) -> None:
     """Publish ``n`` messages, read them and archive them: each leaves dead versions (the
     delivered ones with a visibility timeout far beyond the test, so that only the sent
     versions lie in the index below now)."""
-    pgmq.db.connection.execute(
+    broker.db.connection.execute(
         "SELECT pgmq.send_batch(%s, ARRAY(SELECT jsonb_build_object('n', i)"
         " FROM generate_series(1, %s) AS i))",
         (queue, n),
     )
-    rows = pgmq.read_many([queue], 3600, n)
+    rows = broker.read_many([queue], 3600, n)
     assert len(rows) == n
     ids = [r.msg_id for r in rows]
-    pgmq.db.connection.execute("SELECT pgmq.archive(%s, %s::bigint[])", (queue, ids))
+    broker.db.connection.execute("SELECT pgmq.archive(%s, %s::bigint[])", (queue, ids))
 
 
-def flush_stats(pgmq: Broker) -> None:
+def flush_stats(broker: Broker) -> None:
     """Flush the cumulative statistics of this broker's connection now."""
-    pgmq.db.connection.execute("SELECT pg_stat_force_next_flush()")
-    pgmq.db.connection.execute("SELECT 1")  # the flush happens at its end
+    broker.db.connection.execute("SELECT pg_stat_force_next_flush()")
+    broker.db.connection.execute("SELECT 1")  # the flush happens at its end
 
 
-def touched(pgmq: Broker, dsn: str, queue: str) -> tuple[int, int]:
+def touched(broker: Broker, dsn: str, queue: str) -> tuple[int, int]:
     """(index entries its vt index returned to scans, dead or alive; shared buffers its
     table and indexes were read from), cumulative, with this broker's connection's counts
     flushed (pg_stat_user_indexes.idx_tup_read; pg_statio_user_tables' hits and reads)."""
-    flush_stats(pgmq)
+    flush_stats(broker)
     ((entries, buffers),) = sql(
         dsn,
         "SELECT i.idx_tup_read,"
@@ -103,10 +103,10 @@ def touched(pgmq: Broker, dsn: str, queue: str) -> tuple[int, int]:
     return int(entries), int(buffers)
 
 
-def index_entries_read(pgmq: Broker, dsn: str, index: str) -> int:
+def index_entries_read(broker: Broker, dsn: str, index: str) -> int:
     """pg_stat_user_indexes.idx_tup_read of PGMQ index ``index`` (every entry a scan
     returned, dead or alive), with this broker's connection's counts flushed."""
-    flush_stats(pgmq)
+    flush_stats(broker)
     ((n,),) = sql(
         dsn,
         "SELECT idx_tup_read FROM pg_stat_user_indexes "
@@ -116,10 +116,10 @@ def index_entries_read(pgmq: Broker, dsn: str, index: str) -> int:
     return int(n)
 
 
-def seq_scans(pgmq: Broker, dsn: str, queue: str) -> int:
+def seq_scans(broker: Broker, dsn: str, queue: str) -> int:
     """pg_stat_user_tables.seq_scan of the queue's table (scans of every page), with this
     broker's connection's counts flushed."""
-    flush_stats(pgmq)
+    flush_stats(broker)
     ((n,),) = sql(
         dsn,
         "SELECT seq_scan FROM pg_stat_user_tables WHERE schemaname = 'pgmq' AND relname = %s",
@@ -128,7 +128,7 @@ def seq_scans(pgmq: Broker, dsn: str, queue: str) -> int:
     return int(n)
 
 
-def walk(pgmq: Broker, dsn: str, queue: str, *, settle: bool = True) -> tuple[int, int]:
+def walk(broker: Broker, dsn: str, queue: str, *, settle: bool = True) -> tuple[int, int]:
     """(index entries of the queue's vt index, shared buffers of its table and indexes)
     one empty read touches, once the position has moved past the last cycle: a read after
     a pause longer than the position's lag behind the reads (MARGIN_SECONDS), then the
@@ -136,16 +136,16 @@ def walk(pgmq: Broker, dsn: str, queue: str, *, settle: bool = True) -> tuple[in
     if settle:
         pause = 2 * (positions.STAMP_SECONDS + positions.MARGIN_SECONDS)
         time.sleep(pause)
-        assert pgmq.read_many([queue], 30, 10) == []
+        assert broker.read_many([queue], 30, 10) == []
         time.sleep(pause)
-    entries, buffers = touched(pgmq, dsn, queue)
-    assert pgmq.read_many([queue], 30, 10) == []
-    entries_after, buffers_after = touched(pgmq, dsn, queue)
+    entries, buffers = touched(broker, dsn, queue)
+    assert broker.read_many([queue], 30, 10) == []
+    entries_after, buffers_after = touched(broker, dsn, queue)
     return entries_after - entries, buffers_after - buffers
 
 
-def entries_walked(pgmq: Broker, dsn: str, queue: str, *, settle: bool = True) -> int:
-    return walk(pgmq, dsn, queue, settle=settle)[0]
+def entries_walked(broker: Broker, dsn: str, queue: str, *, settle: bool = True) -> int:
+    return walk(broker, dsn, queue, settle=settle)[0]
 
 
 @READS
@@ -155,15 +155,15 @@ def test_a_read_touches_as_much_after_50_000_messages_as_after_1_000(db_dsn, dir
     buffers whether 1,000 or 50,000 messages went through, where a read from the start
     walks all of them."""
     queue = pgmq_queue_name("walk")
-    with broker(db_dsn, "walk", direct=direct) as pgmq, held(db_dsn):
+    with queue_broker(db_dsn, "walk", direct=direct) as broker, held(db_dsn):
         for _ in range(2):
-            cycle(pgmq, queue, 500)
-        early = walk(pgmq, db_dsn, queue)
+            cycle(broker, queue, 500)
+        early = walk(broker, db_dsn, queue)
         for _ in range(98):
-            cycle(pgmq, queue, 500)
-        late = walk(pgmq, db_dsn, queue)
-        pgmq.positions.forget(queue)
-        from_start = walk(pgmq, db_dsn, queue, settle=False)
+            cycle(broker, queue, 500)
+        late = walk(broker, db_dsn, queue)
+        broker.positions.forget(queue)
+        from_start = walk(broker, db_dsn, queue, settle=False)
     # (entries, buffers): the position trails the reads by MARGIN_SECONDS, so the read
     # walks none of the dead versions; its buffers are the index's descent (one level
     # deeper at most as the index grows) and the catalog rows it checks
@@ -180,29 +180,29 @@ def test_a_queue_with_a_rate_or_concurrency_limit_is_read_by_position_too(db_dsn
     """The read function of a limited queue starts its walk at the position as well (only
     queues with key limits are read through kombu_pgmq.read_limited, from the start)."""
     queue = pgmq_queue_name("limited_walk")
-    with broker(db_dsn, "limited_walk") as pgmq, held(db_dsn):
+    with queue_broker(db_dsn, "limited_walk") as broker, held(db_dsn):
         assert set_limits(db_dsn, "limited_walk", limits)
         for _ in range(8):
-            cycle(pgmq, queue, 500)
-        assert queue in pgmq.limited  # the reads saw the limits
-        late = entries_walked(pgmq, db_dsn, queue)
-        pgmq.positions.forget(queue)
-        from_start = entries_walked(pgmq, db_dsn, queue, settle=False)
+            cycle(broker, queue, 500)
+        assert queue in broker.limited  # the reads saw the limits
+        late = entries_walked(broker, db_dsn, queue)
+        broker.positions.forget(queue)
+        from_start = entries_walked(broker, db_dsn, queue, settle=False)
     assert from_start >= 4_000 and late < 200, (late, from_start)
 
 
 @READS
 def test_a_long_transaction_that_has_written_does_not_hold_the_position_back(db_dsn, direct):
     queue = pgmq_queue_name("writer")
-    with broker(db_dsn, "writer", direct=direct) as pgmq, held(db_dsn, write=True):
+    with queue_broker(db_dsn, "writer", direct=direct) as broker, held(db_dsn, write=True):
         for _ in range(5):
-            cycle(pgmq, queue, 200)
-        early = entries_walked(pgmq, db_dsn, queue)
+            cycle(broker, queue, 200)
+        early = entries_walked(broker, db_dsn, queue)
         for _ in range(25):
-            cycle(pgmq, queue, 200)
-        late = entries_walked(pgmq, db_dsn, queue)
-        pgmq.positions.forget(queue)
-        from_start = entries_walked(pgmq, db_dsn, queue, settle=False)
+            cycle(broker, queue, 200)
+        late = entries_walked(broker, db_dsn, queue)
+        broker.positions.forget(queue)
+        from_start = entries_walked(broker, db_dsn, queue, settle=False)
     # held back to the writer's start, the read would walk all of them
     assert from_start >= 6_000
     assert late < 200, (early, late, from_start)
@@ -212,31 +212,31 @@ def test_a_read_of_several_queues_walks_few_entries_of_each(db_dsn):
     """Several queues in one read (a consumer of two queues, priority bands): each
     queue's walk starts at its own position."""
     names = [pgmq_queue_name("bands"), pgmq_queue_name("bands.1")]
-    with broker(db_dsn, "bands") as pgmq, held(db_dsn):
+    with queue_broker(db_dsn, "bands") as broker, held(db_dsn):
         with connect(db_dsn) as conn:
             conn.channel().queue_declare("bands.1")
 
         def walked() -> int:
-            return sum(index_entries_read(pgmq, db_dsn, f"q_{q}_vt_idx") for q in names)
+            return sum(index_entries_read(broker, db_dsn, f"q_{q}_vt_idx") for q in names)
 
         for _ in range(20):
             for q in names:
                 for i in range(100):
-                    pgmq.send(q, json.dumps({"n": i}), "{}", deduplicated=False)
-            rows = pgmq.read_many(names, 3600, 400)
+                    broker.send(q, json.dumps({"n": i}), "{}", deduplicated=False)
+            rows = broker.read_many(names, 3600, 400)
             assert len(rows) == 200
             for q in names:
                 ids = [r.msg_id for r in rows if r.queue == q]
-                pgmq.db.connection.execute("SELECT pgmq.archive(%s, %s::bigint[])", (q, ids))
+                broker.db.connection.execute("SELECT pgmq.archive(%s, %s::bigint[])", (q, ids))
         time.sleep(2 * (positions.STAMP_SECONDS + positions.MARGIN_SECONDS))
-        assert pgmq.read_many(names, 30, 10) == []
+        assert broker.read_many(names, 30, 10) == []
         time.sleep(2 * (positions.STAMP_SECONDS + positions.MARGIN_SECONDS))
         before = walked()
-        assert pgmq.read_many(names, 30, 10) == []
+        assert broker.read_many(names, 30, 10) == []
         late = walked() - before
-        pgmq.positions.forget()
+        broker.positions.forget()
         before = walked()
-        assert pgmq.read_many(names, 30, 10) == []
+        assert broker.read_many(names, 30, 10) == []
         from_start = walked() - before
     assert from_start >= 4_000
     assert late < 200, (late, from_start)
@@ -252,23 +252,23 @@ def test_a_message_committed_late_is_delivered(db_dsn, when, direct):
     it commits right after one read whose snapshot did not list it yet (its id is above
     that snapshot's xmax: no transaction with a later id had ended)."""
     queue = pgmq_queue_name("late")
-    with broker(db_dsn, "late", direct=direct) as pgmq:
-        cycle(pgmq, queue, 5)
+    with queue_broker(db_dsn, "late", direct=direct) as broker:
+        cycle(broker, queue, 5)
         with psycopg.connect(db_dsn) as app:
             if when == "id-before-reads":
                 app.execute("SELECT pg_current_xact_id()")
-                cycle(pgmq, queue, 5)
+                cycle(broker, queue, 5)
             app.execute("SELECT pgmq.send(%s, '{\"late\": true}'::jsonb)", (queue,))
             if when == "commit-before-listed":
                 time.sleep(0.05)
-                assert pgmq.read_many([queue], 30, 10) == []  # moves on past its vt
+                assert broker.read_many([queue], 30, 10) == []  # moves on past its vt
             else:
                 for _ in range(20):  # the position moves on past the late message's vt
-                    cycle(pgmq, queue, 5)
+                    cycle(broker, queue, 5)
                     time.sleep(0.05)
-                assert pgmq.read_many([queue], 30, 10) == []
+                assert broker.read_many([queue], 30, 10) == []
             app.commit()
-        rows = pgmq.read_many([queue], 30, 10)
+        rows = broker.read_many([queue], 30, 10)
         assert [json.loads(r.message) for r in rows] == [{"late": True}]
 
 
@@ -277,21 +277,21 @@ def test_messages_that_become_visible_again_below_the_position_are_delivered(db_
     """A delayed message, a lease that lapses and a requeue with a delay come due while
     reads move on: each is delivered when due, without a read from the start."""
     queue = pgmq_queue_name("due")
-    with broker(db_dsn, "due", direct=direct) as pgmq:
-        pgmq.send(queue, '{"delayed": true}', "{}", 2, deduplicated=False)
-        pgmq.send(queue, '{"leased": true}', "{}", deduplicated=False)
-        pgmq.send(queue, '{"requeued": true}', "{}", deduplicated=False)
-        _leased, requeued = pgmq.read_many([queue], 1, 10)  # invisible for 1 s
+    with queue_broker(db_dsn, "due", direct=direct) as broker:
+        broker.send(queue, '{"delayed": true}', "{}", 2, deduplicated=False)
+        broker.send(queue, '{"leased": true}', "{}", deduplicated=False)
+        broker.send(queue, '{"requeued": true}', "{}", deduplicated=False)
+        _leased, requeued = broker.read_many([queue], 1, 10)  # invisible for 1 s
         receipt = Receipt(queue, requeued.msg_id, requeued.read_ct, requeued.enqueued_at)
-        assert pgmq.requeue([receipt], 2) == {(queue, requeued.msg_id)}
+        assert broker.requeue([receipt], 2) == {(queue, requeued.msg_id)}
         got: list[dict[str, bool]] = []
         deadline = time.monotonic() + 10
         while len(got) < 3 and time.monotonic() < deadline:
             for i in range(3):
-                pgmq.send(queue, json.dumps({"n": i}), "{}", deduplicated=False)
-            rows = pgmq.read_many([queue], 30, 10)
+                broker.send(queue, json.dumps({"n": i}), "{}", deduplicated=False)
+            rows = broker.read_many([queue], 30, 10)
             ids = [r.msg_id for r in rows]
-            pgmq.db.connection.execute("SELECT pgmq.archive(%s, %s::bigint[])", (queue, ids))
+            broker.db.connection.execute("SELECT pgmq.archive(%s, %s::bigint[])", (queue, ids))
             got += [m for m in (json.loads(r.message) for r in rows) if "n" not in m]
             time.sleep(0.1)
         assert sorted(got, key=str) == [{"delayed": True}, {"leased": True}, {"requeued": True}]
@@ -302,8 +302,8 @@ def test_a_past_visibility_time_is_found_by_the_periodic_read_from_the_start(db_
     read from the start of the index (every FULL_SCAN_SECONDS) delivers it."""
     monkeypatch.setattr(positions, "FULL_SCAN_SECONDS", 1.0)
     queue = pgmq_queue_name("past")
-    with broker(db_dsn, "past") as pgmq:
-        cycle(pgmq, queue, 5)
+    with queue_broker(db_dsn, "past") as broker:
+        cycle(broker, queue, 5)
         sql(
             db_dsn,
             "SELECT pgmq.send(%s, '{\"past\": true}'::jsonb, now() - interval '1 hour')",
@@ -312,7 +312,7 @@ def test_a_past_visibility_time_is_found_by_the_periodic_read_from_the_start(db_
         got: list[object] = []
         wait_for(
             lambda: (
-                got.extend(json.loads(r.message) for r in pgmq.read_many([queue], 30, 10)) or got
+                got.extend(json.loads(r.message) for r in broker.read_many([queue], 30, 10)) or got
             ),
             5,
             "the message sent with a past visibility time",
@@ -407,31 +407,31 @@ def test_settling_probes_the_primary_key_after_a_vacuum_behind_a_held_snapshot(d
     find their rows by msg_id on the primary key, not by a scan of the whole index (every
     dead entry of 4,000 messages). ``direct``: statement ack_queue, else kombu_pgmq.ack."""
 
-    def ack(pgmq: Broker, receipts: list[Receipt]) -> list[Any]:
+    def ack(broker: Broker, receipts: list[Receipt]) -> list[Any]:
         if direct:
-            return list(pgmq.ack(receipts))
-        return pgmq.db.fetch("ack", {**receipt_handles(receipts), **slot_holds(receipts)})
+            return list(broker.ack(receipts))
+        return broker.db.fetch("ack", {**receipt_handles(receipts), **slot_holds(receipts)})
 
     queue = pgmq_queue_name("probe_pk")
-    with broker(db_dsn, "probe_pk", direct=direct) as pgmq, held(db_dsn):
+    with queue_broker(db_dsn, "probe_pk", direct=direct) as broker, held(db_dsn):
         for _ in range(20):
-            cycle(pgmq, queue, 200)
+            cycle(broker, queue, 200)
         sql(db_dsn, f"VACUUM pgmq.q_{queue}")
         for i in range(20):
-            pgmq.send(queue, json.dumps({"n": i}), "{}", deduplicated=False)
-        rows = pgmq.read_many([queue], 30, 20)
+            broker.send(queue, json.dumps({"n": i}), "{}", deduplicated=False)
+        rows = broker.read_many([queue], 30, 20)
         receipts = [Receipt(queue, r.msg_id, r.read_ct, r.enqueued_at) for r in rows]
         walked, scans = {}, {}
         for step, settle in (
-            ("renew", lambda: pgmq.renew(receipts, 60)),
-            ("ack", lambda: ack(pgmq, receipts[:10])),
-            ("requeue", lambda: pgmq.requeue(receipts[10:], 5)),
+            ("renew", lambda: broker.renew(receipts, 60)),
+            ("ack", lambda: ack(broker, receipts[:10])),
+            ("requeue", lambda: broker.requeue(receipts[10:], 5)),
         ):
-            before = index_entries_read(pgmq, db_dsn, f"q_{queue}_pkey")
-            scans_before = seq_scans(pgmq, db_dsn, queue)
+            before = index_entries_read(broker, db_dsn, f"q_{queue}_pkey")
+            scans_before = seq_scans(broker, db_dsn, queue)
             assert len(settle()) == (20 if step == "renew" else 10)
-            walked[step] = index_entries_read(pgmq, db_dsn, f"q_{queue}_pkey") - before
-            scans[step] = seq_scans(pgmq, db_dsn, queue) - scans_before
+            walked[step] = index_entries_read(broker, db_dsn, f"q_{queue}_pkey") - before
+            scans[step] = seq_scans(broker, db_dsn, queue) - scans_before
     # by primary key: neither every entry of the index nor every page of the table
     assert max(walked.values()) <= 100, walked
     assert scans == {"renew": 0, "ack": 0, "requeue": 0}, scans
@@ -444,19 +444,19 @@ def test_reads_and_acks_never_scan_the_table_whose_plan_was_made_small(db_dsn, d
     invalidates them without a VACUUM or ANALYZE). Reads and acks still find their rows by
     index, never by a scan of every page."""
     queue = pgmq_queue_name("small_plan")
-    with broker(db_dsn, "small_plan", direct=direct) as pgmq, held(db_dsn):
+    with queue_broker(db_dsn, "small_plan", direct=direct) as broker, held(db_dsn):
         scans = []
         for _ in range(4):  # one ack per message, as a Celery worker's
-            pgmq.db.connection.execute(
+            broker.db.connection.execute(
                 "SELECT pgmq.send_batch(%s, ARRAY(SELECT jsonb_build_object('n', i)"
                 " FROM generate_series(1, 500) AS i))",
                 (queue,),
             )
-            before = seq_scans(pgmq, db_dsn, queue)
-            rows = pgmq.read_many([queue], 30, 500)
+            before = seq_scans(broker, db_dsn, queue)
+            rows = broker.read_many([queue], 30, 500)
             for r in rows:
-                assert pgmq.ack([Receipt(queue, r.msg_id, r.read_ct, r.enqueued_at)])
-            scans.append(seq_scans(pgmq, db_dsn, queue) - before)
+                assert broker.ack([Receipt(queue, r.msg_id, r.read_ct, r.enqueued_at)])
+            scans.append(seq_scans(broker, db_dsn, queue) - before)
         assert scans == [0, 0, 0, 0]
 
 
@@ -473,10 +473,10 @@ def test_plain_pgmq_clients_and_a_least_privilege_worker_share_a_queue(least_pri
     worker = Connector(db.worker_url)
     owner = psycopg.connect(db.owner_url, autocommit=True)
     try:
-        pgmq = Broker(worker)
+        broker = Broker(worker)
 
         def read() -> list[Any]:
-            return list(pgmq.read_many([queue], 30, 10))
+            return list(broker.read_many([queue], 30, 10))
 
         def plain(statement: str, *args: object) -> Any:
             return owner.execute(statement, (queue, *args)).fetchall()
@@ -486,10 +486,10 @@ def test_plain_pgmq_clients_and_a_least_privilege_worker_share_a_queue(least_pri
             first = read()
             assert sorted(json.loads(r.message)["n"] for r in first) == [1, 2]
             receipts = [Receipt(queue, r.msg_id, r.read_ct, r.enqueued_at) for r in first]
-            assert pgmq.ack(receipts) == {(queue, r.msg_id) for r in first}
+            assert broker.ack(receipts) == {(queue, r.msg_id) for r in first}
             with pytest.raises(psycopg.errors.InsufficientPrivilege):  # nor PGMQ's tables
                 worker.connection.execute(f"SELECT count(*) FROM pgmq.q_{queue}")
-            assert pgmq.positions.age(queue) is not None  # and it reads by position
+            assert broker.positions.age(queue) is not None  # and it reads by position
             time.sleep(2 * (positions.STAMP_SECONDS + positions.MARGIN_SECONDS))
             assert read() == []
             ((taken,),) = plain("SELECT pgmq.send(%s, '{\"n\": 3}')")
@@ -502,7 +502,7 @@ def test_plain_pgmq_clients_and_a_least_privilege_worker_share_a_queue(least_pri
             assert (again.msg_id, again.read_ct) == (other, 2)
             assert plain("SELECT pgmq.archive(%s, %s)", other) == [(True,)]
             stale = Receipt(queue, again.msg_id, again.read_ct, again.enqueued_at)
-            assert pgmq.ack([stale]) == set()
+            assert broker.ack([stale]) == set()
             assert plain("SELECT pgmq.archive(%s, %s)", taken) == [(True,)]
             ((ready,),) = plain("SELECT queue_length FROM pgmq.metrics(%s)")
             assert ready == 0

@@ -49,13 +49,13 @@ def test_fanout_reaches_every_bound_queue_in_one_statement(db_dsn):
             bind(conn, name, broadcast)
         channel = conn.channel()
         calls = []
-        original = channel.pgmq.send_routed
+        original = channel.broker.send_routed
 
         def spy(queues, message, headers, **kwargs):
             calls.append(sorted(queues))
             return original(queues, message, headers, **kwargs)
 
-        channel.pgmq.send_routed = spy
+        channel.broker.send_routed = spy
         Producer(channel, exchange=broadcast).publish({"hello": 1}, routing_key="ignored")
     assert len(calls) == 1 and len(calls[0]) == 3
     for name in ("f1", "f2", "F3.upper"):

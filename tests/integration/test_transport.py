@@ -81,7 +81,7 @@ def test_pickle_serializer_roundtrip(db_dsn):
 def test_reads_up_to_free_prefetch_in_one_round_trip(db_dsn):
     with connect(db_dsn) as conn:
         publish(conn, "batch", list(range(25)))
-        client = conn.default_channel.pgmq
+        client = conn.default_channel.broker
         reads: list[int] = []
         original = client.read_many
 
@@ -274,7 +274,7 @@ def test_url_parameters_reach_the_server(db_dsn):
     url = db_dsn + ("&" if "?" in db_dsn else "?") + "application_name=kpgmq-app-test"
     with Connection(url) as conn:
         channel = conn.channel()
-        pid = channel.pgmq.db.backend_pid
+        pid = channel.broker.db.backend_pid
         rows = sql(db_dsn, "SELECT application_name FROM pg_stat_activity WHERE pid = %s", [pid])
     assert rows == [("kpgmq-app-test:statements",)]  # + the role (docs/connections.md)
 
@@ -286,7 +286,7 @@ def test_password_never_in_repr_or_logs(db_dsn, caplog):
     caplog.set_level(logging.DEBUG)
     with Connection(url) as conn:
         channel = conn.channel()  # trust auth: the password is sent but not checked
-        texts = [repr(conn.transport), conn.as_uri(), repr(channel.pgmq), caplog.text]
+        texts = [repr(conn.transport), conn.as_uri(), repr(channel.broker), caplog.text]
     for text in texts:
         assert "s3cr" not in text
 

@@ -36,7 +36,7 @@ def test_a_publish_returns_before_the_server_has_written_it(db_dsn):
     conn = connect(db_dsn, confirm_publish=False)
     producer = _producer(conn, "unconfirmed_lock")
     producer.publish({"n": 0}, routing_key="unconfirmed_lock")  # prepares the statement
-    conn.default_channel.pgmq.db.collect()
+    conn.default_channel.broker.db.collect()
     with psycopg.connect(db_dsn) as locker:
         # the INSERT waits for this lock on the server
         locker.execute(f"LOCK TABLE {table('unconfirmed_lock')} IN EXCLUSIVE MODE")
@@ -104,7 +104,7 @@ def test_a_publish_the_server_refuses_is_published_again(db_dsn, caplog):
     conn = connect(db_dsn, confirm_publish=False)
     producer = _producer(conn, "unconfirmed_refused")
     producer.publish({"body": 1}, routing_key="unconfirmed_refused")
-    conn.default_channel.pgmq.db.collect()  # 1 is written
+    conn.default_channel.broker.db.collect()  # 1 is written
     _drop_behind_its_back(db_dsn, "unconfirmed_refused")  # 1 goes with the table
     with caplog.at_level(logging.WARNING, logger="kombu_pgmq.transport.publisher"):
         producer.publish({"body": 2}, routing_key="unconfirmed_refused")  # refused, unseen
@@ -118,7 +118,7 @@ def test_a_refused_publish_is_published_again_when_the_channel_closes(db_dsn):
     conn = connect(db_dsn, confirm_publish=False)
     producer = _producer(conn, "unconfirmed_close")
     producer.publish({"body": 1}, routing_key="unconfirmed_close")
-    conn.default_channel.pgmq.db.collect()
+    conn.default_channel.broker.db.collect()
     _drop_behind_its_back(db_dsn, "unconfirmed_close")
     producer.publish({"body": 2}, routing_key="unconfirmed_close")  # the last one: refused
     producer.channel.close()
@@ -131,7 +131,7 @@ def test_nothing_is_lost_when_the_server_ends_the_connection_between_publishes(d
     producer = _producer(conn, "unconfirmed_killed")
     for n in range(100):
         if n in (30, 70):
-            pid = conn.default_channel.pgmq.db.backend_pid
+            pid = conn.default_channel.broker.db.backend_pid
             sql(db_dsn, "SELECT pg_terminate_backend(%s)", [pid])
         producer.publish(
             {"body": n},

@@ -179,7 +179,7 @@ def test_publishers_stop_notifying_while_a_consumer_has_a_backlog(db_dsn):
 def test_acks_made_in_callbacks_are_batched_and_archived_before_drain_events_returns(db_dsn):
     with connect(db_dsn) as conn:
         publish(conn, "batched", list(range(20)))
-        client = conn.default_channel.pgmq
+        client = conn.default_channel.broker
         single_archives: list[int] = []
         acked_in_reads: list[int] = []
         ack, read_many = client.ack, client.read_many
@@ -228,7 +228,7 @@ def test_acks_in_the_event_loop_are_sent_at_once_not_held_for_the_next_read(db_d
     with connect(db_dsn) as conn:
         publish(conn, "hubacks", list(range(6)))
         transport = conn.transport
-        client = conn.default_channel.pgmq
+        client = conn.default_channel.broker
         acked_in_reads: list[int] = []
         sent_alone: list[int] = []
         read_many, ack_nowait = client.read_many, client.ack_nowait
@@ -281,7 +281,7 @@ def test_one_round_trip_reads_several_queues_in_turn(db_dsn):
     with connect(db_dsn) as conn:
         for name in names:
             publish(conn, name, [f"{name}-{i}" for i in range(20)])
-        calls = spy_reads(conn.default_channel.pgmq)
+        calls = spy_reads(conn.default_channel.broker)
         got: list[Any] = []
         with Consumer(
             conn.default_channel,
@@ -328,7 +328,7 @@ def test_in_the_event_loop_the_fallback_poll_probes_without_waiting_then_reads_w
     names = ["probe_a", "probe_b"]
     got: list[Any] = []
     with connect(db_dsn, polling_interval=NO_FALLBACK) as conn, conn.channel() as channel:
-        reads = spy_reads(channel.pgmq)
+        reads = spy_reads(channel.broker)
         hub = FakeHub()
         conn.transport.register_with_event_loop(conn.connection, hub)
         poller = conn.transport.poller
@@ -441,7 +441,7 @@ def test_acks_commit_asynchronously_unless_durable_acks(db_dsn, durable):
     options = {} if durable is None else {"durable_acks": durable}
     with connect(db_dsn, **options) as conn:
         publish(conn, "durable_acks", [1, 2, 3])
-        client = conn.default_channel.pgmq
+        client = conn.default_channel.broker
         seen: list[bool] = []
         ack = client.ack
 
