@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 #: skipped and tried again), e.g. a reaper's DROP behind a reader's open transaction.
 LOCK_TIMEOUT = "1s"
 #: Seconds between attempts while the database cannot be reached: as the consumer's own
-#: reconnection (:data:`~kombu_pgmq.transport._recovery.RECONNECT_SECONDS`), so leases and
+#: reconnection (:data:`~kombu_pgmq.transport.poller.RECONNECT_SECONDS`), so leases and
 #: heartbeats resume with it.
 RETRY_SECONDS = 1.0
 

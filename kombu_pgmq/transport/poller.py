@@ -36,16 +36,17 @@ from .. import errors
 from .._db.broker import Receipt
 from .._db.consumers import Consumers
 from .._db.pooling import warn_polling_once
-from ._due import DueReads
 from ._handover import Handover
 from ._interfaces import TransportView
 from ._listener import Listener
-from ._recovery import RECONNECT_SECONDS, Recovery
 from .acks import AckBatch, archive, archive_nowait
 
 __all__ = ["RECONNECT_SECONDS", "Poller"]
 
 logger = logging.getLogger(__name__)
+
+#: Seconds between reconnection attempts of a consumer in Celery's event loop.
+RECONNECT_SECONDS = 1.0
 
 #: Seconds after which the fallback poll in Celery's event loop reads a queue instead of
 #: probing it, when no read has moved the queue's position since (its messages all
@@ -80,7 +81,7 @@ ACK_BATCH_SECONDS = 0.002
 READ_AFTER_HANDOVER_SECONDS = 0.001
 
 
-class Poller(Recovery, DueReads):
+class Poller:
     """Wake-ups, polling rounds and event-loop registration of one transport."""
 
     def __init__(self, transport: TransportView) -> None:
@@ -539,6 +540,86 @@ class Poller(Recovery, DueReads):
                     self.flush_acks()
                 except errors.StatementCanceled as exc:
                     self._statement_canceled(exc)  # kept for the next flush or read
+
+    # -- delayed messages becoming due ------------------------------------------------
+
+    def _due_at(self, name: str, deadline: float) -> None:
+        """Read queue ``name`` at ``deadline`` (monotonic; the earliest one wins)."""
+        current = self._due.get(name)
+        if current is None or deadline < current:
+            self._due[name] = deadline
+
+    def _schedule_due(self) -> None:
+        """In Celery's event loop: one timer, at the earliest due time."""
+        if self._hub is None:
+            return
+        earliest = min(self._due.values(), default=None)
+        timer = self._due_timer
+        if timer is not None:
+            if earliest is not None and timer[0] <= earliest:
+                return  # an earlier (or the same) read is scheduled already
+            with contextlib.suppress(Exception):
+                timer[1].cancel()
+            self._due_timer = None
+        if earliest is not None:
+            entry = self._hub.call_later(max(0.0, earliest - monotonic()), self._on_hub_due)
+            self._due_timer = (earliest, entry)
+
+    def _on_hub_due(self) -> None:
+        self._due_timer = None
+        self._on_hub_event()
+
+    # -- recovery: a lost statement connection or a cancelled statement -----------------
+
+    def _connection_lost(self, exc: BaseException) -> None:
+        """The statement connection was lost in the event loop: keep every held message
+        (leases renew once reconnected) and retry soon, instead of making Celery restart
+        its consumer (which would requeue the running tasks)."""
+        if self._connection_lost_at is None:
+            self._connection_lost_at = monotonic()
+            logger.warning(
+                "database connection lost (%s); reconnecting every %.1f s, held messages are kept",
+                exc,
+                self.polling_interval,
+            )
+        self._waiting.clear()  # recorded again as queues are found empty
+        self.handover.armed.clear()
+        with contextlib.suppress(errors.KombuPgmqError):
+            self._ready |= self.consumed()
+        if self._hub is not None and not self._retry_pending:
+            # retry soon, not at the next fallback poll only; one timer at a time
+            self._retry_pending = True
+            self._hub.call_later(RECONNECT_SECONDS, self._on_hub_retry)
+
+    def _on_hub_retry(self) -> None:
+        self._retry_pending = False
+        self._on_hub_fallback()
+
+    def _connection_ok(self) -> None:
+        if self._connection_lost_at is not None:
+            logger.warning(
+                "database connection re-established after %.1f s",
+                monotonic() - self._connection_lost_at,
+            )
+            self._connection_lost_at = None
+        if self._canceled_at is not None:
+            logger.warning("reads work again after %.1f s", monotonic() - self._canceled_at)
+            self._canceled_at = None
+
+    def _statement_canceled(self, exc: errors.StatementCanceled) -> None:
+        """A read or ack was cancelled (``statement_timeout`` ran out, e.g. behind a lock
+        an open transaction holds on a queue table, or ``pg_cancel_backend``): nothing was
+        applied (the acks are kept) and the connection is fine. Not a lost connection:
+        keep it and every held message, try again at the next fallback poll."""
+        if self._canceled_at is None:
+            self._canceled_at = monotonic()
+            logger.warning(
+                "reading the consumed queues failed: %s; trying again every %.1f s, held "
+                "messages are kept",
+                exc,
+                self.polling_interval,
+            )
+        self._next_fallback = monotonic() + self.polling_interval
 
     # -- Celery's event loop (asynloop) ---------------------------------------------------
 
