@@ -1,8 +1,10 @@
 """The poller: the event-loop I/O of one Kombu connection (after kombu's Redis
 ``MultiChannelPoller``).
 
-It owns the wake-up state (which PGMQ queues may hold messages: *ready*; which ones this
-connection sleeps on: *waiting*), the LISTEN connection and wake pipe
+It drives the wake-up state (:class:`~kombu_pgmq.transport.wakeups.Wakeups`: which PGMQ
+queues may hold messages, *ready*; which ones this connection sleeps on, *waiting*; when
+delayed ones become *due*) and sends what it decides; it owns the LISTEN connection and
+wake pipe
 (:class:`~kombu_pgmq.transport._listener.Listener`), the hub callbacks of Celery's event
 loop, the blocking :meth:`Poller.drain_events`, and the :class:`AckBatch`. A round reads
 the ready queues of every channel (pending acks ride along in the same round trip) and
@@ -40,6 +42,7 @@ from ._handover import Handover
 from ._interfaces import TransportView
 from ._listener import Listener
 from .acks import AckBatch, archive, archive_nowait
+from .wakeups import Wakeups
 
 __all__ = ["RECONNECT_SECONDS", "Poller"]
 
@@ -53,15 +56,6 @@ RECONNECT_SECONDS = 1.0
 #: handed over): reads and probes walk the dead row versions left since the position,
 #: which a long transaction elsewhere keeps (kombu_pgmq._db.positions).
 REFRESH_SECONDS = 2.0
-
-#: Consecutive full reads of a queue after which this connection stops waiting on it (a
-#: backlog: publishers stop notifying until it is drained again). Three: leaving and
-#: joining ``kombu_pgmq.waiting`` again costs two statements (``stop_waiting`` now,
-#: ``wait_for`` once a read finds the queue drained), not worth it for a burst that one or
-#: two reads drain; a queue whose reads keep filling is a backlog, where every publish's
-#: NOTIFY would go to a consumer that reads anyway (a NOTIFY takes a database-wide lock
-#: at commit). Not measured against other values.
-BUSY_AFTER_FULL_READS = 3
 
 #: Seconds, in Celery's event loop, between two statements of acks alone (not riding
 #: with a read): an ack made sooner after the last one waits for a read or for this, so a
@@ -89,16 +83,11 @@ class Poller:
         self.acks = AckBatch()
         #: Hand-over slots offered and rows handed over.
         self.handover = Handover(transport)
+        #: Which consumed queues to read next, which ones we sleep on, when delayed
+        #: messages become due.
+        self.wakeups = Wakeups()
         self._listener: Listener | None = None
-        self._ready: set[str] = set()  # may hold visible messages: read when prefetch allows
-        self._waiting: set[str] = set()  # our row is in kombu_pgmq.waiting: publishers notify
-        self._full_reads: dict[str, int] = {}  # consecutive reads that filled the request
-        # PGMQ queue -> monotonic() when its next delayed message becomes visible (learned
-        # from wait_for and from NOTIFY payloads): read it then.
-        self._due: dict[str, float] = {}
-        self._clock_offset = 0.0  # the server's clock minus ours (time.time())
         self._due_timer: Any = None  # (deadline, hub timer entry) of the next due read
-        self._next_fallback = 0.0
         self._draining = 0
         self._hub: Any = None
         self._hub_fds: list[int] = []
@@ -113,16 +102,12 @@ class Poller:
         self._retry_pending = False  # a reconnection attempt is scheduled in the event loop
         self._reads_deferred = False  # a timer of the loop reads after a hand-over's round
         self._reading_deferred = False  # in that timer's round
-        #: queues the heartbeat thread found holding a visible row below their positions
-        self._found_below: set[str] = set()
-        self._found_below_lock = threading.Lock()
 
     def found_below(self, queues: set[str]) -> None:
         """From any thread (the heartbeat thread's look below the positions): ``queues``
         hold a visible row below where their reads start; the next round reads them
         from the start."""
-        with self._found_below_lock:
-            self._found_below |= queues
+        self.wakeups.found_below(queues)
         listener = self._listener
         if listener is not None:
             listener.wake()
@@ -158,7 +143,7 @@ class Poller:
         listener = self.listener()
         listener.listen(names)
         listener.fileno()  # connected and LISTENing from now on
-        self._ready.update(names)
+        self.wakeups.ready.update(names)
         listener.wake()
 
     def on_cancel(self, names: Sequence[str]) -> None:
@@ -169,14 +154,11 @@ class Poller:
         for name in names:
             if name in consumed:
                 continue
-            self._ready.discard(name)
-            self._full_reads.pop(name, None)
-            self._due.pop(name, None)
+            was_waiting = self.wakeups.forget(name)
             self.handover.armed.discard(name)
             if self._listener is not None:
                 self._listener.unlisten([name])
-            if name in self._waiting:
-                self._waiting.discard(name)
+            if was_waiting:
                 broker = self.transport.broker_if_connected()
                 if broker is not None:
                     # the reaper removes the row with our consumers
@@ -205,7 +187,7 @@ class Poller:
         ``requeued``: a PGMQ queue a message was just made visible in (read it too).
         """
         if requeued is not None:
-            self._ready.add(requeued)
+            self.wakeups.ready.add(requeued)
         listener = self._listener
         if listener is not None:
             listener.wake()
@@ -291,10 +273,9 @@ class Poller:
         collected = listener.collect()
         self.handover.handed += listener.take_handed()
         now = monotonic()
+        wakeups = self.wakeups
         broker = self.transport.broker_if_connected()
-        with self._found_below_lock:
-            found_below, self._found_below = self._found_below, set()
-        self._ready |= found_below
+        found_below = wakeups.take_found_below()
         if broker is not None:
             # rows requeued to their place, or found by the heartbeat thread's look, lie
             # below where the reads start
@@ -304,18 +285,15 @@ class Poller:
             # A new LISTEN connection: the database may have restarted and forgotten our
             # waiting rows; record them again as queues are found empty. A rewind may
             # have been missed too: read every queue from the start.
-            self._waiting.clear()
+            wakeups.waiting.clear()
             self.handover.armed.clear()
             if broker is not None:
                 broker.positions.forget()
         else:
+            # notified queues, and the queues a fallback probe found visible
             notified, due = collected
-            for name, epoch in due.items():
-                self._due_at(name, now + epoch - self._clock_offset - time.time())
-        if collected is not None:
-            self._ready |= notified  # and the queues a fallback probe found visible
-        if collected is None or now >= self._next_fallback:
-            self._next_fallback = now + self.polling_interval
+            wakeups.notified(notified, due, now=now, wall_now=time.time())
+        if wakeups.fallback_due(now, self.polling_interval, force=collected is None):
             # In Celery's event loop the fallback asks first, without waiting, which
             # queues hold a visible message, and reads those when the answer comes: a
             # read of every consumed queue here would hold up a hand-over arriving
@@ -329,23 +307,17 @@ class Poller:
                 # and then, so that its position stays fresh (a read, and this probe,
                 # walk the dead row versions left since the position).
                 stale = {n for n in consumed if (positions.age(n) or 0.0) >= REFRESH_SECONDS}
-                self._ready |= stale
+                wakeups.ready |= stale
                 consumed -= stale
             probed = in_loop and listener.probe(consumed, probe_from)
             if not probed:
-                self._ready |= consumed
+                wakeups.ready |= consumed
             else:
                 if broker is not None:
                     # No read now: collect a result sent without waiting instead (never
                     # blocks), so acks whose statement failed are kept and sent again.
                     broker.db.free()
-        for name, deadline in list(self._due.items()):
-            if deadline <= now:
-                # Due: read it now; if it is found empty, wait_for runs again and tells
-                # when the next delayed message is due.
-                del self._due[name]
-                self._ready.add(name)
-                self._waiting.discard(name)
+        wakeups.take_due(now)
         self._schedule_due()
 
     def poll(self) -> tuple[int, bool]:
@@ -355,6 +327,7 @@ class Poller:
         that missed their waiting row sent, see ``kombu_pgmq.wait_for``).
         """
         transport = self.transport
+        wakeups = self.wakeups
         since = self.acks.since
         acks = self.acks.take()
         taken = bool(acks)
@@ -366,15 +339,15 @@ class Poller:
             # READ_AFTER_HANDOVER_SECONDS: in Celery's event loop, not at a deferred round
             defer = self._hub is not None and bool(self.handover.handed)
             defer = defer and not self._reading_deferred
-            delivered, to_read = self.handover.deliver(self._waiting, defer_rearm=defer)
-            self._ready |= to_read
-            if defer and delivered and (self._ready or self.handover.rearm_pending):
+            delivered, to_read = self.handover.deliver(wakeups.waiting, defer_rearm=defer)
+            wakeups.ready |= to_read
+            if defer and delivered and (wakeups.ready or self.handover.rearm_pending):
                 self._defer_reads()
                 ready: set[str] = set()
             else:
                 if self.handover.rearm_pending:
-                    self._ready |= self.handover.rearm_now(self._waiting)
-                ready = set(self._ready)
+                    wakeups.ready |= self.handover.rearm_now(wakeups.waiting)
+                ready = set(wakeups.ready)
             for channel in list(transport.channels):
                 if not channel.consumed_queues or not ready:
                     continue
@@ -399,31 +372,22 @@ class Poller:
                     self._send_acks_soon()
             elif acks:
                 self._send_acks(acks, since)  # drain_events: before it returns
-        self._ready -= drained
-        self._ready |= full
+        listener = self.listener()
         # Without LISTEN (polling) nobody hears a NOTIFY: publishers are not asked for one.
-        to_wait = set() if self.listener().polling else drained - self._waiting
-        to_busy = []
-        for name in drained:
-            self._full_reads.pop(name, None)
-        for name in full:
-            streak = self._full_reads[name] = self._full_reads.get(name, 0) + 1
-            if streak >= BUSY_AFTER_FULL_READS and name in self._waiting:
-                to_busy.append(name)
+        to_wait, to_busy = wakeups.after_round(drained, full, listening=not listener.polling)
         if to_busy:
             # A backlog: publishers stop notifying (their commits would serialize).
-            Consumers(transport.broker().db).stop_waiting(transport.owner, sorted(to_busy))
-            self._waiting.difference_update(to_busy)
+            Consumers(transport.broker().db).stop_waiting(transport.owner, to_busy)
+            wakeups.stopped_waiting(to_busy)
             self.handover.armed.difference_update(to_busy)
-        listener = self.listener()
-        rearm = self.handover.slot(listener, (drained & self._waiting) - self.handover.armed)
+        rearm = self.handover.slot(listener, (drained & wakeups.waiting) - self.handover.armed)
         if rearm is not None and rearm.queues:  # took a handed message, found empty now
             consumers = Consumers(transport.broker().db)
             # the slot is one per connection: every queue it is to be offered on is named
             offer = set(rearm.queues) | self.handover.armed
             offered = consumers.rearm_handoff(transport.owner, sorted(offer))
             self.handover.armed = offered
-            self._waiting -= offer - offered  # not waited on: wait_for again
+            wakeups.stopped_waiting(offer - offered)  # not waited on: wait_for again
         if to_wait:
             listener.fileno()  # LISTEN before publishers can see us waiting
             slot = self.handover.slot(listener, to_wait)
@@ -438,17 +402,16 @@ class Poller:
                     "the fallback poll",
                     ", ".join(waiting.unsettled),
                 )
-            self._clock_offset = waiting.clock_offset
+            wakeups.clock_offset = waiting.clock_offset
             now = monotonic()
             for name, seconds in waiting.due.items():
-                self._due_at(name, now + seconds)
+                wakeups.due_at(name, now + seconds)
             self._schedule_due()
-            self._waiting |= to_wait
-            self._ready |= to_wait  # the final read, after wait_for committed
+            wakeups.now_waiting(to_wait)  # and their final read, after wait_for committed
         if retry:  # a rate limit allows more then (nothing notifies it)
             now = monotonic()
             for name, seconds in retry.items():
-                self._due_at(name, now + seconds)
+                wakeups.due_at(name, now + seconds)
             self._schedule_due()
         if full and self._hub is not None:
             self.wake()  # more may wait: read again after the loop's other work
@@ -503,7 +466,7 @@ class Poller:
                 canceled = False
                 try:
                     self._note_wakeups(listener)
-                    if self._ready or self.acks or self.handover.handed:
+                    if self.wakeups.ready or self.acks or self.handover.handed:
                         delivered, again = self.poll()
                         self._connection_ok()
                         if delivered:
@@ -524,9 +487,10 @@ class Poller:
                 now = monotonic()
                 if timeout is not None and now - start >= timeout:
                     raise TimeoutError()
-                wait = self._next_fallback - now
-                if self._due:  # a delayed message becomes visible
-                    wait = min(wait, min(self._due.values()) - now)
+                wait = self.wakeups.next_fallback - now
+                earliest = self.wakeups.earliest_due()
+                if earliest is not None:  # a delayed message becomes visible
+                    wait = min(wait, earliest - now)
                 if self.acks and not canceled:
                     wait = 0  # put back by a failed round: archived at the next one
                 if timeout is not None:
@@ -543,17 +507,11 @@ class Poller:
 
     # -- delayed messages becoming due ------------------------------------------------
 
-    def _due_at(self, name: str, deadline: float) -> None:
-        """Read queue ``name`` at ``deadline`` (monotonic; the earliest one wins)."""
-        current = self._due.get(name)
-        if current is None or deadline < current:
-            self._due[name] = deadline
-
     def _schedule_due(self) -> None:
         """In Celery's event loop: one timer, at the earliest due time."""
         if self._hub is None:
             return
-        earliest = min(self._due.values(), default=None)
+        earliest = self.wakeups.earliest_due()
         timer = self._due_timer
         if timer is not None:
             if earliest is not None and timer[0] <= earliest:
@@ -582,10 +540,13 @@ class Poller:
                 exc,
                 self.polling_interval,
             )
-        self._waiting.clear()  # recorded again as queues are found empty
+        try:
+            consumed = self.consumed()
+        except errors.KombuPgmqError:
+            consumed = set()
+        # waiting rows recorded again as queues are found empty
+        self.wakeups.connection_lost(consumed)
         self.handover.armed.clear()
-        with contextlib.suppress(errors.KombuPgmqError):
-            self._ready |= self.consumed()
         if self._hub is not None and not self._retry_pending:
             # retry soon, not at the next fallback poll only; one timer at a time
             self._retry_pending = True
@@ -619,7 +580,7 @@ class Poller:
                 exc,
                 self.polling_interval,
             )
-        self._next_fallback = monotonic() + self.polling_interval
+        self.wakeups.next_fallback = monotonic() + self.polling_interval
 
     # -- Celery's event loop (asynloop) ---------------------------------------------------
 
@@ -651,7 +612,7 @@ class Poller:
             self._hub.add_reader(fd, self._on_hub_event)
 
     def _on_hub_fallback(self) -> None:
-        self._next_fallback = 0.0
+        self.wakeups.next_fallback = 0.0
         self._on_hub_event()
 
     def _on_hub_event(self) -> None:
@@ -663,7 +624,8 @@ class Poller:
             self._watch_listener(listener)
             for _ in range(2):  # a round, and the final read of queues that went to sleep
                 handover = self.handover
-                if not (self._ready or self.acks or handover.handed or handover.rearm_pending):
+                ready = self.wakeups.ready
+                if not (ready or self.acks or handover.handed or handover.rearm_pending):
                     break
                 _, again = self.poll()
                 if not again:
@@ -703,7 +665,7 @@ class Poller:
             if broker is not None:
                 if self.acks:
                     self.acks.flush(broker, durable=self.transport.options.durable_acks)
-                if self._waiting:
+                if self.wakeups.waiting:
                     Consumers(broker.db).stop_waiting(self.transport.owner)
                     if self._listener is not None:  # handed over before that: give back
                         self.handover.handed += self._listener.settle()
@@ -711,8 +673,8 @@ class Poller:
         except errors.KombuPgmqError as exc:
             logger.warning("closing: %s (unarchived acks are delivered again)", exc)
         finally:
-            self._waiting.clear()
-            self._due.clear()
+            self.wakeups.waiting.clear()
+            self.wakeups.due.clear()
             self.acks.clear()
             self.handover.clear()
             listener, self._listener = self._listener, None
@@ -723,10 +685,7 @@ class Poller:
         """In a forked child: the parent's state is not ours (no flush, no cleanup)."""
         self.acks.clear()
         self.handover.clear()
-        self._ready.clear()
-        self._waiting.clear()
-        self._full_reads.clear()
-        self._due.clear()
+        self.wakeups.clear()
         self._due_timer = None
         self._hub = None
         self._hub_fds = []

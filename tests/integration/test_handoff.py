@@ -427,7 +427,7 @@ def test_in_the_event_loop_a_hand_over_round_reads_nothing_more_until_the_next_t
             sql(db_dsn, "SELECT pgmq.send('ho_turn_b', '{}'::jsonb)")  # nobody notified
             listener = poller.listener().fileno()
             assert select.select([listener], [], [], 10)[0], "the hand-over never arrived"
-            poller._next_fallback = 0.0  # the fallback poll is due at the next event
+            poller.wakeups.next_fallback = 0.0  # the fallback poll is due at the next event
             while not got:
                 assert time.monotonic() < deadline, "the handed message was not delivered"
                 hub.run_once()
