@@ -89,12 +89,23 @@ def template_db(pg_server: str) -> Iterator[str]:
         pgserver.drop_database(pg_server, name)
 
 
+@pytest.fixture(scope="session")
+def _clones(pg_server: str, template_db: str) -> Iterator[pgserver.ClonePool]:
+    """Clones of ``template_db`` made ahead of the tests that take them, dropped after
+    them, on a thread of its own (:class:`tests.support.pgserver.ClonePool`)."""
+    pool = pgserver.ClonePool(pg_server, template_db)
+    yield pool
+    pool.close()
+
+
 @pytest.fixture
-def db_dsn(pg_server: str, template_db: str, request: pytest.FixtureRequest) -> Iterator[str]:
+def db_dsn(
+    pg_server: str, _clones: pgserver.ClonePool, request: pytest.FixtureRequest
+) -> Iterator[str]:
     """``postgresql://`` URL of a fresh database cloned from ``template_db``, dropped after."""
-    name = pgserver.create_database(pg_server, request.node.name, template=template_db)
+    name = _clones.take(request.node.name)
     yield pgserver.database_url(pg_server, name)
-    pgserver.drop_database(pg_server, name)
+    _clones.give_back(name)
 
 
 @pytest.fixture

@@ -35,6 +35,7 @@ import contextlib
 import itertools
 import json
 import os
+import queue
 import re
 import secrets
 import shutil
@@ -59,6 +60,7 @@ __all__ = [
     "ENV_TEST_DSN",
     "REPLICATION_SETTINGS",
     "TEST_SETTINGS",
+    "ClonePool",
     "EmbeddedPostgresMissing",
     "LocalServer",
     "close_admin_connections",
@@ -74,6 +76,7 @@ __all__ = [
     "make_template",
     "promote",
     "reap_orphan_servers",
+    "rename_database",
     "server_install",
     "socket_url",
     "start_extension_server",
@@ -521,6 +524,77 @@ def stop_test_server() -> None:
 _RUN_TOKEN = f"{os.getpid()}_{secrets.token_hex(2)}"
 _counter = itertools.count(1)
 _created: set[tuple[str, str]] = set()  # (server_dsn, database name)
+
+
+class ClonePool:
+    """Databases cloned from template ``template`` ahead of use and dropped after it, on a
+    thread of their own, so that a test waits for neither: ``CREATE DATABASE ... TEMPLATE``
+    copies the template's files (0.3-0.9 s for the bootstrapped template on a 2-core
+    machine), ``DROP DATABASE`` removes them. :meth:`take` renames a ready clone to the
+    test's label (a catalog update) and returns its name; :meth:`give_back` drops it on
+    the thread (``WITH (FORCE)``: sessions left by the test are disconnected).
+    :meth:`close` drops what is left. A clone the thread could not make is made by
+    :meth:`take` itself, so an error surfaces in the test that needs the database."""
+
+    def __init__(self, server_dsn: str, template: str, ahead: int = 2) -> None:
+        self.server_dsn = server_dsn
+        self.template = template
+        self._ahead = ahead
+        self._ready: queue.Queue[str] = queue.Queue()
+        self._work: queue.Queue[tuple[str, str] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="clone-pool", daemon=True)
+        self._thread.start()
+        for _ in range(ahead):
+            self._work.put(("create", ""))
+
+    def _run(self) -> None:
+        while (job := self._work.get()) is not None:
+            action, name = job
+            try:
+                if action == "create":
+                    self._ready.put(create_database(self.server_dsn, "", template=self.template))
+                else:
+                    drop_database(self.server_dsn, name)
+            except Exception:  # take() makes its own clone; close() drops what is left
+                continue
+
+    def take(self, label: str) -> str:
+        """A database cloned from the template, named after ``label``."""
+        self._work.put(("create", ""))  # the next test's, made while this one runs
+        try:
+            name = self._ready.get(timeout=60)
+        except queue.Empty:
+            return create_database(self.server_dsn, label, template=self.template)
+        return rename_database(self.server_dsn, name, label)
+
+    def give_back(self, name: str) -> None:
+        """Drop database ``name`` (taken from this pool) on the pool's thread."""
+        self._work.put(("drop", name))
+
+    def close(self) -> None:
+        """Drop every clone made ahead and wait for the drops given back."""
+        self._work.put(None)
+        self._thread.join(timeout=120)
+        while not self._ready.empty():
+            drop_database(self.server_dsn, self._ready.get_nowait())
+
+
+def rename_database(server_dsn: str, name: str, label: str) -> str:
+    """Rename database ``name`` (created here, nobody connected) after ``label`` as
+    :func:`create_database` names them; return the new name."""
+    _check_ours(server_dsn, name)
+    new = _unique_name(label)
+    with _admin(server_dsn) as conn:
+        conn.execute(
+            sql.SQL("ALTER DATABASE {} RENAME TO {}").format(
+                sql.Identifier(name), sql.Identifier(new)
+            )
+        )
+    _created.discard((server_dsn, name))
+    _created.add((server_dsn, new))
+    return new
+
+
 _admin_conns: dict[str, psycopg.Connection] = {}
 _admin_lock = threading.Lock()
 
