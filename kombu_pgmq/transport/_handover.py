@@ -23,7 +23,7 @@ from typing import Any
 
 from .. import errors
 from .._db.broker import Broker, Receipt
-from .._db.consumers import Consumers, HandoffSlot
+from .._db.consumers import HandoffSlot
 from .._db.rows import Row
 from .._stats import STATS
 from ._interfaces import TransportView
@@ -139,7 +139,7 @@ class Handover:
         def failed(_exc: errors.KombuPgmqError) -> None:
             offered(set())
 
-        consumers = Consumers(self.transport.broker().db)
+        consumers = self.transport.broker().consumers
         try:
             consumers.rearm_handoff_nowait(
                 self.transport.owner, offer, on_offered=offered, on_error=failed

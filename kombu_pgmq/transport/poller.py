@@ -36,7 +36,6 @@ from typing import Any
 
 from .. import errors
 from .._db.broker import Receipt
-from .._db.consumers import Consumers
 from .._db.pooling import warn_polling_once
 from ._handover import Handover
 from ._interfaces import TransportView
@@ -163,7 +162,7 @@ class Poller:
                 if broker is not None:
                     # the reaper removes the row with our consumers
                     with contextlib.suppress(errors.KombuPgmqError):
-                        Consumers(broker.db).stop_waiting(self.transport.owner, [name])
+                        broker.consumers.stop_waiting(self.transport.owner, [name])
                         given_up = True
         if given_up and self._listener is not None:
             self.handover.settle(self._listener)  # handed over before that: given back
@@ -377,12 +376,12 @@ class Poller:
         to_wait, to_busy = wakeups.after_round(drained, full, listening=not listener.polling)
         if to_busy:
             # A backlog: publishers stop notifying (their commits would serialize).
-            Consumers(transport.broker().db).stop_waiting(transport.owner, to_busy)
+            transport.broker().consumers.stop_waiting(transport.owner, to_busy)
             wakeups.stopped_waiting(to_busy)
             self.handover.armed.difference_update(to_busy)
         rearm = self.handover.slot(listener, (drained & wakeups.waiting) - self.handover.armed)
         if rearm is not None and rearm.queues:  # took a handed message, found empty now
-            consumers = Consumers(transport.broker().db)
+            consumers = transport.broker().consumers
             # the slot is one per connection: every queue it is to be offered on is named
             offer = set(rearm.queues) | self.handover.armed
             offered = consumers.rearm_handoff(transport.owner, sorted(offer))
@@ -391,9 +390,7 @@ class Poller:
         if to_wait:
             listener.fileno()  # LISTEN before publishers can see us waiting
             slot = self.handover.slot(listener, to_wait)
-            waiting = Consumers(transport.broker().db).wait_for(
-                transport.owner, sorted(to_wait), slot
-            )
+            waiting = transport.broker().consumers.wait_for(transport.owner, sorted(to_wait), slot)
             if slot is not None:
                 self.handover.armed |= set(slot.queues)
             if waiting.unsettled:
@@ -666,7 +663,7 @@ class Poller:
                 if self.acks:
                     self.acks.flush(broker, durable=self.transport.options.durable_acks)
                 if self.wakeups.waiting:
-                    Consumers(broker.db).stop_waiting(self.transport.owner)
+                    broker.consumers.stop_waiting(self.transport.owner)
                     if self._listener is not None:  # handed over before that: give back
                         self.handover.handed += self._listener.settle()
                 self.handover.give_back(self.handover.handed, broker)
