@@ -14,11 +14,11 @@ carrying its send time. Per message (p50 / p99 over the pooled rounds, ms):
 * kombu_pgmq only, from timestamps taken inside the consumer (the transport's methods
   wrapped in the subprocess, nothing changed in the library): ``publish->wake`` (the
   NOTIFY read from the LISTEN connection), ``wake->callback``; when the consumer reads
-  after the wake-up (no hand-over): ``wake->read`` (the read sent), ``read`` (the read's
+  after the wake-up (no hand-off): ``wake->read`` (the read sent), ``read`` (the read's
   round trip), ``read->callback``.
 
 Brokers: ``kombu_pgmq`` (default ``postgresql://postgres@127.0.0.1:5432/kpb_latency``;
-the message handed over in the wake-up), the same with publishes seen only once flushed
+the message handed off in the wake-up), the same with publishes seen only once flushed
 (``kombu_pgmq strict``: the publisher's ``visible_before_flush=False``), the same with
 ``synchronous_commit=off`` publishes (``kombu_pgmq async``), and ``redis``.
 It also measures one round trip (``SELECT 1``) on a connection used back to back and on

@@ -23,7 +23,7 @@ FIELDS = (
     "lost_leases",
     "publishes",
     "publish_errors",
-    "handovers",
+    "handoffs",
 )
 
 
@@ -42,7 +42,7 @@ class ProcessStats:
     lost_leases: int
     publishes: int
     publish_errors: int
-    handovers: int
+    handoffs: int
 
     def __init__(self) -> None:
         self.reset()

@@ -92,7 +92,7 @@ from :mod:`kombu_pgmq._stats`): ``kombu_pgmq_deliveries_total``,
 ``kombu_pgmq_rejects_total``, ``kombu_pgmq_requeues_total`` (rejects with requeue),
 ``kombu_pgmq_dead_lettered_total``, ``kombu_pgmq_lease_renewals_total``,
 ``kombu_pgmq_lost_leases_total``, ``kombu_pgmq_publishes_total``,
-``kombu_pgmq_publish_errors_total``, ``kombu_pgmq_handovers_total`` (deliveries handed over
+``kombu_pgmq_publish_errors_total``, ``kombu_pgmq_handoffs_total`` (deliveries handed off
 at publish, without a read). In a Celery worker (prefork), deliveries, acks and
 leases happen in the main process: export from there, e.g. on ``worker_init``::
 
@@ -171,7 +171,7 @@ _HELP = {
     "lost_leases": "Leases found lost (the message was delivered again elsewhere)",
     "publishes": "Messages published",
     "publish_errors": "Publishes that raised",
-    "handovers": "Deliveries handed over at publish to a waiting consumer (no read)",
+    "handoffs": "Deliveries handed off at publish to a waiting consumer (no read)",
 }
 
 

@@ -23,10 +23,10 @@ SELECT kombu_pgmq.publish(%(queue)s, %(message)s::jsonb, %(headers)s::jsonb,
 -- name: send_queue
 -- Publish one message without deduplication through the queue's own function,
 -- {function} = kombu_pgmq.send_q_<queue> (static SQL, plan-cached by PL/pgSQL; its
--- template, with the hand-over, the routing guard and the commit modes, is
+-- template, with the hand-off, the routing guard and the commit modes, is
 -- kombu_pgmq.send_template()). %(version)s: a routed publish's routing
 -- version (no row: the routes changed, nothing was written), NULL for a publish to the
--- queue. %(handoff)s: the hand-over's NOTIFY tail (kombu_pgmq/_db/handoff.py), NULL for
+-- queue. %(handoff)s: the hand-off's NOTIFY tail (kombu_pgmq/_db/handoff.py), NULL for
 -- none. %(commit)s: 'async' (confirm_publish=False), 'off' (visible_before_flush: column
 -- flush says the caller must wait for the WAL flush, statement flush_commits) or NULL.
 -- Also sent without waiting for the result (Broker.send_nowait: $1... in the order of
@@ -137,7 +137,7 @@ SELECT queue, unsettled, due_in_seconds, server_epoch
 FROM kombu_pgmq.wait_for_due(%(owner)s, %(queues)s::text[])
 
 -- name: wait_for_handoff
--- wait_for, offering one hand-over slot on those of the queues whose
+-- wait_for, offering one hand-off slot on those of the queues whose
 -- consumers take messages with acks: publishes then hand a message to this connection in
 -- its NOTIFY (channel, held by the session advisory lock lock_key on the LISTEN
 -- connection, claimed on its sequence kombu_pgmq.handoff_<seq>), delivered with a
@@ -148,7 +148,7 @@ FROM kombu_pgmq.wait_for_handoff(%(owner)s, %(queues)s::text[], %(handoff_queues
                                  %(seq)s::integer)
 
 -- name: rearm_handoff
--- Offer this connection's hand-over slot again on queues: the
+-- Offer this connection's hand-off slot again on queues: the
 -- queues it offers from now on; returns those it still waits on.
 SELECT queue FROM kombu_pgmq.rearm_handoff(%(owner)s, %(queues)s::text[]) AS queue
 
@@ -172,7 +172,7 @@ WHERE EXISTS (SELECT 1 FROM {queue_table}
                 AND vt <= (SELECT clock_timestamp()))
 
 -- name: handoff_lock
--- The LISTEN connection's session advisory lock, held while it listens for hand-overs
+-- The LISTEN connection's session advisory lock, held while it listens for hand-offs
 -- (publishers skip the slots of a connection that no longer holds it), and the lease of
 -- the sequence its slot is claimed on (kombu_pgmq.handoff_<seq>), for the life of the
 -- session.

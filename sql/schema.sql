@@ -25,7 +25,7 @@
 --   condition on the queue table's primary key.
 -- * Advisory lock keys: (1802530161 = 'kpmq', hashtext(pgmq queue)) publishes and
 --   wake-ups; (1802530163, hashtext(pgmq queue)) archive_under_new_id; (1802530163, n)
---   the lease of hand-over sequence n; (1802530166, 1650811252) the beat leader;
+--   the lease of hand-off sequence n; (1802530166, 1650811252) the beat leader;
 --   (1802530167, hashtext(pgmq queue)) creating a queue's own functions.
 
 CREATE SCHEMA IF NOT EXISTS kombu_pgmq;
@@ -440,8 +440,8 @@ INSERT INTO kombu_pgmq.grantable (function, kind, definer) VALUES
 -- (a row of kombu_pgmq.waiting); consumers busy with a backlog do not wait, so under load
 -- no publish notifies. Payloads: '' (visible now), a due time in epoch seconds (a delayed
 -- message: the consumer reads the queue then), 'rewind' (a message requeued to its place
--- lies below the consumers' read positions: kombu_pgmq.requeue); a handed-over message
--- goes to the consumer's own channel (see Hand-over).
+-- lies below the consumers' read positions: kombu_pgmq.requeue); a handed-off message
+-- goes to the consumer's own channel (see Hand-off).
 --
 -- Lost wake-ups are excluded by a shared/exclusive advisory lock per queue,
 -- (1802530161, hashtext(pgmq queue)):
@@ -477,7 +477,7 @@ CREATE INDEX consumers_owner_idx ON kombu_pgmq.consumers (owner);
 -- One row per (queue, consuming connection) that found the queue empty and sleeps on
 -- LISTEN "kombu_pgmq.<pgmq queue>". Rows of dead connections are reaped with their
 -- consumers; a stale row only costs publishers a useless NOTIFY. The handoff_* columns:
--- the connection's hand-over slot (see Hand-over).
+-- the connection's hand-off slot (see Hand-off).
 CREATE TABLE kombu_pgmq.waiting (
     pgmq_queue text NOT NULL,
     owner text NOT NULL,             -- host:pid:uuid of the Kombu connection
@@ -1986,7 +1986,7 @@ $t$;
 -- the queue notified after it (a delayed message with its due time). version: a routed
 -- publish (an exchange routing to this queue alone) writes nothing, and returns no row,
 -- unless the routing version is still the caller's (reload the routes and publish
--- again), as kombu_pgmq.publish_routed. Hand-over: handoff is the NOTIFY payload's tail
+-- again), as kombu_pgmq.publish_routed. Hand-off: handoff is the NOTIFY payload's tail
 -- (message, chr(30), headers: small enough for a NOTIFY), NULL for a delayed or large
 -- message. When a waiting consumer offers a slot (kombu_pgmq.hand_off claims it; asked
 -- only when a slot is offered on the queue), the row is written as pgmq.read leaves a
@@ -1994,7 +1994,7 @@ $t$;
 -- and the consumer's channel is notified with queue, msg_id, enqueued_at (UTC) and the
 -- tail, separated by chr(30); no other consumer is woken. commit: 'async', the
 -- transaction commits without waiting for the WAL flush (confirm_publish=False); 'off'
--- (visible_before_flush), so does a publish a waiting consumer gets now (handed over, or
+-- (visible_before_flush), so does a publish a waiting consumer gets now (handed off, or
 -- woken: not delayed and the queue has a waiting row), and says so in column flush (the
 -- caller then waits for the flush with statement flush_commits); NULL: as the session
 -- does. notified: what the NOTIFY returned (nothing to read). %1$I function, %2$L queue,
@@ -2197,7 +2197,7 @@ INSERT INTO kombu_pgmq.grantable (function, kind, definer) VALUES
     ('kombu_pgmq.settle_template()', 'owner', false);
 
 -- =========================================================================================
--- Hand-over
+-- Hand-off
 -- =========================================================================================
 
 -- A publish to a queue an idle consumer waits on hands the message to that consumer in
@@ -2205,7 +2205,7 @@ INSERT INTO kombu_pgmq.grantable (function, kind, definer) VALUES
 -- connection after the wake-up, and no other consumer waiting on the queue wakes for
 -- nothing.
 --
--- A consumer going to sleep on a queue also offers one hand-over slot there: its LISTEN
+-- A consumer going to sleep on a queue also offers one hand-off slot there: its LISTEN
 -- connection's own channel, a session advisory lock that connection holds while it
 -- listens (one bigint per LISTEN connection, a 64-bit hash of its channel), its
 -- visibility timeout, and its sequence (kombu_pgmq.wait_for_handoff). A direct publish
@@ -2242,7 +2242,7 @@ INSERT INTO kombu_pgmq.grantable (function, kind, definer) VALUES
 -- delivery. A consumer whose LISTEN connection is gone no longer holds its lock, so
 -- publishers skip its stale slot (pg_try_advisory_xact_lock_shared succeeds on a lock
 -- nobody holds) and wake the queue the plain way. Paused and limited queues (FIFO groups
--- are limited) are never handed over: their reads apply their rules. Delayed publishes,
+-- are limited) are never handed off: their reads apply their rules. Delayed publishes,
 -- deduplicated ones, publishes in the application's transaction and routed publishes to
 -- several queues wake the queue the plain way.
 
@@ -2273,7 +2273,7 @@ LANGUAGE sql AS $$
     SELECT setval(seq, (extract(epoch FROM clock_timestamp()) * 1000)::bigint * 1048576, true)
 $$;
 
--- Claim a hand-over slot of a consumer waiting on pgmq_name (called by the queue's send
+-- Claim a hand-off slot of a consumer waiting on pgmq_name (called by the queue's send
 -- function before it writes the row). payload NULL: the caller hands nothing over (the
 -- message is delayed or too large for a NOTIFY), nothing is claimed. Returns the slot's
 -- channel and visibility timeout (seconds), or no row: publish and wake the plain way.
@@ -2318,7 +2318,7 @@ BEGIN
 END
 $$;
 
--- wait_for_due, offering one hand-over slot on handoff_queues (those of queues it waits on
+-- wait_for_due, offering one hand-off slot on handoff_queues (those of queues it waits on
 -- that its consumer takes with acks) at channel, held by lock_key, with a visibility
 -- timeout of vt seconds, claimed on sequence kombu_pgmq.handoff_<seq>
 -- (kombu_pgmq.handoff_lease; not leased: no slot offered). The waiting rows are written

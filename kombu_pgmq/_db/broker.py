@@ -74,7 +74,7 @@ class Broker:
         #: Those of them with key limits: read through ``kombu_pgmq.read`` only.
         self.keyed: set[str] = set()
         #: Direct publishes (statement ``send_queue``) that a waiting consumer gets now
-        #: reach it (a NOTIFY, a hand-over) before their WAL flush and return after it
+        #: reach it (a NOTIFY, a hand-off) before their WAL flush and return after it
         #: (transport option ``visible_before_flush``; :meth:`_flushed`).
         self.visible_before_flush = False
         #: Where the reads of each queue start their walk of the vt index.

@@ -29,7 +29,7 @@ class Waiting(NamedTuple):
 
 
 class HandoffSlot(NamedTuple):
-    """A hand-over slot offered with :meth:`Consumers.wait_for`
+    """A hand-off slot offered with :meth:`Consumers.wait_for`
     (``kombu_pgmq.wait_for_handoff``): the LISTEN connection's NOTIFY ``channel`` and the
     session advisory lock ``lock_key`` it holds while listening
     (:func:`kombu_pgmq._db.handoff.new_slot`), the visibility timeout of a handed message
@@ -102,7 +102,7 @@ class Consumers:
         ``kombu_pgmq.wait_for_due``); ``clock_offset``: the server's clock minus this
         host's (``time.time()``), to read the due times NOTIFY payloads carry.
 
-        ``handoff``: also offer one hand-over slot on ``handoff.queues``
+        ``handoff``: also offer one hand-off slot on ``handoff.queues``
         (``kombu_pgmq.wait_for_handoff``): a publish then hands its message to this
         connection in its NOTIFY instead of waking it to read."""
         sent = time.time()
@@ -126,7 +126,7 @@ class Consumers:
         )
 
     def rearm_handoff(self, owner: str, queues: Sequence[str]) -> set[str]:
-        """Offer one hand-over slot again on ``queues`` (``owner`` took what it was
+        """Offer one hand-off slot again on ``queues`` (``owner`` took what it was
         handed there and has room); returns those it still waits on (the others were
         given up: a backlog, the reaper)."""
         return {
@@ -218,7 +218,7 @@ class Consumers:
 
     def hold_handoff_lock(self, lock_key: int) -> int:
         """Take the session advisory lock a LISTEN connection holds while it listens for
-        hand-overs (see :class:`HandoffSlot`), and lease the sequence its slot is claimed
+        hand-offs (see :class:`HandoffSlot`), and lease the sequence its slot is claimed
         on for the life of the session; returns that sequence's number."""
         return int(self.db.column("handoff_lock", {"lock_key": lock_key})[0])
 

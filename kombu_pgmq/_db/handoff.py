@@ -1,4 +1,4 @@
-"""Hand-over at publish: a publish to a queue an idle consumer waits on
+"""Hand-off at publish: a publish to a queue an idle consumer waits on
 writes the row as delivered to that consumer and sends it in the consumer's NOTIFY, so
 the consumer delivers it without a read. This module holds both ends of the NOTIFY
 payload's format and the consumer's slot identity; the SQL is statement ``send_queue``
@@ -22,19 +22,19 @@ __all__ = ["CHANNEL_PREFIX", "MAX_TAIL_BYTES", "SEPARATOR", "new_slot", "parse",
 #: Separates the payload's fields (chr(30) in the SQL).
 SEPARATOR = "\x1e"
 
-#: Largest tail handed over, in bytes: a NOTIFY payload must stay under 8000 bytes, and
+#: Largest tail handed off, in bytes: a NOTIFY payload must stay under 8000 bytes, and
 #: the server adds the queue name (at most 47), msg_id (at most 20), enqueued_at (26) and
-#: separators. A larger message is not handed over: the consumer is woken and reads it.
+#: separators. A larger message is not handed off: the consumer is woken and reads it.
 MAX_TAIL_BYTES = 7800
 
-#: NOTIFY channel of a consumer's hand-overs: this prefix and 16 hex digits. PGMQ queue
+#: NOTIFY channel of a consumer's hand-offs: this prefix and 16 hex digits. PGMQ queue
 #: names hold no ``.``, so no queue's wake-up channel (``kombu_pgmq.<queue>``) is one.
 CHANNEL_PREFIX = "kombu_pgmq.handoff."
 
 
 def tail(message: str, headers: str | None, delay_seconds: int) -> str | None:
     """The payload's tail for a publish of ``message``/``headers`` (JSON text), or None
-    when it is not handed over: delayed (``delay_seconds > 0``), or too large for a
+    when it is not handed off: delayed (``delay_seconds > 0``), or too large for a
     NOTIFY (:data:`MAX_TAIL_BYTES`)."""
     if delay_seconds > 0:
         return None
@@ -50,7 +50,7 @@ def tail(message: str, headers: str | None, delay_seconds: int) -> str | None:
 
 
 def parse(payload: str) -> Row | None:
-    """The delivered row a hand-over payload carries (``read_ct`` 1, age 0), or None if
+    """The delivered row a hand-off payload carries (``read_ct`` 1, age 0), or None if
     it is not one (malformed: the sender is not kombu_pgmq)."""
     parts = payload.split(SEPARATOR, 4)
     if len(parts) != 5:
@@ -64,7 +64,7 @@ def parse(payload: str) -> Row | None:
 
 
 def new_slot() -> tuple[str, int]:
-    """A fresh ``(channel, lock_key)`` for one LISTEN connection's hand-overs: its NOTIFY
+    """A fresh ``(channel, lock_key)`` for one LISTEN connection's hand-offs: its NOTIFY
     channel and the session advisory lock (a signed 64-bit key) it holds while it
     listens, so publishers skip its slots once it is gone."""
     token = secrets.token_bytes(8)

@@ -43,7 +43,7 @@ rolled-back read had locked, a clock stepped back) are found by the first read o
 queue and by a look below the positions every ``LOOK_SECONDS``: the heartbeat thread of a
 consuming connection asks, on its own connection, which queues hold a visible row below
 their positions (:meth:`ReadPositions.looks_due`; it walks every dead row version there,
-holding up no read or hand-over meanwhile), and a row found rewinds the queue. Where no
+holding up no read or hand-off meanwhile), and a row found rewinds the queue. Where no
 look came for ``FULL_SCAN_SECONDS`` (no consumer, a role that may not read PGMQ's tables),
 the read itself starts from the beginning. The fallback poll's everyday probe for
 visible rows starts at :meth:`ReadPositions.probe_from`.
@@ -216,7 +216,7 @@ class ReadPositions:
     def age(self, queue: str) -> float | None:
         """Seconds since the last read of ``queue`` moved its position; None if it has
         none (never read by position, or forgotten). The dead row versions a read walks
-        are those left since the position: a queue whose messages are all handed over
+        are those left since the position: a queue whose messages are all handed off
         is read now and then so that it stays fresh."""
         state = self._queues.get(queue)
         return None if state is None else time.monotonic() - state.advanced_at

@@ -221,13 +221,13 @@ after a delay is not spent waiting for a poll. A fallback poll every
 (visibility timeout expiry). In Celery's event loop that poll first asks, on the LISTEN
 connection and without waiting, which consumed queues hold a visible message (one probe
 of PGMQ's ``vt`` index per queue, statement ``visible_probe``) and reads only those when
-the answer comes, so the loop is never held up by reads of empty queues (a hand-over
+the answer comes, so the loop is never held up by reads of empty queues (a hand-off
 arriving meanwhile would wait behind them); a role without rights on PGMQ's tables
 reads every queue instead. An ack that frees a prefetch slot wakes the consumer at
 once.
 
-Hand-over: a consumer going to sleep on a queue it takes with acks also offers one
-hand-over slot there (its LISTEN connection's own NOTIFY channel, a session advisory lock
+Hand-off: a consumer going to sleep on a queue it takes with acks also offers one
+hand-off slot there (its LISTEN connection's own NOTIFY channel, a session advisory lock
 that connection holds while it listens, its visibility timeout). A publish (the queue's
 send function, statement ``send_queue``: Celery's ``apply_async``, Kombu's default
 exchange, an exchange routing to one queue) to such a queue claims the slot of the
@@ -245,12 +245,12 @@ the pool (a read before it held that write, and was most of Celery's latency p99
 Redis). Nothing is lost: a handed row is a delivery; a consumer that dies before taking
 it, or whose LISTEN connection drops in that instant (the notification is lost with it),
 gets it delivered again after its visibility timeout; a consumer whose LISTEN connection
-is gone no longer holds its lock, so publishers skip its slot; rows handed over while a
+is gone no longer holds its lock, so publishers skip its slot; rows handed off while a
 consumer is cancelled or closed are made visible again at once (not counted as
-deliveries). Not handed over: messages over 7800 bytes (a NOTIFY payload's limit),
+deliveries). Not handed off: messages over 7800 bytes (a NOTIFY payload's limit),
 delayed ones, deduplicated ones, publishes in the application's transaction or to several
 queues, paused and limited queues (FIFO groups included), ``no_ack`` consumers.
-``kombu_pgmq_handovers_total`` counts them.
+``kombu_pgmq_handoffs_total`` counts them.
 
 With Celery, the transport runs in the worker's event loop (``asynloop``):
 ``implements.asynchronous`` is true, and :meth:`Transport.register_with_event_loop`

@@ -13,7 +13,7 @@ message is visible now, a number when a delayed one becomes due (epoch seconds, 
 clock). The poller keeps a fallback poll (``polling_interval``) for messages that become
 visible without an insert (visibility timeout expiry).
 
-Hand-overs (``kombu_pgmq.hand_off``): the LISTEN connection also listens on a channel of
+Hand-offs (``kombu_pgmq.hand_off``): the LISTEN connection also listens on a channel of
 its own (:attr:`Listener.slot`) and holds a session advisory lock while it does; a publish to a
 queue this connection offered a slot on sends the delivered row there
 (:mod:`kombu_pgmq._db.handoff`), collected by :meth:`Listener.take_handed`.
@@ -43,7 +43,7 @@ CHANNEL_PREFIX = "kombu_pgmq."
 
 #: ``lock_timeout`` of the LISTEN connection: its fallback probe (:meth:`Listener.probe`)
 #: gives up on a queue table another session holds exclusively (DROP, TRUNCATE, ALTER)
-#: instead of holding back the notifications (hand-overs) the connection would read
+#: instead of holding back the notifications (hand-offs) the connection would read
 #: meanwhile; the poller then reads those queues itself. Nothing else it runs waits for
 #: a lock (LISTEN, its own advisory lock key).
 PROBE_LOCK_TIMEOUT = "100ms"
@@ -67,7 +67,7 @@ class Listener:
         #: below the position reads start at: read from the start (:meth:`take_rewound`).
         self._rewound: set[str] = set()
         self._handed: list[Row] = []
-        #: ``(channel, advisory lock key)`` of this connection's hand-overs (migration
+        #: ``(channel, advisory lock key)`` of this connection's hand-offs (migration
         #: 0023), the same across reconnects; None when :attr:`polling`.
         self.slot: tuple[str, int] | None = None if dsn is None else handoff.new_slot()
         #: The number of the sequence this connection's slot is claimed on, leased with
@@ -99,7 +99,7 @@ class Listener:
         return self._dsn is None
 
     def _connect(self) -> Connector:
-        """The LISTEN connection, LISTENing and holding its hand-over lock (connected
+        """The LISTEN connection, LISTENing and holding its hand-off lock (connected
         if needed)."""
         connector = self._connector
         if connector is None:
@@ -115,7 +115,7 @@ class Listener:
                 consumers = Consumers(connector)
                 consumers.listen(CHANNEL_PREFIX + q for q in sorted(self._queues))
                 if self.slot is not None:
-                    # LISTEN first: once the lock is held, publishers may hand over
+                    # LISTEN first: once the lock is held, publishers may hand off
                     consumers.listen([self.slot[0]])
                     self.slot_seq = consumers.hold_handoff_lock(self.slot[1])
             except BaseException:
@@ -134,7 +134,7 @@ class Listener:
         self._notified.append((channel, payload))
 
     def take_handed(self) -> list[Row]:
-        """The rows handed over to this connection since the last call (read from the
+        """The rows handed off to this connection since the last call (read from the
         socket by :meth:`collect` or :meth:`settle`): delivered to it already (read_ct 1,
         its visibility timeout running), to be delivered to the application or given
         back."""
@@ -142,7 +142,7 @@ class Listener:
         return handed
 
     def settle(self) -> list[Row]:
-        """A round trip on the LISTEN connection, so every hand-over committed before
+        """A round trip on the LISTEN connection, so every hand-off committed before
         this call has arrived, then :meth:`take_handed` (e.g. after giving up the slots,
         before closing). Empty without a connection.
 

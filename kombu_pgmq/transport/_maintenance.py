@@ -13,7 +13,7 @@ Every ``consumer_heartbeat_interval`` seconds while the connection has consumers
   where reads start, e.g. a ``pgmq.send`` with a past visibility time: see
   :mod:`kombu_pgmq._db.positions`). Behind an old snapshot the look walks every dead row
   version below the positions; on this thread's connection it holds up no read and no
-  hand-over. A queue with a visible row there is read from the start. A role that may
+  hand-off. A queue with a visible row there is read from the start. A role that may
   not read PGMQ's tables does not look: its reads start from the beginning now and then
   instead.
 * VACUUMs a consumed queue table whose statistics show more than ``vacuum_threshold``

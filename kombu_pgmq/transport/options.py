@@ -76,7 +76,7 @@ KOMBU_OPTIONS = frozenset(
 REMOVED_OPTIONS: Mapping[str, str] = {
     "handover": "a consumer waiting on a queue is handed the next message published there "
     "in its wake-up whenever the message allows it (docs: Delivery semantics and "
-    "durability, Hand-over)",
+    "durability, Hand-off)",
 }
 
 

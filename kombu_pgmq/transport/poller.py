@@ -16,9 +16,9 @@ timer of Celery's event loop, or the wait of ``drain_events``). A fallback poll 
 visible without a publish: a lapsed visibility timeout); in Celery's event loop it first
 asks the server, on the LISTEN connection and without waiting, which of them hold a
 visible message (:meth:`Listener.probe`), and reads only those when the answer comes.
-In Celery's event loop, a round that delivers messages handed over at publish reads
+In Celery's event loop, a round that delivers messages handed off at publish reads
 nothing more until the loop's next turn has written those tasks to the pool
-(:data:`READ_AFTER_HANDOVER_SECONDS`).
+(:data:`READ_AFTER_HANDOFF_SECONDS`).
 
 Statements go through the transport's statement connection only (the channels'), never
 the lease or heartbeat connections.
@@ -37,7 +37,7 @@ from typing import Any
 from .. import errors
 from .._db.broker import Receipt
 from .._db.pooling import warn_polling_once
-from ._handover import Handover
+from ._handoff import Handoff
 from ._interfaces import TransportView
 from ._listener import Listener
 from .acks import AckBatch, archive, archive_nowait
@@ -52,7 +52,7 @@ RECONNECT_SECONDS = 1.0
 
 #: Seconds after which the fallback poll in Celery's event loop reads a queue instead of
 #: probing it, when no read has moved the queue's position since (its messages all
-#: handed over): reads and probes walk the dead row versions left since the position,
+#: handed off): reads and probes walk the dead row versions left since the position,
 #: which a long transaction elsewhere keeps (kombu_pgmq._db.positions).
 REFRESH_SECONDS = 2.0
 
@@ -67,11 +67,11 @@ REFRESH_SECONDS = 2.0
 ACK_BATCH_SECONDS = 0.002
 
 #: Seconds, in Celery's event loop, that reads and slot offers wait after a round that
-#: delivered handed-over messages: Celery writes those tasks to its pool on the loop's
+#: delivered handed-off messages: Celery writes those tasks to its pool on the loop's
 #: next turn, and a read now (say the fallback poll) would hold that write. 1 ms puts
 #: the reads after that turn; 3 ms and 5 ms measured no better (benchmarks/README.md:
 #: "Celery's write to its pool no longer waits for a read", ``kombu_pgmq_3ms``).
-READ_AFTER_HANDOVER_SECONDS = 0.001
+READ_AFTER_HANDOFF_SECONDS = 0.001
 
 
 class Poller:
@@ -80,8 +80,8 @@ class Poller:
     def __init__(self, transport: TransportView) -> None:
         self.transport = transport
         self.acks = AckBatch()
-        #: Hand-over slots offered and rows handed over.
-        self.handover = Handover(transport)
+        #: Hand-off slots offered and rows handed off.
+        self.handoff = Handoff(transport)
         #: Which consumed queues to read next, which ones we sleep on, when delayed
         #: messages become due.
         self.wakeups = Wakeups()
@@ -99,7 +99,7 @@ class Poller:
         self._connection_lost_at: float | None = None
         self._canceled_at: float | None = None  # a read was cancelled (statement_timeout)
         self._retry_pending = False  # a reconnection attempt is scheduled in the event loop
-        self._reads_deferred = False  # a timer of the loop reads after a hand-over's round
+        self._reads_deferred = False  # a timer of the loop reads after a hand-off's round
         self._reading_deferred = False  # in that timer's round
 
     def found_below(self, queues: set[str]) -> None:
@@ -154,7 +154,7 @@ class Poller:
             if name in consumed:
                 continue
             was_waiting = self.wakeups.forget(name)
-            self.handover.armed.discard(name)
+            self.handoff.armed.discard(name)
             if self._listener is not None:
                 self._listener.unlisten([name])
             if was_waiting:
@@ -165,7 +165,7 @@ class Poller:
                         broker.consumers.stop_waiting(self.transport.owner, [name])
                         given_up = True
         if given_up and self._listener is not None:
-            self.handover.settle(self._listener)  # handed over before that: given back
+            self.handoff.settle(self._listener)  # handed off before that: given back
 
     def consumed(self) -> set[str]:
         """PGMQ queues (every priority band) of the queues consumed now."""
@@ -270,7 +270,7 @@ class Poller:
         consumed queue when the fallback poll is due or notifications may have been
         missed."""
         collected = listener.collect()
-        self.handover.handed += listener.take_handed()
+        self.handoff.handed += listener.take_handed()
         now = monotonic()
         wakeups = self.wakeups
         broker = self.transport.broker_if_connected()
@@ -285,7 +285,7 @@ class Poller:
             # waiting rows; record them again as queues are found empty. A rewind may
             # have been missed too: read every queue from the start.
             wakeups.waiting.clear()
-            self.handover.armed.clear()
+            self.handoff.armed.clear()
             if broker is not None:
                 broker.positions.forget()
         else:
@@ -295,14 +295,14 @@ class Poller:
         if wakeups.fallback_due(now, self.polling_interval, force=collected is None):
             # In Celery's event loop the fallback asks first, without waiting, which
             # queues hold a visible message, and reads those when the answer comes: a
-            # read of every consumed queue here would hold up a hand-over arriving
+            # read of every consumed queue here would hold up a hand-off arriving
             # meanwhile (a slow p99).
             in_loop = collected is not None and self._hub is not None
             consumed = self.consumed()
             positions = broker.positions if broker is not None else None
             probe_from = positions.probe_from if positions is not None else None
             if positions is not None and in_loop:
-                # A queue whose messages are all handed over is never read: read it now
+                # A queue whose messages are all handed off is never read: read it now
                 # and then, so that its position stays fresh (a read, and this probe,
                 # walk the dead row versions left since the position).
                 stale = {n for n in consumed if (positions.age(n) or 0.0) >= REFRESH_SECONDS}
@@ -335,17 +335,17 @@ class Poller:
         retry: dict[str, float] = {}
         self._polling = True
         try:
-            # READ_AFTER_HANDOVER_SECONDS: in Celery's event loop, not at a deferred round
-            defer = self._hub is not None and bool(self.handover.handed)
+            # READ_AFTER_HANDOFF_SECONDS: in Celery's event loop, not at a deferred round
+            defer = self._hub is not None and bool(self.handoff.handed)
             defer = defer and not self._reading_deferred
-            delivered, to_read = self.handover.deliver(wakeups.waiting, defer_rearm=defer)
+            delivered, to_read = self.handoff.deliver(wakeups.waiting, defer_rearm=defer)
             wakeups.ready |= to_read
-            if defer and delivered and (wakeups.ready or self.handover.rearm_pending):
+            if defer and delivered and (wakeups.ready or self.handoff.rearm_pending):
                 self._defer_reads()
                 ready: set[str] = set()
             else:
-                if self.handover.rearm_pending:
-                    wakeups.ready |= self.handover.rearm_now(wakeups.waiting)
+                if self.handoff.rearm_pending:
+                    wakeups.ready |= self.handoff.rearm_now(wakeups.waiting)
                 ready = set(wakeups.ready)
             for channel in list(transport.channels):
                 if not channel.consumed_queues or not ready:
@@ -378,21 +378,21 @@ class Poller:
             # A backlog: publishers stop notifying (their commits would serialize).
             transport.broker().consumers.stop_waiting(transport.owner, to_busy)
             wakeups.stopped_waiting(to_busy)
-            self.handover.armed.difference_update(to_busy)
-        rearm = self.handover.slot(listener, (drained & wakeups.waiting) - self.handover.armed)
+            self.handoff.armed.difference_update(to_busy)
+        rearm = self.handoff.slot(listener, (drained & wakeups.waiting) - self.handoff.armed)
         if rearm is not None and rearm.queues:  # took a handed message, found empty now
             consumers = transport.broker().consumers
             # the slot is one per connection: every queue it is to be offered on is named
-            offer = set(rearm.queues) | self.handover.armed
+            offer = set(rearm.queues) | self.handoff.armed
             offered = consumers.rearm_handoff(transport.owner, sorted(offer))
-            self.handover.armed = offered
+            self.handoff.armed = offered
             wakeups.stopped_waiting(offer - offered)  # not waited on: wait_for again
         if to_wait:
             listener.fileno()  # LISTEN before publishers can see us waiting
-            slot = self.handover.slot(listener, to_wait)
+            slot = self.handoff.slot(listener, to_wait)
             waiting = transport.broker().consumers.wait_for(transport.owner, sorted(to_wait), slot)
             if slot is not None:
-                self.handover.armed |= set(slot.queues)
+                self.handoff.armed |= set(slot.queues)
             if waiting.unsettled:
                 logger.debug(
                     "a publisher to %s is still in its transaction: its message is found by "
@@ -416,14 +416,14 @@ class Poller:
 
     def _defer_reads(self) -> None:
         """In Celery's event loop: read the ready queues at a timer of the loop, after
-        its next turn (see :data:`READ_AFTER_HANDOVER_SECONDS`)."""
+        its next turn (see :data:`READ_AFTER_HANDOFF_SECONDS`)."""
         if not self._reads_deferred and self._hub is not None:
             self._reads_deferred = True
-            self._hub.call_later(READ_AFTER_HANDOVER_SECONDS, self._on_deferred_reads)
+            self._hub.call_later(READ_AFTER_HANDOFF_SECONDS, self._on_deferred_reads)
 
     def _on_deferred_reads(self) -> None:
         self._reads_deferred = False
-        self._reading_deferred = True  # this round reads, hand-over or not (no starving)
+        self._reading_deferred = True  # this round reads, hand-off or not (no starving)
         try:
             self._on_hub_event()
         finally:
@@ -463,7 +463,7 @@ class Poller:
                 canceled = False
                 try:
                     self._note_wakeups(listener)
-                    if self.wakeups.ready or self.acks or self.handover.handed:
+                    if self.wakeups.ready or self.acks or self.handoff.handed:
                         delivered, again = self.poll()
                         self._connection_ok()
                         if delivered:
@@ -543,7 +543,7 @@ class Poller:
             consumed = set()
         # waiting rows recorded again as queues are found empty
         self.wakeups.connection_lost(consumed)
-        self.handover.armed.clear()
+        self.handoff.armed.clear()
         if self._hub is not None and not self._retry_pending:
             # retry soon, not at the next fallback poll only; one timer at a time
             self._retry_pending = True
@@ -620,9 +620,9 @@ class Poller:
             self._note_wakeups(listener)
             self._watch_listener(listener)
             for _ in range(2):  # a round, and the final read of queues that went to sleep
-                handover = self.handover
+                handoff = self.handoff
                 ready = self.wakeups.ready
-                if not (ready or self.acks or handover.handed or handover.rearm_pending):
+                if not (ready or self.acks or handoff.handed or handoff.rearm_pending):
                     break
                 _, again = self.poll()
                 if not again:
@@ -664,16 +664,16 @@ class Poller:
                     self.acks.flush(broker, durable=self.transport.options.durable_acks)
                 if self.wakeups.waiting:
                     broker.consumers.stop_waiting(self.transport.owner)
-                    if self._listener is not None:  # handed over before that: give back
-                        self.handover.handed += self._listener.settle()
-                self.handover.give_back(self.handover.handed, broker)
+                    if self._listener is not None:  # handed off before that: give back
+                        self.handoff.handed += self._listener.settle()
+                self.handoff.give_back(self.handoff.handed, broker)
         except errors.KombuPgmqError as exc:
             logger.warning("closing: %s (unarchived acks are delivered again)", exc)
         finally:
             self.wakeups.waiting.clear()
             self.wakeups.due.clear()
             self.acks.clear()
-            self.handover.clear()
+            self.handoff.clear()
             listener, self._listener = self._listener, None
             if listener is not None:
                 listener.close()
@@ -681,7 +681,7 @@ class Poller:
     def after_fork(self) -> None:
         """In a forked child: the parent's state is not ours (no flush, no cleanup)."""
         self.acks.clear()
-        self.handover.clear()
+        self.handoff.clear()
         self.wakeups.clear()
         self._due_timer = None
         self._hub = None

@@ -411,7 +411,7 @@ class Reader(ChannelPart):
         failure before the consumer's callback, e.g. an unknown body encoding; or
         delivered more than ``max_deliveries`` times, restores not counted), expired
         ones archived (reason ``expired``) unless they are Celery tasks, which are
-        handed over for the worker to revoke (see the module docstring)."""
+        handed off for the worker to revoke (see the module docstring)."""
         limit = None if no_ack else self.options.max_deliveries
         messages: list[Any] = []
         decoded: list[Row] = []

@@ -112,7 +112,7 @@ class FakeHub:
 
 class WaitingConsumer:
     """A consumer (acks, never acking) draining ``queue`` in a thread, on its own
-    connection: it waits on the queue between messages, offering a hand-over slot."""
+    connection: it waits on the queue between messages, offering a hand-off slot."""
 
     def __init__(self, url: str, queue: Queue, **options: Any) -> None:
         self.got: list[Any] = []

@@ -236,9 +236,7 @@ def test_least_privilege_roles_run_the_queue_s_own_functions(least_privilege_db:
     ]
 
 
-def test_a_handed_over_row_is_pgmq_s_delivered_row(
-    url: str, request: pytest.FixtureRequest
-) -> None:
+def test_a_handed_off_row_is_pgmq_s_delivered_row(url: str, request: pytest.FixtureRequest) -> None:
     """A publish handed to a waiting consumer writes the row as
     pgmq.read leaves a delivered one (read_ct 1, vt ahead, last_read_at where the table
     has it); the consumer's ack archives it as pgmq.archive would."""
@@ -264,7 +262,7 @@ def test_a_handed_over_row_is_pgmq_s_delivered_row(
                 conn.drain_events(timeout=0.2)
         channel = producer.channel()
         Queue(QUEUE, routing_key=QUEUE)(channel).declare()
-        before = STATS.handovers
+        before = STATS.handoffs
         Producer(channel).publish({"n": 1}, routing_key=QUEUE)
         row = sql(url, f"SELECT read_ct, vt > now() FROM pgmq.q_{PGMQ}")
         assert row == [(1, True)]
@@ -273,7 +271,7 @@ def test_a_handed_over_row_is_pgmq_s_delivered_row(
         while not got and time.monotonic() < deadline:
             with contextlib.suppress(TimeoutError):
                 conn.drain_events(timeout=0.2)
-        assert STATS.handovers == before + 1
+        assert STATS.handoffs == before + 1
         got[0].ack()
         with contextlib.suppress(TimeoutError):
             conn.drain_events(timeout=0.3)

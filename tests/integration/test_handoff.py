@@ -1,6 +1,6 @@
-"""Hand-over at publish: a publish to a queue an idle
+"""Hand-off at publish: a publish to a queue an idle
 consumer waits on writes the row as delivered to that consumer and sends it in the
-consumer's NOTIFY. Every test counts the messages: a hand-over that goes wrong must leave
+consumer's NOTIFY. Every test counts the messages: a hand-off that goes wrong must leave
 the message visible, or visible again after its visibility timeout, never lost."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def rows(db_dsn: str, queue: str) -> list[tuple[Any, ...]]:
 
 
 def slots(db_dsn: str, queue: str) -> list[int]:
-    """Hand-over slots offered on the queue, one entry per waiting connection."""
+    """Hand-off slots offered on the queue, one entry per waiting connection."""
     found = sql(
         db_dsn,
         "SELECT (o.owner IS NOT NULL)::int FROM kombu_pgmq.waiting w "
@@ -90,7 +90,7 @@ def wait_until_offered(conn: Connection, db_dsn: str, queue: str, count: int = 1
 def test_claims_and_offers_write_no_waiting_row(db_dsn):
     """A claim (nextval) and the offer that follows (setval) change the consumer's
     sequence, not its kombu_pgmq.waiting row: the row keeps its version (ctid, xmin)
-    through 30 hand-overs, so no dead versions pile up for publishes to walk while a long
+    through 30 hand-offs, so no dead versions pile up for publishes to walk while a long
     transaction holds the xmin horizon."""
     got: list[Any] = []
     with (
@@ -105,14 +105,14 @@ def test_claims_and_offers_write_no_waiting_row(db_dsn):
         wait_until_offered(conn, db_dsn, "ho_rows")
         version = "SELECT ctid::text, xmin::text FROM kombu_pgmq.waiting WHERE pgmq_queue = %s"
         (before_version,) = sql(db_dsn, version, (pgmq_queue_name("ho_rows"),))
-        before = STATS.handovers
+        before = STATS.handoffs
         send = Sender(producer, "ho_rows")
         for n in range(30):
             send({"n": n})
             drain_until(conn, got, n + 1, timeout=5)
             wait_until_offered(conn, db_dsn, "ho_rows")
         assert [m.decode() for m in got] == [{"n": n} for n in range(30)]
-        assert STATS.handovers == before + 30
+        assert STATS.handoffs == before + 30
         assert sql(db_dsn, version, (pgmq_queue_name("ho_rows"),)) == [before_version]
 
 
@@ -124,7 +124,7 @@ def test_a_waiting_consumer_is_handed_the_message_and_offers_its_slot_again(db_d
         Consumer(conn.channel(), [Queue("ho", routing_key="ho")], on_message=got.append),
     ):
         wait_until_offered(conn, db_dsn, "ho")
-        before = STATS.handovers
+        before = STATS.handoffs
         Sender(producer, "ho")({"n": 1}, headers={"task": "t", "id": "1"})
         # written as delivered (read_ct 1, invisible) by the publish itself, slot taken
         assert [(r[1], r[2]) for r in rows(db_dsn, "ho")] == [(1, True)]
@@ -133,7 +133,7 @@ def test_a_waiting_consumer_is_handed_the_message_and_offers_its_slot_again(db_d
         assert got[0].headers == {"task": "t", "id": "1"}
         assert got[0].delivery_info["pgmq_read_ct"] == 1
         assert got[0].delivery_info["redelivered"] is False
-        assert STATS.handovers == before + 1
+        assert STATS.handoffs == before + 1
         # offered again (it has room), by a statement the consumer did not wait for
         wait_for(lambda: slots(db_dsn, "ho") == [1], 5, "the slot offered again")
         got[0].ack()
@@ -142,11 +142,11 @@ def test_a_waiting_consumer_is_handed_the_message_and_offers_its_slot_again(db_d
         # the handed delivery's receipt settles it like a read one
         assert rows(db_dsn, "ho") == []
         assert sql(db_dsn, f"SELECT read_ct FROM {table('ho', 'a')}") == [(1,)]
-        # the next publish is handed over too
+        # the next publish is handed off too
         Sender(producer, "ho")({"n": 2})
         drain_until(conn, got, 2, timeout=5)
         assert [m.decode() for m in got] == [{"n": 1}, {"n": 2}]
-        assert STATS.handovers == before + 2
+        assert STATS.handoffs == before + 2
         got[1].ack()
 
 
@@ -294,8 +294,8 @@ def test_a_message_handed_to_a_consumer_that_dies_comes_back_after_its_visibilit
         assert time.monotonic() - handed_at > 1.0  # not before its lease lapsed
 
 
-def test_messages_handed_over_while_closing_are_given_back(db_dsn):
-    """A hand-over whose notification the consumer has not read when it closes is made
+def test_messages_handed_off_while_closing_are_given_back(db_dsn):
+    """A hand-off whose notification the consumer has not read when it closes is made
     visible again at the close (not counted as a delivery), not left to its visibility
     timeout."""
     conn = connect(db_dsn, polling_interval=NO_FALLBACK, visibility_timeout=600)
@@ -310,7 +310,7 @@ def test_messages_handed_over_while_closing_are_given_back(db_dsn):
             Sender(producer, "ho_close")("m")
         assert [r[1] for r in rows(db_dsn, "ho_close")] == [1]
     finally:
-        conn.release()  # never drained: the hand-over is unread
+        conn.release()  # never drained: the hand-off is unread
     assert got == []
     assert [(r[1], r[2]) for r in rows(db_dsn, "ho_close")] == [(1, False)]  # visible again
     again = consume_acked(db_dsn, "ho_close")
@@ -349,7 +349,7 @@ def test_one_publish_is_handed_to_one_of_several_waiting_consumers(db_dsn, consu
 
 
 def test_one_slot_per_connection_across_priority_bands(db_dsn):
-    """The consumer offers a slot on every priority band of its queue; a hand-over on one
+    """The consumer offers a slot on every priority band of its queue; a hand-off on one
     band takes the offers on all of them, so a higher priority published next is not
     handed past a full prefetch window: it waits and is read first."""
     queue = Queue("ho_prio", routing_key="ho_prio", max_priority=9)
@@ -378,7 +378,7 @@ def test_one_slot_per_connection_across_priority_bands(db_dsn):
         queue(channel).declare()
         send = Producer(channel)
         send.publish("low", routing_key="ho_prio", priority=0)
-        drain_until(conn, got, 1, timeout=5)  # handed over; the window (1) is full now
+        drain_until(conn, got, 1, timeout=5)  # handed off; the window (1) is full now
         send.publish("mid", routing_key="ho_prio", priority=5)
         send.publish("high", routing_key="ho_prio", priority=9)
         handed = sql(
@@ -386,7 +386,7 @@ def test_one_slot_per_connection_across_priority_bands(db_dsn):
             "SELECT count(*) FROM kombu_pgmq.handoff_offers WHERE pgmq_queue LIKE %s",
             (pgmq_queue_name("ho_prio") + "%",),
         )
-        assert handed == [(0,)]  # the one slot went with the first hand-over
+        assert handed == [(0,)]  # the one slot went with the first hand-off
         got[0].ack()
         drain_until(conn, got, 2, timeout=5)
         got[1].ack()
@@ -395,8 +395,8 @@ def test_one_slot_per_connection_across_priority_bands(db_dsn):
     assert [m.decode() for m in got] == ["low", "high", "mid"]
 
 
-def test_in_the_event_loop_a_hand_over_round_reads_nothing_more_until_the_next_turn(db_dsn):
-    """In Celery's event loop (a hub run by hand), the round that delivers a handed-over
+def test_in_the_event_loop_a_handoff_round_reads_nothing_more_until_the_next_turn(db_dsn):
+    """In Celery's event loop (a hub run by hand), the round that delivers a handed-off
     message neither reads another queue (here the fallback poll falls due in it, and
     queue b has a message no publish notified) nor offers the slot again: the slot waits
     for a timer after the loop's next turn, where Celery writes the task to its pool, and
@@ -422,11 +422,11 @@ def test_in_the_event_loop_a_hand_over_round_reads_nothing_more_until_the_next_t
             while slots(db_dsn, "ho_turn_a") != [1] or hub.soon:
                 assert time.monotonic() < deadline, slots(db_dsn, "ho_turn_a")
                 hub.run_once()
-            sender("a")  # handed over
+            sender("a")  # handed off
             assert [r[1] for r in rows(db_dsn, "ho_turn_a")] == [1]
             sql(db_dsn, "SELECT pgmq.send('ho_turn_b', '{}'::jsonb)")  # nobody notified
             listener = poller.listener().fileno()
-            assert select.select([listener], [], [], 10)[0], "the hand-over never arrived"
+            assert select.select([listener], [], [], 10)[0], "the hand-off never arrived"
             poller.wakeups.next_fallback = 0.0  # the fallback poll is due at the next event
             while not got:
                 assert time.monotonic() < deadline, "the handed message was not delivered"

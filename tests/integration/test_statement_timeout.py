@@ -26,7 +26,7 @@ from kombu_pgmq._db.connector import Connector
 from .helpers import FakeHub, connect, publish, table
 
 TIMEOUT = {"connection_options": {"options": "-c statement_timeout=300"}}  # ms
-#: A deduplicated message is never handed over to a waiting consumer: it wakes it, and
+#: A deduplicated message is never handed off to a waiting consumer: it wakes it, and
 #: the consumer reads it (the read these tests cancel).
 NOT_HANDED_OVER = {"x-deduplication-id": "second"}
 

@@ -2,7 +2,7 @@
 ``visible_before_flush``, statement ``flush_commits``).
 
 A publish that a waiting consumer gets now commits without waiting for the WAL flush, so
-its NOTIFY (a hand-over) leaves at once, then waits for the flush with a second
+its NOTIFY (a hand-off) leaves at once, then waits for the flush with a second
 transaction (statement ``flush_commits``). What the caller is promised is unchanged: when
 ``publish`` returns, the message is on disk.
 
@@ -102,7 +102,7 @@ def _flushed_past(admin: psycopg.Connection, flushed: str, lsn: str) -> bool:
 
 
 def test_a_publish_a_consumer_waits_for_returns_once_its_commit_is_flushed(server, server_url):
-    """With a consumer waiting, each publish is handed over before its WAL flush
+    """With a consumer waiting, each publish is handed off before its WAL flush
     (``flush_commits`` follows it in the WAL) and has its commit record flushed when it
     returns; a bare asynchronous commit shows the check can fail; after a crash every
     published message is in its queue."""

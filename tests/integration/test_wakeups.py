@@ -321,7 +321,7 @@ def test_in_the_event_loop_the_fallback_poll_probes_without_waiting_then_reads_w
 ):
     """In Celery's event loop (a hub run by hand) the fallback poll reads nothing itself:
     it sends a probe on the LISTEN connection without waiting and returns, so a
-    hand-over arriving meanwhile is not held up behind reads (a slow p99). The
+    hand-off arriving meanwhile is not held up behind reads (a slow p99). The
     probe's answer, when the loop sees it, makes only the queue holding a visible message
     (one no publish notified: a lapsed visibility timeout looks the same) be read. Fails
     on a fallback that reads every consumed queue in its own round."""
@@ -352,7 +352,7 @@ def test_in_the_event_loop_the_fallback_poll_probes_without_waiting_then_reads_w
 
 def test_the_fallback_probe_gives_up_on_a_table_locked_exclusively(db_dsn):
     """The probe runs on the LISTEN connection, which must not sit behind a lock (its
-    hand-over notifications would wait): with a consumed queue's table held by an ACCESS
+    hand-off notifications would wait): with a consumed queue's table held by an ACCESS
     EXCLUSIVE lock (DROP, TRUNCATE, ALTER in an open transaction), its answer is the
     lock timeout well before the lock goes, and every probed queue is marked to be read
     (as the fallback did before the probe). Fails without the connection's

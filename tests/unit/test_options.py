@@ -288,7 +288,7 @@ def test_a_removed_option_is_refused_saying_what_the_transport_does_instead(valu
     assert str(info.value) == (
         "transport option 'handover' was removed: a consumer waiting on a queue is handed "
         "the next message published there in its wake-up whenever the message allows it "
-        "(docs: Delivery semantics and durability, Hand-over); remove it"
+        "(docs: Delivery semantics and durability, Hand-off); remove it"
     )
     assert "handover" not in OPTIONS
 

@@ -1,5 +1,5 @@
 """Sizes measured in bytes as stored (UTF-8), not characters: the publish limit
-(``max_message_bytes``) and the hand-over's NOTIFY tail."""
+(``max_message_bytes``) and the hand-off's NOTIFY tail."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def test_non_ascii_headers_count_in_bytes() -> None:
         ("x" * 20_000_000, False),
     ],
 )
-def test_the_handover_tail_fits_a_notify_in_bytes(message: str, handed: bool) -> None:
+def test_the_handoff_tail_fits_a_notify_in_bytes(message: str, handed: bool) -> None:
     tail = handoff.tail(message, "{}", 0)
     assert (tail is not None) is handed
     if handed:

@@ -1,17 +1,17 @@
-"""Hand-over at publish, the consumer's side (``kombu_pgmq.wait_for_handoff``; see
+"""Hand-off at publish, the consumer's side (``kombu_pgmq.wait_for_handoff``; see
 :mod:`kombu_pgmq._db.handoff` for the payload).
 
-A consuming connection going to sleep on queues offers one hand-over slot on those it
-takes with acks (:meth:`Handover.slot`, sent with ``wait_for``): a publish to such a queue
+A consuming connection going to sleep on queues offers one hand-off slot on those it
+takes with acks (:meth:`Handoff.slot`, sent with ``wait_for``): a publish to such a queue
 then writes the row as delivered to this connection and sends it in the NOTIFY to the
 LISTEN connection's own channel, instead of waking every waiting consumer to read. The
-poller hands those rows to the channels consuming their queues (:meth:`Handover.deliver`)
+poller hands those rows to the channels consuming their queues (:meth:`Handoff.deliver`)
 as a read would, and offers the slot again once the channel has room
 (``kombu_pgmq.rearm_handoff``; in Celery's event loop a moment later, with
-:meth:`Handover.rearm_now`, once the tasks are written to the pool), so a channel gets at
+:meth:`Handoff.rearm_now`, once the tasks are written to the pool), so a channel gets at
 most one message past its prefetch window this way. A row whose queue no channel consumes
 any more is made visible again (not counted as a delivery); rows still arriving when the
-connection closes are given back the same way (:meth:`Handover.give_back`).
+connection closes are given back the same way (:meth:`Handoff.give_back`).
 """
 
 from __future__ import annotations
@@ -29,17 +29,17 @@ from .._stats import STATS
 from ._interfaces import TransportView
 from ._listener import Listener
 
-__all__ = ["Handover"]
+__all__ = ["Handoff"]
 
 
-class Handover:
-    """Hand-over slots and handed rows of one connection's poller."""
+class Handoff:
+    """Hand-off slots and handed rows of one connection's poller."""
 
     def __init__(self, transport: TransportView) -> None:
         self.transport = transport
         #: PGMQ queues whose waiting row offers a slot now (as far as we know).
         self.armed: set[str] = set()
-        #: Rows handed over, not delivered yet (from the listener).
+        #: Rows handed off, not delivered yet (from the listener).
         self.handed: list[Row] = []
         #: Queues whose slot is offered again by :meth:`rearm_now` (``defer_rearm``).
         self.rearm_pending: set[str] = set()
@@ -89,7 +89,7 @@ class Handover:
                 continue
             channel, queue = found
             delivered += channel.reader.deliver_rows(queue, name, batch)
-            STATS.handovers += len(batch)
+            STATS.handoffs += len(batch)
         rearm, to_read = self._with_room(sorted(waiting))
         if rearm and defer_rearm:
             self.rearm_pending.update(rearm)
