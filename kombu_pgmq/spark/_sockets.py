@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 from ..errors import ConfigurationError, SparkServerError
 
 __all__ = [
-    "Listener",
+    "ListeningSocket",
     "fd_link",
     "held_by",
     "hold_ipv6_loopback",
@@ -28,7 +28,7 @@ __all__ = [
 ]
 
 
-class Listener(NamedTuple):
+class ListeningSocket(NamedTuple):
     """A TCP socket listening on a port: ``pid`` of a process holding it (None: a process
     this user cannot inspect, another user's), its file descriptor there (-1: unknown),
     its local address (``"127.0.0.1"``, ``"::"``...)."""
@@ -64,11 +64,13 @@ def _psutil() -> Any:
     return psutil
 
 
-def _listening(connections: Iterable[Any], port: int, pid: int | None = None) -> list[Listener]:
+def _listening(
+    connections: Iterable[Any], port: int, pid: int | None = None
+) -> list[ListeningSocket]:
     """``pid``: of the process whose connections these are (they do not name it)."""
     psutil = _psutil()
     return [
-        Listener(c.pid if pid is None else pid, c.fd, c.laddr.ip)
+        ListeningSocket(c.pid if pid is None else pid, c.fd, c.laddr.ip)
         for c in connections
         if c.status == psutil.CONN_LISTEN
         and c.laddr
@@ -77,7 +79,7 @@ def _listening(connections: Iterable[Any], port: int, pid: int | None = None) ->
     ]
 
 
-def listeners(port: int) -> list[Listener] | None:
+def listeners(port: int) -> list[ListeningSocket] | None:
     """Every TCP socket listening on ``port`` where a client of ``localhost`` may connect
     (IPv4 and IPv6); None where this process may not list the system's sockets
     (``psutil.AccessDenied``: macOS without root). Cost: every process's descriptors are
@@ -89,7 +91,7 @@ def listeners(port: int) -> list[Listener] | None:
         return None
 
 
-def held_by(pid: int, port: int) -> list[Listener] | None:
+def held_by(pid: int, port: int) -> list[ListeningSocket] | None:
     """The sockets of :func:`listeners` that process ``pid`` holds; None if it cannot be
     inspected (gone, or another user's)."""
     psutil = _psutil()

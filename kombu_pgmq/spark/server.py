@@ -260,7 +260,7 @@ def _recorded_pid(directory: Path) -> int | None:
 
 
 def _foreign(
-    port: int, directory: Path, pid: int | None, others: Iterable[_sockets.Listener]
+    port: int, directory: Path, pid: int | None, others: Iterable[_sockets.ListeningSocket]
 ) -> str:
     owners = "; ".join(f"{_sockets.owner(o.pid)} on {o.address}" for o in others)
     ours = f"pid {pid}" if pid is not None else "no server.pid"
