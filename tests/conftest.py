@@ -29,7 +29,11 @@ _DIRECTORY_MARKERS = {"integration": "integration", "e2e": "e2e", "spark": "spar
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark tests by directory: tests/integration -> ``integration``, tests/e2e -> ``e2e``,
-    tests/spark -> ``spark`` (Spark e2e tests in tests/e2e carry ``spark`` themselves)."""
+    tests/spark -> ``spark`` (Spark e2e tests in tests/e2e carry ``spark`` themselves).
+    Modules that hold a test marked ``slow`` run first, each module's tests together (its
+    module fixtures are made once), in collection order otherwise: the test processes
+    (pytest-xdist) take tests in this order, so the long ones do not end the run on one
+    process while the other idles."""
     for item in items:
         try:
             top = item.path.relative_to(_TESTS_DIR).parts[0]
@@ -38,6 +42,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         marker = _DIRECTORY_MARKERS.get(top)
         if marker is not None:
             item.add_marker(marker)
+    slow_modules = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_modules)
 
 
 @pytest.fixture(autouse=True)

@@ -304,6 +304,7 @@ def beat_server(_primary_source: pgserver.LocalServer) -> Iterator[pgserver.Loca
         server.stop()
 
 
+@pytest.mark.slow
 def test_beat_failover_sends_each_tick_once(
     beat_server: pgserver.LocalServer, tmp_path: Path, reported_logs: list[Any]
 ) -> None:
@@ -424,6 +425,7 @@ def test_beat_failover_sends_each_tick_once(
     print(f"takeover seconds: {takeovers}; {summary}")
 
 
+@pytest.mark.slow
 def test_worker_b_on_two_workers_sends_each_tick_once(
     app: Celery,
     db: psycopg.Connection,

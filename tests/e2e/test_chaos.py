@@ -28,6 +28,7 @@ def crashable_server() -> Any:
         yield server
 
 
+@pytest.mark.slow
 def test_no_task_lost_when_workers_are_killed_and_postgresql_crashes(
     crashable_server: pgserver.LocalServer, tmp_path: Path
 ) -> None:
@@ -67,6 +68,7 @@ def test_no_task_lost_when_workers_are_killed_and_postgresql_crashes(
     assert result.distinct >= result.published, report
 
 
+@pytest.mark.slow
 def test_no_task_lost_when_workers_are_killed_behind_a_held_snapshot(
     crashable_server: pgserver.LocalServer, tmp_path: Path
 ) -> None:

@@ -198,6 +198,7 @@ def client(budget_env: dict[str, str], db_dsn: str) -> Iterator[Callable[..., Ce
         app.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pool", ["prefork", "threads", "solo", "gevent"])
 def test_worker_budget_per_pool(pool, worker, client, conn):
     """Idle, after tasks, and while a task runs (its lease connection, closed again once

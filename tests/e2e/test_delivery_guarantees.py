@@ -39,6 +39,7 @@ def _queue(db: psycopg.Connection, table: str = "q_celery") -> list[tuple]:
 RENEWAL_S = "0.25"
 
 
+@pytest.mark.slow
 def test_task_running_five_times_the_visibility_timeout_runs_once(
     app: Celery, db: psycopg.Connection, start_worker: Callable[..., Worker]
 ) -> None:
@@ -53,6 +54,7 @@ def test_task_running_five_times_the_visibility_timeout_runs_once(
     assert [r[1] for r in _queue(db, "a_celery") if r[2] == result.id] == [1]
 
 
+@pytest.mark.slow
 def test_killed_worker_task_runs_again_within_one_visibility_timeout(
     app: Celery, db: psycopg.Connection, start_worker: Callable[..., Worker]
 ) -> None:
@@ -261,6 +263,7 @@ def test_a_message_celery_itself_cannot_handle_is_dead_lettered_not_fatal(
     assert "Unrecoverable error" not in worker.log()
 
 
+@pytest.mark.slow
 def test_database_connections_killed_during_renewals_cause_no_duplicate(
     app: Celery, db: psycopg.Connection, start_worker: Callable[..., Worker]
 ) -> None:
@@ -289,6 +292,7 @@ def test_database_connections_killed_during_renewals_cause_no_duplicate(
     assert "lost the lease" not in log
 
 
+@pytest.mark.slow
 def test_database_restart_during_a_long_task_causes_no_duplicate(tmp_path: Path) -> None:
     """A real outage: the worker's PostgreSQL server restarts (``pg_ctl restart -m
     fast``, every connection gone for about a second) while a task runs. Leases resume
@@ -346,6 +350,7 @@ def test_database_restart_during_a_long_task_causes_no_duplicate(tmp_path: Path)
         server.stop()
 
 
+@pytest.mark.slow
 def test_locked_table_and_open_enqueue_transaction_starve_no_lease(
     app: Celery, db: psycopg.Connection, db_dsn: str, start_worker: Callable[..., Worker]
 ) -> None:

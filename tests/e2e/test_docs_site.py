@@ -180,6 +180,7 @@ def _pages(site: Path) -> list[str]:
     return pages
 
 
+@pytest.mark.slow
 def test_every_page_shows_its_code_whole_at_1280_and_390_px(
     site: Path, served: str, browser: Any, tmp_path: Path
 ) -> None:

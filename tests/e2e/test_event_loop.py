@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable
 
 import psycopg
+import pytest
 from celery import Celery
 
 from tests.e2e.helpers import Worker, wait_for, waiting_on
@@ -25,6 +26,7 @@ def test_worker_is_woken_by_a_publish_not_by_polling(
         assert time.monotonic() - start < 10
 
 
+@pytest.mark.slow
 def test_idle_worker_sends_no_query_more_often_than_the_fallback_interval(
     db: psycopg.Connection, db_dsn: str, start_worker: Callable[..., Worker]
 ) -> None:

@@ -148,6 +148,7 @@ def _queue_rows(driver: Any) -> dict[str, list[str]]:
     return rows
 
 
+@pytest.mark.slow
 def test_flower_broker_page_shows_our_queues(start_worker, app, db_dsn, e2e_env, tmp_path, browser):
     from selenium.webdriver.common.by import By
 

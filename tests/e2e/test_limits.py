@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+import pytest
 from celery import Celery
 
 from kombu_pgmq._naming import pgmq_queue_name
@@ -143,6 +144,7 @@ def test_queue_concurrency_holds_across_three_workers(
     assert len(ran_in) >= 2, ran_in
 
 
+@pytest.mark.slow
 def test_rate_holds_across_two_workers(
     start_worker: Callable[..., Worker], app: Celery, db: psycopg.Connection
 ) -> None:
@@ -206,6 +208,7 @@ def has_column(db: psycopg.Connection, table: str, column: str) -> bool:
     return bool(row and row[0])
 
 
+@pytest.mark.slow
 def test_key_concurrency_with_fifty_keys(
     start_worker: Callable[..., Worker], app: Celery, db: psycopg.Connection
 ) -> None:
@@ -299,6 +302,7 @@ def throttled_concurrency(db: psycopg.Connection) -> int:
     return int(row[0]) if row else 0
 
 
+@pytest.mark.slow
 def test_limits_changed_while_workers_run_take_effect(
     start_worker: Callable[..., Worker], app: Celery, db: psycopg.Connection
 ) -> None:

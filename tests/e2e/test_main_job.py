@@ -248,6 +248,7 @@ def assert_pipeline_messages_kept(url: str) -> None:
             assert steps.get(following, (0, 0))[1] == m, steps
 
 
+@pytest.mark.slow
 @pytest.mark.spark
 @pytest.mark.timeout(JOB_TIMEOUT_S + 300)
 def test_a_configured_run_leaves_running_what_ran_before_and_never_prints_the_password(
@@ -280,6 +281,7 @@ def test_a_configured_run_leaves_running_what_ran_before_and_never_prints_the_pa
         assert "Sekr" not in out and "Sekr" not in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.spark
 @pytest.mark.timeout(JOB_TIMEOUT_S + 300)
 def test_a_first_run_stops_what_it_started_and_prints_the_docs_sample(fresh_run):
@@ -304,6 +306,7 @@ def test_a_first_run_stops_what_it_started_and_prints_the_docs_sample(fresh_run)
     check_sample("main_job_latency", latency.group(0), MAIN_JOB_MASKS)
 
 
+@pytest.mark.slow
 @pytest.mark.spark
 @pytest.mark.timeout(JOB_TIMEOUT_S + 300)
 def test_ctrl_c_stops_what_the_run_started_and_loses_nothing(fresh_run, tmp_path):
@@ -335,6 +338,7 @@ def test_ctrl_c_stops_what_the_run_started_and_loses_nothing(fresh_run, tmp_path
     assert_pipeline_messages_kept(fresh_run.url)
 
 
+@pytest.mark.slow
 @pytest.mark.spark
 @pytest.mark.timeout(JOB_TIMEOUT_S + 300)
 def test_keep_leaves_both_running_and_the_printed_commands_stop_them(fresh_run, tmp_path):

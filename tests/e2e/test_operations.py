@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.e2e.helpers import REPO_ROOT, celery_cli, runs, wait_for
 
 
@@ -55,6 +57,7 @@ def test_pause_stops_delivery_and_resume_delivers(start_worker, app, db, db_dsn,
     assert len(runs(db, held.id)) == 1
 
 
+@pytest.mark.slow
 def test_cancel_is_durable_and_revokes_a_delivered_task(start_worker, app, db, db_dsn):
     record = app.tasks["e2e.record"]
     # Queued with a countdown, no worker yet: cancelled in the table, so a worker started

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+import pytest
 from celery import Celery
 from kombu import Connection
 
@@ -129,6 +130,7 @@ def active_queue_names(app: Celery, worker: Worker) -> set[str]:
 # -- inspect, status ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_inspect_ping_active_stats_active_queues_registered(
     app: Celery,
     db: psycopg.Connection,
@@ -187,6 +189,7 @@ def test_status_lists_every_online_worker(
 # -- control --------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_control_add_consumer_cancel_consumer_and_rate_limit(
     app: Celery,
     db: psycopg.Connection,
@@ -345,6 +348,7 @@ STALE_AFTER_S = 3.0
 CYCLES = 6
 
 
+@pytest.mark.slow
 def test_queues_of_stopped_and_killed_workers_do_not_pile_up(
     app: Celery, db: psycopg.Connection, db_dsn: str, start_worker: Callable[..., Worker]
 ) -> None:

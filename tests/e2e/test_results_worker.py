@@ -159,6 +159,7 @@ def test_a_failing_header_fails_the_callback_and_runs_its_errback(
     assert "celery.chord_unlock" not in worker.log()
 
 
+@pytest.mark.slow
 def test_chord_callback_runs_once_with_every_result_when_workers_are_killed_mid_header(
     app: Celery, db: psycopg.Connection, start_worker: Callable[..., Worker]
 ) -> None:

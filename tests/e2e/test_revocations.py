@@ -77,6 +77,7 @@ def test_a_revoke_inside_the_applications_transaction_is_recorded_with_it(
     assert revoked(db, task_id) is commit
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task", ["e2e.limited_run_early", "e2e.limited_run"])
 def test_task_cancel_terminate_stops_a_running_task_in_either_ack_mode(
     task: str,

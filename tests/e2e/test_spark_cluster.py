@@ -139,6 +139,7 @@ def _run_pipeline(tmp_path: Path, name: str, env: dict[str, str]) -> list[dict[s
     return table
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1200)  # two pipeline runs (local: ~50 s, cluster: ~90 s on 2 cores)
 def test_flights_pipeline_on_the_cluster_equals_the_local_run_with_executors_on_both_workers(
     spark_cluster: dict[str, Any],
@@ -211,6 +212,7 @@ def test_revoke_cancels_the_job_on_the_cluster(
     assert len(runs(db, result.id)) == 1
 
 
+@pytest.mark.slow
 def test_spark_worker_killed_mid_job_is_survived_and_the_task_runs_once(
     spark_cluster: dict[str, Any],
     start_worker: Callable[..., Worker],
@@ -320,6 +322,7 @@ def _socket_url(directory: Path) -> str:
     return f"postgresql://postgres@/postgres?host={directory}&port=5432"
 
 
+@pytest.mark.slow
 def test_preflight_names_what_executors_on_another_machine_lack(
     remote_worker_cluster: dict[str, Any],
 ) -> None:
@@ -361,6 +364,7 @@ def test_preflight_names_what_executors_on_another_machine_lack(
         spark.stop()
 
 
+@pytest.mark.slow
 def test_pgmq_write_on_executors_without_kombu_pgmq_is_explained(
     remote_worker_cluster: dict[str, Any], db_dsn: str
 ) -> None:

@@ -70,6 +70,7 @@ def _wait_progress(result: AsyncResult, timeout: float = RESULT_TIMEOUT_S) -> di
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_spark_tasks_share_one_local_server_and_report_progress(
     spark_server: dict[str, Any],
     start_worker: Callable[..., Worker],
@@ -136,6 +137,7 @@ def _seconds_to_cancel_with(
     return result, (now - started).total_seconds()
 
 
+@pytest.mark.slow
 def test_soft_time_limit_cancels_the_spark_job(
     spark_server: dict[str, Any],
     start_worker: Callable[..., Worker],
@@ -172,6 +174,7 @@ def test_hard_time_limit_cancels_the_spark_job(
     assert "TimeLimitExceeded" in repr(result.info)
 
 
+@pytest.mark.slow
 def test_kill9_of_the_pool_process_interrupts_the_orphaned_spark_job(
     spark_server: dict[str, Any],
     start_worker: Callable[..., Worker],
@@ -194,6 +197,7 @@ def test_kill9_of_the_pool_process_interrupts_the_orphaned_spark_job(
     assert "WorkerLostError" in repr(result.info)
 
 
+@pytest.mark.slow
 def test_spark_job_longer_than_the_visibility_timeout_runs_once(
     spark_server: dict[str, Any],
     start_worker: Callable[..., Worker],

@@ -115,6 +115,7 @@ def test_expired_but_unclaimed_lease_is_taken_back(db_dsn):
             assert other.channel().basic_get("late") is None
 
 
+@pytest.mark.slow
 def test_renewals_survive_a_killed_connection(db_dsn, caplog):
     # After a kill the renewer reconnects (a failed round, then a new connection): 3.5 s
     # of margin before the lease renewed last (at most 0.5 s before the kill) lapses.

@@ -116,6 +116,7 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
+@pytest.mark.slow
 def test_fuzz_1000_random_rows_are_each_delivered_exactly_or_dead_lettered(db_dsn):
     """The fault suite's fuzz: 1,000 rows inserted by SQL with random envelopes,
     headers, body encodings and compression. Every row written by kombu_pgmq's encoder

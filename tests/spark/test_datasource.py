@@ -199,6 +199,7 @@ def _run_stream(spark: Any, db_dsn: str, checkpoint: Path, crash_flag: Path) -> 
     query.awaitTermination()
 
 
+@pytest.mark.slow
 def test_stream_crash_and_restart_is_exactly_once_into_an_idempotent_sink(
     spark, db_dsn, tmp_path: Path
 ) -> None:

@@ -53,6 +53,7 @@ def _url(port: int, directory: Path) -> str:
     return f"sc://localhost:{port}/;token={(directory / 'server.token').read_text()}"
 
 
+@pytest.mark.slow
 def test_one_server_for_concurrent_callers_and_restarted_after_it_died(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
