@@ -351,7 +351,8 @@ def grant(dsn: str, role: str, kind: str) -> None:
         ConfigurationError: ``kind`` is not ``"producer"`` or ``"worker"``.
         StatementError: the role does not exist (``CREATE ROLE ... LOGIN`` first) or this
             role cannot grant (not the schema owner).
-        BootstrapError: the schema is older than migration 0010 (run :func:`bootstrap`).
+        BootstrapError: the schema has no roles to grant yet (an install older than
+            version 10: run :func:`bootstrap`).
     """
     if kind not in ROLE_KINDS:
         raise errors.ConfigurationError(

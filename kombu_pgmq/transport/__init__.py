@@ -60,11 +60,11 @@ Delivery semantics
 * Closing a channel archives its batched acks and makes its unacked messages visible at
   once; it never publishes copies, unlike kombu's default ``_restore``. A restored
   delivery (and one whose delivery callback failed) does not count toward
-  ``max_deliveries``: it is counted in the header ``x-kombu-restored`` (migration 0015;
-  taken out of the headers the application sees), and deliveries are ``read_ct`` less
-  restores (``delivery_info["pgmq_deliveries"]``). ``read_ct`` itself only grows, so a
-  receipt never matches a later delivery.
-* Receipt handles (SQS's model, migration 0007): every ack, requeue, restore,
+  ``max_deliveries``: it is counted in the header ``x-kombu-restored`` (taken out of the
+  headers the application sees), and deliveries are ``read_ct`` less restores
+  (``delivery_info["pgmq_deliveries"]``). ``read_ct`` itself only grows, so a receipt
+  never matches a later delivery.
+* Receipt handles (SQS's model): every ack, requeue, restore,
   dead-letter and lease renewal names the delivery it settles (``msg_id``, ``read_ct``
   and ``enqueued_at``) and touches the row only while that delivery still holds it. A
   stale one (the lease lapsed and the message was delivered again, or an UNLOGGED queue
@@ -72,7 +72,7 @@ Delivery semantics
   message whose id is already in the archive (an UNLOGGED queue's ids restart after a
   crash; its archive is logged) is archived under a new id, with the header
   ``x-queue-msg-id`` holding its id in the queue, and the queue's ids move past the
-  archive's (migration 0014): an ack is never dropped, nor does it fail the read it
+  archive's: an ack is never dropped, nor does it fail the read it
   rides with.
 * Dead letters mirror SQS's redrive policy: after ``max_deliveries`` deliveries the next
   read moves the message to ``dead_letter_queue`` instead of delivering it; a reject
@@ -201,30 +201,30 @@ once, so latency is unchanged. An ack rides along with a read made in the same t
 the event loop; otherwise it is sent at once, without waiting for its result (its
 queue's own prepared statement, ``ack_queue``; the result is read before the
 connection's next statement), so a finished task's ack is on the server before its
-worker can be killed (issue 25: duplicates per SIGKILL).
+worker can be killed (which would deliver it again: a duplicate per SIGKILL).
 
 Wake-ups
 ========
 
 Consumers do not poll. A consuming connection LISTENs on ``kombu_pgmq.<pgmq queue>`` for
-each queue it consumes (a second PostgreSQL connection, :mod:`kombu_pgmq.transport._listener`); when
-a read finds a queue empty it records itself in ``kombu_pgmq.waiting`` and sleeps, and a
-publish NOTIFYs that queue only while someone waits on it, so a busy system sends no
-notifications (a NOTIFY takes a database-wide lock at commit, which would serialize all
-publishers). A shared/exclusive advisory lock per queue makes sure no wake-up is lost
-(see ``sql/migrations/0003_wakeups_and_batched_reads.sql``). A delayed message (x-delay,
-countdown/ETA) wakes consumers when it becomes due, like a new one: its publish tells
-waiting consumers the due time (the NOTIFY payload), and a consumer going to sleep
-learns when each queue's next delayed message is due (migration 0016), so a short TTL
-after a delay is not spent waiting for a poll. A fallback poll every
-``polling_interval`` seconds finds messages that become visible without a publish
-(visibility timeout expiry). In Celery's event loop that poll first asks, on the LISTEN
-connection and without waiting, which consumed queues hold a visible message (one probe
-of PGMQ's ``vt`` index per queue, statement ``visible_probe``) and reads only those when
-the answer comes, so the loop is never held up by reads of empty queues (a hand-off
-arriving meanwhile would wait behind them); a role without rights on PGMQ's tables
-reads every queue instead. An ack that frees a prefetch slot wakes the consumer at
-once.
+each queue it consumes (a second PostgreSQL connection,
+:mod:`kombu_pgmq.transport._listener`); when a read finds a queue empty it records itself
+in ``kombu_pgmq.waiting`` and sleeps, and a publish NOTIFYs that queue only while someone
+waits on it, so a busy system sends no notifications (a NOTIFY takes a database-wide lock
+at commit, which would serialize all publishers). A shared/exclusive advisory lock per
+queue makes sure no wake-up is lost (a publish takes it shared, ``kombu_pgmq.wait_for``
+exclusive: sql/schema.sql). A delayed message (x-delay, countdown/ETA) wakes consumers
+when it becomes due, like a new one: its publish tells waiting consumers the due time (the
+NOTIFY payload), and a consumer going to sleep learns when each queue's next delayed
+message is due (``kombu_pgmq.wait_for_due``), so a short TTL after a delay is not spent
+waiting for a poll. A fallback poll every ``polling_interval`` seconds finds messages that
+become visible without a publish (visibility timeout expiry). In Celery's event loop that
+poll first asks, on the LISTEN connection and without waiting, which consumed queues hold
+a visible message (one probe of PGMQ's ``vt`` index per queue, statement
+``visible_probe``) and reads only those when the answer comes, so the loop is never held
+up by reads of empty queues (a hand-off arriving meanwhile would wait behind them); a role
+without rights on PGMQ's tables reads every queue instead. An ack that frees a prefetch
+slot wakes the consumer at once.
 
 Hand-off: a consumer going to sleep on a queue it takes with acks also offers one
 hand-off slot there (its LISTEN connection's own NOTIFY channel, a session advisory lock

@@ -41,7 +41,7 @@ __all__ = [
 
 #: Largest value a jsonb column holds (PostgreSQL's limit, 255 MiB).
 JSONB_MAX_BYTES = 268_435_455
-#: Caps the server enforces on windows a caller sets (migration 0017): a visibility
+#: Caps the server enforces on windows a caller sets (its CHECK constraints): a visibility
 #: timeout of 12 hours (SQS's maximum), a deduplication window of 7 days, a consumer
 #: counted as gone at most a day after its last heartbeat.
 MAX_VISIBILITY_TIMEOUT_SECONDS = 43_200
