@@ -238,6 +238,7 @@ USED_WITHOUT_IMPORT = {
     "tox": "command: tox (tox.ini)",
     "gevent": "celery worker -P gevent: tests/e2e/test_connection_budget.py",
     "pytest-timeout": "pytest plugin: timeout = 300 in [tool.pytest.ini_options]",
+    "pytest-xdist": "pytest plugin: -n 2 in [tool.pytest.ini_options] addopts",
     "pyarrow": "pyspark's Spark Connect client needs it at run time",
     "redis": "kombu's redis:// transport: the benchmarks' Redis broker",
     "pytest-rerunfailures": "pytest plugin: Celery's integration suite (benchmarks/"
