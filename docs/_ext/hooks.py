@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import posixpath
 import re
 from pathlib import Path
@@ -13,15 +14,18 @@ BENCHMARKS = "<!-- benchmarks/README.md -->"
 
 def on_page_markdown(markdown: str, *, page: Any, **kwargs: Any) -> str:
     """Pages that are generated where they hold a marker: the command line reference
-    (every command's ``--help``, from the click commands themselves), the table of
-    transport options (from ``TransportOptions``' fields) and the full benchmark report
+    (every command's ``--help``, from the click commands themselves), the tables of
+    options (:data:`OPTION_TABLES`: the transport's and the result backend's, from the
+    code that documents them) and the full benchmark report
     (``benchmarks/README.md``, its links to ``../docs/`` made relative to the docs
     directory, its links to files beside it made their paths: see
     :func:`_benchmark_report`)."""
     if CLI in markdown:
         markdown = markdown.replace(CLI, _cli_reference())
-    if TRANSPORT_OPTIONS in markdown:
-        markdown = markdown.replace(TRANSPORT_OPTIONS, options_table(page.file.src_uri))
+    for marker, (module, heading) in OPTION_TABLES.items():
+        if marker in markdown:
+            docs = importlib.import_module(module).option_docs()
+            markdown = markdown.replace(marker, options_table(page.file.src_uri, docs, heading))
     if BENCHMARKS in markdown:
         markdown = markdown.replace(BENCHMARKS, _benchmark_report())
     return markdown
@@ -108,22 +112,29 @@ def _cli_reference() -> str:
     return "\n".join(parts)
 
 
-#: Where a page gets the table of transport options (the marker
-#: ``kombu_pgmq.transport.options.OPTIONS_MARKER`` that the transport's docstring uses).
+#: Where a page gets a table of options: ``{marker: (module, first column's heading)}``;
+#: each module's ``option_docs()`` gives the rows, its ``OPTIONS_MARKER`` is the marker
+#: (its docstring's list is filled in at the same marker).
+OPTION_TABLES = {
+    "<!-- transport-options -->": ("kombu_pgmq.transport.options", "option"),
+    "<!-- result-backend-options -->": ("kombu_pgmq.results.options", "option"),
+}
 TRANSPORT_OPTIONS = "<!-- transport-options -->"
 _RST_CODE = re.compile(r"``(.+?)``")
 
 
-def options_table(page_path: str) -> str:
-    """The Markdown table of the transport options for the page at ``page_path`` (under
-    ``docs/``; links are made relative to it), one row per option from
-    :func:`kombu_pgmq.transport.options.option_docs`: name, type, unit, default, meaning
-    and the pages that say more."""
-    from kombu_pgmq.transport.options import option_docs
+def options_table(page_path: str, docs: Any = None, heading: str = "option") -> str:
+    """The Markdown table of ``docs`` (:class:`kombu_pgmq._option_docs.OptionDoc` rows;
+    default: the transport options) for the page at ``page_path`` (under ``docs/``; links
+    are made relative to it): name, type, unit, default, meaning and the pages that say
+    more."""
+    if docs is None:
+        from kombu_pgmq.transport.options import option_docs
 
+        docs = option_docs()
     up = "../" * page_path.count("/")
-    rows = ["| option | type | unit | default | meaning |", "|---|---|---|---|---|"]
-    for option in option_docs():
+    rows = [f"| {heading} | type | unit | default | meaning |", "|---|---|---|---|---|"]
+    for option in docs:
         meaning = _RST_CODE.sub(r"`\1`", option.doc)
         meaning += "".join(f" See [{title}]({up}{path})." for title, path in option.see)
         name, default = f"`{option.name}`", f"`{option.default}`"

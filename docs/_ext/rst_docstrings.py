@@ -9,6 +9,7 @@ Used by ``mkdocs.yml`` (``plugins.mkdocstrings.handlers.python.options.extension
 
 from __future__ import annotations
 
+import importlib
 import re
 from typing import Any
 
@@ -138,13 +139,23 @@ def _convert(line: str, in_section: bool) -> str:
     return line
 
 
+#: Modules that fill a list of options into a docstring at import, at their
+#: ``OPTIONS_MARKER``, with their ``options_rst()``.
+_FILLED_IN = (
+    "kombu_pgmq.transport.options",
+    "kombu_pgmq.results.options",
+)
+
+
 def _fill_in(text: str) -> str:
     """``text`` with what a module fills into its docstring at import done here too
-    (griffe reads the source): the transport options' list
-    (:func:`kombu_pgmq.transport.options.options_rst`)."""
-    from kombu_pgmq.transport.options import OPTIONS_MARKER, options_rst
-
-    return text.replace(OPTIONS_MARKER, options_rst()) if OPTIONS_MARKER in text else text
+    (griffe reads the source): the lists of options (:data:`_FILLED_IN`, e.g.
+    :func:`kombu_pgmq.transport.options.options_rst`)."""
+    for name in _FILLED_IN:
+        module = importlib.import_module(name)
+        if module.OPTIONS_MARKER in text:
+            text = text.replace(module.OPTIONS_MARKER, module.options_rst())
+    return text
 
 
 class RstDocstrings(griffe.Extension):

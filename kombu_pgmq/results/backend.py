@@ -39,33 +39,13 @@ drop them).
 
 Transport Options
 =================
-``result_backend_transport_options``:
+``result_backend_transport_options``, checked when the backend is made: a name that is
+not one of these is refused with the closest known one, a bad value names the option and
+the value. The list below is made from
+:class:`~kombu_pgmq.results.options.ResultBackendOptions`, whose fields document
+themselves, when this module is imported.
 
-* ``connection_options`` (dict): extra libpq parameters (``{"connect_timeout": 5}``).
-* ``install_schema`` (bool, default True): install PGMQ and the migrations if missing
-  (False for least-privilege roles: the schema must be installed already).
-* ``result_max_bytes`` (int, default 67108864 = 64 MiB): the largest encoded result
-  stored; a larger one raises :class:`celery.exceptions.BackendStoreError` (Celery then
-  stores the task as failed with that error).
-* ``durable_states`` (str, default ``"ready"``): which writes wait for the WAL flush
-  at commit (PostgreSQL's ``synchronous_commit``): ``"ready"`` the final states
-  (SUCCESS, FAILURE, REVOKED; STARTED, RETRY and custom progress states do not wait:
-  a server crash may forget them, never a result); ``"all"``; ``"none"`` (as Redis
-  without ``appendfsync always``: a server crash may forget the latest results; a
-  task acked after its result, ``acks_late``, is then run again).
-* ``expire_interval_seconds`` (float, default 60): how often a worker deletes expired
-  results; 0 turns the sweep off.
-* ``expire_batch`` (int, default 5000): rows deleted per statement of the sweep.
-* ``global_keyprefix`` (str): Celery's, prefixed to every key.
-* ``pooler`` (None, ``"session"`` or ``"transaction"``) and ``direct_url`` (str): the
-  result backend's URL is a PgBouncer's in transaction mode: statements go through it
-  without session state, waiting for results LISTENs on ``direct_url``; without one,
-  ``get()`` re-reads what it waits for every ``polling_interval`` seconds (float, default
-  0.5; one WARNING per process says so). Default for ``result_backend = "postgresql://"``
-  (the broker's database): the broker's ``broker_transport_options`` ``pooler`` and
-  ``direct_url``. ``pooler_prepared_statements`` (bool, default False): that pooler keeps
-  prepared statements (PgBouncer >= 1.21, ``max_prepared_statements`` > 0): statements
-  are prepared through it. See ``docs/pgbouncer.md``.
+<!-- result-backend-options -->
 """
 
 from __future__ import annotations
@@ -92,15 +72,14 @@ from ..transport._binding import current_binding
 from . import chords
 from ._shared import SharedConnector, shared_connector
 from .consumer import ResultConsumer
+from .options import DEFAULT_MAX_BYTES, OPTIONS_MARKER, ResultBackendOptions, options_rst
+
+if __doc__:  # None under python -OO
+    __doc__ = __doc__.replace(OPTIONS_MARKER, options_rst())
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_MAX_BYTES", "ResultBackend", "resolve_url"]
-
-#: Default ``result_max_bytes``: the largest encoded result stored (64 MiB).
-DEFAULT_MAX_BYTES = 64 * 1024 * 1024
-#: PostgreSQL's hard limit for one bytea value is 1 GB; keep clear of it.
-_MAX_BYTES_LIMIT = 1_000_000_000
 
 
 def resolve_url(url: str | None, app: Any) -> str:
@@ -147,35 +126,27 @@ class ResultBackend(AsyncBackendMixin, BaseKeyValueStoreBackend):
 
     def __init__(self, app: Any, url: str | None = None, **kwargs: Any) -> None:
         super().__init__(app=app, url=url, **kwargs)
-        options: Mapping[str, Any] = app.conf.get("result_backend_transport_options") or {}
-        self._options = dict(options)
-        self.max_bytes = int(options.get("result_max_bytes", DEFAULT_MAX_BYTES))
-        if not 0 < self.max_bytes <= _MAX_BYTES_LIMIT:
-            raise errors.ConfigurationError(
-                f"result_backend_transport_options result_max_bytes={self.max_bytes!r} must "
-                f"be between 1 and {_MAX_BYTES_LIMIT} (PostgreSQL stores at most 1 GB in "
-                "one value)"
-            )
-        self.install_schema = bool(options.get("install_schema", True))
-        durable = options.get("durable_states", "ready")
-        if durable not in ("ready", "all", "none"):
-            raise errors.ConfigurationError(
-                f"result_backend_transport_options durable_states={durable!r}: use "
-                "'ready' (the default), 'all' or 'none'"
-            )
+        #: ``result_backend_transport_options``, validated (:class:`ResultBackendOptions`).
+        self.options = ResultBackendOptions.parse(
+            app.conf.get("result_backend_transport_options"), self._broker_options()
+        )
+        self.max_bytes = self.options.result_max_bytes
+        self.install_schema = self.options.install_schema
         self.durable_states: frozenset[str] = {
             "ready": states.READY_STATES,
             "all": frozenset(states.ALL_STATES) | {"*"},
             "none": frozenset(),
-        }[durable]
-        self.expire_interval_seconds = float(options.get("expire_interval_seconds", 60.0))
-        self.expire_batch = int(options.get("expire_batch", 5000))
+        }[self.options.durable_states]
+        self.expire_interval_seconds = self.options.expire_interval_seconds
+        self.expire_batch = self.options.expire_batch
         failure_expires = app.conf.get("result_failure_expires")
         self.failure_expires = (
             self.expires if failure_expires is None else self.prepare_expires(failure_expires)
         )
-        self.pooler, self.direct_url, self.pooler_prepared = self._pooler_options(options)
-        self.polling_interval = float(options.get("polling_interval", 0.5))
+        self.pooler = self.options.pooler
+        self.direct_url = self.options.direct_url
+        self.pooler_prepared = self.options.pooler_prepared_statements
+        self.polling_interval = self.options.polling_interval
         self._dsn_cache: str | None = None
         self._db: SharedConnector | None = None
         self._same_database: bool | None = None
@@ -190,7 +161,7 @@ class ResultBackend(AsyncBackendMixin, BaseKeyValueStoreBackend):
         """libpq connection string (holds the password: never log it)."""
         if self._dsn_cache is None:
             dsn = resolve_url(self.url, self.app)
-            extra = self._options.get("connection_options") or {}
+            extra = self.options.connection_options
             if extra:
                 params = conninfo_to_dict(dsn)
                 params.update(extra)
@@ -201,24 +172,18 @@ class ResultBackend(AsyncBackendMixin, BaseKeyValueStoreBackend):
             self._dsn_cache = dsn
         return self._dsn_cache
 
-    def _pooler_options(self, options: Mapping[str, Any]) -> tuple[str | None, str | None, bool]:
-        """``pooler``, ``direct_url`` and ``pooler_prepared_statements`` of
-        ``result_backend_transport_options``; for the broker's database
-        (``postgresql://``) the broker's unless given here."""
-        from ..transport.options import validate_pooler, validate_pooler_prepared
-
-        if "pooler" not in options and (self.url or "").strip().partition("://")[2] in ("", "/"):
-            broker = self.app.conf.broker_write_url or self.app.conf.broker_url
-            if isinstance(broker, (list, tuple)):
-                broker = ";".join(broker)
-            if broker and conninfo.is_ours(broker, self.app.conf.broker_transport):
-                options = self.app.conf.broker_transport_options or {}
-        source = "result_backend_transport_options"
-        pooler, direct_url = validate_pooler(
-            options.get("pooler"), options.get("direct_url"), source
-        )
-        prepared = options.get("pooler_prepared_statements", False)
-        return pooler, direct_url, validate_pooler_prepared(prepared, pooler, source)
+    def _broker_options(self) -> Mapping[str, Any] | None:
+        """The broker's transport options when this backend's database is the broker's
+        (``postgresql://`` with a kombu_pgmq broker), whose ``pooler``, ``direct_url`` and
+        ``pooler_prepared_statements`` apply unless given here; else None."""
+        if (self.url or "").strip().partition("://")[2] not in ("", "/"):
+            return None
+        broker = self.app.conf.broker_write_url or self.app.conf.broker_url
+        if isinstance(broker, (list, tuple)):
+            broker = ";".join(broker)
+        if broker and conninfo.is_ours(broker, self.app.conf.broker_transport):
+            return self.app.conf.broker_transport_options or {}
+        return None
 
     @property
     def listen_dsn(self) -> str | None:
@@ -237,7 +202,7 @@ class ResultBackend(AsyncBackendMixin, BaseKeyValueStoreBackend):
             )
             return None
         params = conninfo.url_to_params(self.direct_url)
-        params.update(self._options.get("connection_options") or {})
+        params.update(self.options.connection_options)
         return conninfo.make_dsn(params)
 
     @property

@@ -13,16 +13,16 @@ replaced it; any other name is refused, with the closest known name (a typo such
 
 from __future__ import annotations
 
-import difflib
-import math
-import re
-import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, NamedTuple
+from typing import Any
 
 from .. import _conninfo as conninfo
 from .._db.pooling import POOLERS
+from .._option_docs import OptionDoc, field_docs, refuse_unknown, rst_list
+from .._option_docs import default_of as _default
+from .._option_docs import field_doc as _doc
+from .._option_docs import finite_number as _number
 from .._priorities import validate_steps
 from ..errors import ConfigurationError
 from ..limits import validate_limits
@@ -78,20 +78,6 @@ REMOVED_OPTIONS: Mapping[str, str] = {
     "in its wake-up whenever the message allows it (docs: Delivery semantics and "
     "durability, Hand-off)",
 }
-
-
-def _doc(
-    unit: str,
-    text: str,
-    *,
-    default: str | None = None,
-    see: tuple[tuple[str, str], ...] = (),
-) -> dict[str, Any]:
-    """A field's ``metadata``: its ``unit`` ("" when it has none), its documentation
-    (``text``, reST inline markup: ``code`` only), how its default reads when not as
-    Python writes it (``default``), and pages of the docs that say more (``see``:
-    ``(title, path under docs/ with an optional #anchor)``)."""
-    return {"unit": unit, "doc": text, "default": default, "see": see}
 
 
 @dataclass(frozen=True)
@@ -557,23 +543,8 @@ def validate_pooler_prepared(value: Any, pooler: str | None, source: str) -> boo
     return value
 
 
-def _default(f: Any) -> Any:
-    return f.default_factory() if callable(f.default_factory) else f.default
-
-
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _number(value: Any) -> float | None:
-    """``value`` as a finite float (None: not a number, a bool, NaN or infinite)."""
-    if isinstance(value, bool):
-        return None
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return None
-    return number if math.isfinite(number) else None
 
 
 def _refuse_unknown(options: Mapping[str, Any]) -> None:
@@ -587,32 +558,12 @@ def _refuse_unknown(options: Mapping[str, Any]) -> None:
                 for name in removed
             )
         )
-    known = [*OPTIONS, *sorted(KOMBU_OPTIONS)]
-    unknown = sorted(
-        str(name) for name in options if name not in OPTIONS and name not in KOMBU_OPTIONS
-    )
-    if not unknown:
-        return
-    parts: list[tuple[str, str | None]] = []
-    for name in unknown:
-        matches = difflib.get_close_matches(name, known, n=1)
-        parts.append((name, matches[0] if matches else None))
-    ours = ", ".join(OPTIONS)
-    if len(parts) == 1:
-        name, close = parts[0]
-        hint = (
-            f"did you mean {close!r}?"
-            if close
-            else "not an option of kombu_pgmq or kombu: remove it"
-        )
-        raise ConfigurationError(
-            f"unknown transport option {name!r}: {hint} (kombu_pgmq's options: {ours})"
-        )
-    listed = ", ".join(
-        f"{name!r} (did you mean {close!r}?)" if close else repr(name) for name, close in parts
-    )
-    raise ConfigurationError(
-        f"unknown transport options {listed}: fix or remove them (kombu_pgmq's options: {ours})"
+    refuse_unknown(
+        options,
+        list(OPTIONS),
+        theirs=KOMBU_OPTIONS,
+        what="transport option",
+        owners="kombu_pgmq or kombu",
     )
 
 
@@ -625,87 +576,15 @@ OPTIONS: dict[str, tuple[str, Any, str]] = {
 #: docs page their table (``docs/_ext/hooks.py``).
 OPTIONS_MARKER = "<!-- transport-options -->"
 
-#: How each field's annotation reads in the docs: what a user passes.
-_TYPE_NAMES = {
-    "bool": "bool",
-    "float": "number",
-    "float | None": "number or None",
-    "int": "int",
-    "int | None": "int or None",
-    "str": "str",
-    "str | None": "str or None",
-    "tuple[int, ...] | None": "list of ints or None",
-    "Mapping[str, Any]": "dict",
-    "Mapping[str, Mapping[str, Any]]": "dict of dicts",
-}
-
-
-class OptionDoc(NamedTuple):
-    """One transport option as the docs show it (from its field in
-    :class:`TransportOptions`)."""
-
-    name: str
-    #: what a user passes (``"number"``, ``"dict"``...)
-    type: str
-    #: ``"seconds"``, ``"bytes"``...; ``""`` when it has none
-    unit: str
-    #: the default as Python writes it (``30``, ``None``, ``'kombu_pgmq_dlq'``)
-    default: str
-    #: what it does and why one would change it (reST inline markup: ``code`` only)
-    doc: str
-    #: ``(title, path under docs/ with an optional #anchor)`` of pages that say more
-    see: tuple[tuple[str, str], ...]
-
 
 def option_docs() -> list[OptionDoc]:
     """Every transport option's documentation, in field order: the one source of the
     Transport Options of :mod:`kombu_pgmq.transport` (:func:`options_rst`) and of the docs'
     table."""
-    return [
-        OptionDoc(
-            f.name,
-            _TYPE_NAMES[str(f.type)],
-            f.metadata["unit"],
-            f.metadata["default"] or _shown(_default(f)),
-            f.metadata["doc"],
-            f.metadata["see"],
-        )
-        for f in fields(TransportOptions)
-    ]
+    return field_docs(TransportOptions)
 
 
 def options_rst(width: int = 88) -> str:
-    """The transport options as a reST bullet list, one item per option: ``* ``name``
-    (type, unit, default ``value``): what it does. Docs: pages.`` (lines broken outside
-    code only)."""
-    items = []
-    for option in option_docs():
-        head = ", ".join(
-            part for part in (option.type, option.unit, f"default ``{option.default}``") if part
-        )
-        see = f" Docs: {'; '.join(title for title, _ in option.see)}." if option.see else ""
-        text = _CODE.sub(
-            lambda code: code.group(0).replace(" ", "\0"),
-            f"* ``{option.name}`` ({head}): {option.doc}{see}",
-        )
-        wrapped = textwrap.fill(
-            text,
-            width,
-            subsequent_indent="  ",
-            break_long_words=False,
-            break_on_hyphens=False,
-        )
-        items.append(wrapped.replace("\0", " "))
-    return "\n".join(items)
-
-
-_CODE = re.compile(r"``.+?``")
-
-
-def _shown(value: Any) -> str:
-    """``value`` as a default reads: ``30`` for 30.0, ``'name'`` for a string."""
-    if isinstance(value, float):
-        return f"{value:g}"
-    if isinstance(value, Mapping):
-        return repr(dict(value))
-    return repr(value)
+    """The transport options as a reST bullet list, one item per option
+    (:func:`kombu_pgmq._option_docs.rst_list`)."""
+    return rst_list(option_docs(), width)
