@@ -15,8 +15,8 @@ BENCHMARKS = "<!-- benchmarks/README.md -->"
 def on_page_markdown(markdown: str, *, page: Any, **kwargs: Any) -> str:
     """Pages that are generated where they hold a marker: the command line reference
     (every command's ``--help``, from the click commands themselves), the tables of
-    options (:data:`OPTION_TABLES`: the transport's and the result backend's, from the
-    code that documents them) and the full benchmark report
+    options (:data:`OPTION_TABLES`: the transport's, the result backend's, the beat's
+    settings, from the code that documents them) and the full benchmark report
     (``benchmarks/README.md``, its links to ``../docs/`` made relative to the docs
     directory, its links to files beside it made their paths: see
     :func:`_benchmark_report`)."""
@@ -118,6 +118,7 @@ def _cli_reference() -> str:
 OPTION_TABLES = {
     "<!-- transport-options -->": ("kombu_pgmq.transport.options", "option"),
     "<!-- result-backend-options -->": ("kombu_pgmq.results.options", "option"),
+    "<!-- beat-settings -->": ("kombu_pgmq.beat.settings", "setting"),
 }
 TRANSPORT_OPTIONS = "<!-- transport-options -->"
 _RST_CODE = re.compile(r"``(.+?)``")

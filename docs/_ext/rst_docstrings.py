@@ -144,6 +144,7 @@ def _convert(line: str, in_section: bool) -> str:
 _FILLED_IN = (
     "kombu_pgmq.transport.options",
     "kombu_pgmq.results.options",
+    "kombu_pgmq.beat.settings",
 )
 
 

@@ -23,20 +23,12 @@ sends the tick. Ticks missed while no leader ran are caught up per entry: ``once
 tick, as ``celery beat`` after a restart) or ``skip``; never one per missed tick. With a
 broker elsewhere (RabbitMQ, Redis) the publish precedes the commit: at least once.
 
-Settings (Celery configuration):
+Settings
+========
+Celery settings (``app.conf``), read by :mod:`kombu_pgmq.beat.settings`; the list below
+is made from its :data:`~kombu_pgmq.beat.settings.SETTINGS` when this module is imported.
 
-=============================  ===========================================================
-``beat_database_url``          the schedule's database (default: the broker's when it is
-                               kombu_pgmq's, else ``result_backend`` when PostgreSQL, else
-                               :func:`kombu_pgmq.default_broker_url`)
-``beat_takeover_seconds``      longest time without a leader (default 10, seconds > 1)
-``beat_catch_up``              default catch-up policy: ``once`` or ``skip``
-``beat_history_seconds``       how long sent ticks are kept (default 7 days, seconds)
-``beat_install_schema``        install the migrations if missing (default True)
-``beat_lookahead_seconds``     publish ticks up to this early, invisible until their due
-                               time (default 0: at the due time; seconds, at most 60;
-                               only with the broker in the schedule's database)
-=============================  ===========================================================
+<!-- beat-settings -->
 
 Bad entries never stop the others: an unknown task (when the app knows its tasks), an
 invalid schedule, a queue that exists nowhere is logged once as an error naming the fix,
@@ -63,7 +55,19 @@ from .._db.beat import Claim
 from ..schema import ensure_schema, verify
 from .entries import LoadedEntry, check_task, from_config, tick_task_id, validate_queue
 from .leader import Leader
-from .settings import database_url, lookahead_seconds, takeover_seconds
+from .settings import (
+    OPTIONS_MARKER,
+    catch_up,
+    database_url,
+    history_seconds,
+    install_schema,
+    lookahead_seconds,
+    options_rst,
+    takeover_seconds,
+)
+
+if __doc__:  # None under python -OO
+    __doc__ = __doc__.replace(OPTIONS_MARKER, options_rst())
 
 __all__ = ["Scheduler"]
 
@@ -90,9 +94,9 @@ class Scheduler(beat.Scheduler):
         conf = app.conf
         self.dsn = database_url(app)
         self.takeover_seconds = takeover_seconds(conf)
-        self.default_catch_up = str(conf.get("beat_catch_up", "once"))
-        self.history_seconds = float(conf.get("beat_history_seconds", 7 * 86400))
-        self.install_schema = bool(conf.get("beat_install_schema", True))
+        self.default_catch_up = catch_up(conf)
+        self.history_seconds = history_seconds(conf)
+        self.install_schema = install_schema(conf)
         self.lookahead_seconds = lookahead_seconds(conf)
         self._ready = False  # schema installed or checked
         self._waiting = False  # the database could not be reached (logged once)
