@@ -495,7 +495,7 @@ def test_result_backend_through_the_pooler(pooled_db, caplog, monkeypatch, direc
 
     waiter, worker = make(), make()
     task_id = "pooled-result-1"
-    done: list[float] = []
+    done: list[float] = []  # when the store began: the result cannot exist before it
     try:
         with caplog.at_level(logging.WARNING, "kombu_pgmq"):
             result = waiter.AsyncResult(task_id)
@@ -503,8 +503,8 @@ def test_result_backend_through_the_pooler(pooled_db, caplog, monkeypatch, direc
 
             def store_later() -> None:
                 time.sleep(0.3)
-                storing.store_result(task_id, 42, states.SUCCESS)
-                done.append(time.monotonic())
+                done.append(time.monotonic())  # before the store: get() can return before
+                storing.store_result(task_id, 42, states.SUCCESS)  # store_result does
 
             thread = threading.Thread(target=store_later)
             thread.start()
