@@ -1,5 +1,5 @@
 """Administrative operations: dead letters, archive retention, statistics and steering,
-database creation. Named statements of ``sql/queries.sql`` sent through a
+database creation. Named statements of ``sql/queries/admin.sql`` sent through a
 :class:`~kombu_pgmq._db.connector.Connector`; used by :mod:`kombu_pgmq.dlq`,
 :mod:`kombu_pgmq.retention`, :mod:`kombu_pgmq.management` and :mod:`kombu_pgmq.embedded`
 (the schema's statements: :mod:`kombu_pgmq._db.schema_store`).

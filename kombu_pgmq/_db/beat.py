@@ -1,6 +1,6 @@
 """The beat store: periodic tasks, their ticks and the leader (tables
 ``kombu_pgmq.beat_entries``, ``beat_ticks``, ``beat_leader``), as named statements of
-``sql/queries.sql`` sent through a
+``sql/queries/beat.sql`` sent through a
 :class:`~kombu_pgmq._db.connector.Connector`. Used by :mod:`kombu_pgmq.beat`.
 
 Errors are the connector's (:func:`kombu_pgmq.errors.translate`): a lost server is a

@@ -1,5 +1,6 @@
 """Broker operations: what the transport asks of PostgreSQL, one typed method per named
-statement of ``sql/queries.sql``, sent through a :class:`~kombu_pgmq._db.connector.Connector`.
+statement of ``sql/queries/messages.sql``, sent through a
+:class:`~kombu_pgmq._db.connector.Connector`.
 The :class:`Broker`'s own methods are the messages' (publish, read, ack, requeue, dead
 letters: some sent without waiting for their result); it has the connector's
 :class:`~kombu_pgmq._db.declarations.Declarations` (``broker.declarations``: queues,

@@ -3,7 +3,7 @@
 A :class:`Connector` owns one psycopg 3 connection in autocommit mode (every call is its
 own transaction unless inside :meth:`Connector.transaction`) and is used by one concern
 only (a channel's statements, lease renewal, heartbeats, LISTEN): a statement that blocks
-on one of them never holds up another. Statements are named blocks of ``sql/queries.sql``
+on one of them never holds up another. Statements are named blocks of ``sql/queries/*.sql``
 (or a :class:`psycopg.sql.Composed` built from one, for table names); result rows are
 decoded **by column name** with psycopg row factories (NamedTuple fields matched to the
 result's column names), so a column added or moved by a PGMQ release cannot shift a value
@@ -56,7 +56,7 @@ __all__ = ["Connector", "Query", "numbered"]
 
 logger = logging.getLogger(__name__)
 
-#: A statement: the name of a block of ``sql/queries.sql``, or SQL composed from one.
+#: A statement: the name of a block of ``sql/queries/*.sql``, or SQL composed from one.
 Query = str | bytes | sql.Composable
 T = TypeVar("T")
 

@@ -1,7 +1,7 @@
 """Consumers and their housekeeping: who consumes what (heartbeats, the reaper of
 auto_delete/x-expires queues), who sleeps on which queue until a publish notifies it
 (wake-ups, table ``kombu_pgmq.waiting``), LISTEN, and VACUUM of consumed tables. One typed
-method per named statement of ``sql/queries.sql``, sent through a
+method per named statement of ``sql/queries/consumers.sql``, sent through a
 :class:`~kombu_pgmq._db.connector.Connector`; errors as in :mod:`kombu_pgmq._db.broker`.
 """
 

@@ -1,6 +1,6 @@
 """Declarations: queues, exchanges and bindings declared, bound, sized and purged, one
-typed method per named statement of ``sql/queries.sql``, sent through a
-:class:`~kombu_pgmq._db.connector.Connector` (a
+typed method per named statement of ``sql/queries/queues.sql`` and
+``sql/queries/routing.sql``, sent through a :class:`~kombu_pgmq._db.connector.Connector` (a
 :class:`~kombu_pgmq._db.broker.Broker` has one on its connector:
 ``broker.declarations``). Errors as in :mod:`kombu_pgmq._db.broker`.
 """

@@ -1,6 +1,6 @@
 """The xmin horizon and the dead rows it keeps: who holds the horizon of the broker's
 database, and how many dead row versions each queue table has. Named statements of
-``sql/queries.sql`` (``xmin_horizon``, ``queue_table_dead_tuples``) sent through a
+``sql/queries/admin.sql`` (``xmin_horizon``, ``queue_table_dead_tuples``) sent through a
 :class:`~kombu_pgmq._db.connector.Connector`; used by the maintenance thread
 (:mod:`kombu_pgmq.transport._maintenance`), :mod:`kombu_pgmq.management` and
 :mod:`kombu_pgmq.metrics`.

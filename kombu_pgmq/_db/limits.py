@@ -1,6 +1,6 @@
 """The limits store: fleet-wide concurrency and rate limits of queues
 (:mod:`kombu_pgmq.limits`) and the concurrency slots of tasks running after their ack, as
-named statements of ``sql/queries.sql`` sent through a
+named statements of ``sql/queries/limits.sql`` sent through a
 :class:`~kombu_pgmq._db.connector.Connector`."""
 
 from __future__ import annotations

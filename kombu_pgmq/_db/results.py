@@ -1,6 +1,6 @@
 """The result store: Celery task results, saved groups, chord counters and durable
 revocations (tables ``kombu_pgmq.results``, ``chords``, ``revoked``), as named statements
-of ``sql/queries.sql`` sent through a
+of ``sql/queries/results.sql`` sent through a
 :class:`~kombu_pgmq._db.connector.Connector`. Used by :mod:`kombu_pgmq.results`.
 
 Errors are the connector's (:func:`kombu_pgmq.errors.translate`): a lost server is a

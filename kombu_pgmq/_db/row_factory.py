@@ -30,7 +30,7 @@ def named_row(cls: Any) -> Any:
         if missing:
             raise StatementError(
                 f"the statement returns no column {', '.join(missing)} for {cls.__name__} "
-                f"(it returns {', '.join(names)}): name the columns in sql/queries.sql"
+                f"(it returns {', '.join(names)}): name the columns in sql/queries/"
             )
         if all(f in names for f in fields):
             getter = operator.itemgetter(*[names.index(f) for f in fields])

@@ -1,5 +1,5 @@
 """Schema statements: what PGMQ and kombu_pgmq's migrations are installed, installing
-them, and role grants. Named statements of ``sql/queries.sql`` (and the scripts
+them, and role grants. Named statements of ``sql/queries/install.sql`` (and the scripts
 ``sql/schema.sql`` and ``sql/migrations/``) sent through a
 :class:`~kombu_pgmq._db.connector.Connector`; used by
 :mod:`kombu_pgmq.schema`, which decides what to install.

@@ -1,7 +1,7 @@
 """The Spark store: staged writes, snapshots and stream ranges of the ``pgmq`` Spark data
 source (:mod:`kombu_pgmq.spark.datasource`; table ``kombu_pgmq.spark_writes``), as named
-statements of
-``sql/queries.sql`` sent through a :class:`~kombu_pgmq._db.connector.Connector`.
+statements of ``sql/queries/spark.sql`` sent through a
+:class:`~kombu_pgmq._db.connector.Connector`.
 """
 
 from __future__ import annotations
