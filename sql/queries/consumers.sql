@@ -109,7 +109,19 @@ UNLISTEN {channel}
 -- clock_timestamp()), computed once; nothing is locked or changed. {below}: false for a
 -- fallback poll's branch (from the oldest vt the queue's next read may take:
 -- kombu_pgmq/_db/positions.py), true for a look below its position (a visible row there
--- rewinds its reads).
+-- rewinds its reads). The statement sent for a fallback poll of queue celery and a look
+-- below its position (kombu_pgmq/_db/consumers.py _visible_probe):
+--   SELECT 'celery'::text AS queue, false::boolean AS below
+--   WHERE EXISTS (SELECT 1 FROM "pgmq"."q_celery"
+--                 WHERE vt >= to_timestamp($1::float8)
+--                   AND vt < to_timestamp($2::float8)
+--                   AND vt <= (SELECT clock_timestamp()))
+--   UNION ALL
+--   SELECT 'celery'::text AS queue, true::boolean AS below
+--   WHERE EXISTS (SELECT 1 FROM "pgmq"."q_celery"
+--                 WHERE vt >= to_timestamp($3::float8)
+--                   AND vt < to_timestamp($4::float8)
+--                   AND vt <= (SELECT clock_timestamp()))
 SELECT {queue_name}::text AS queue, {below}::boolean AS below
 WHERE EXISTS (SELECT 1 FROM {queue_table}
               WHERE vt >= to_timestamp({scan_from}::float8)
