@@ -22,7 +22,11 @@
 --   delivery still holds it; a stale one (the lease lapsed and another consumer read the
 --   message: read_ct moved on; an UNLOGGED queue emptied by a crash reused the msg_id:
 --   enqueued_at differs) is never applied. Rows are found by msg_id = ANY(ids), an index
---   condition on the queue table's primary key.
+--   condition on the queue table's primary key, and every function that settles by
+--   receipt runs with enable_seqscan off (the queues' ack and read functions, requeue and
+--   so lease renewal, discard, dead_letter): after a VACUUM behind a held snapshot
+--   removes nothing, an ANALYZE records the few live rows as the whole table, and the
+--   planner then scanned all its pages for the receipts' msg_ids.
 -- * Advisory lock keys: each defined once, in area "Advisory lock keys".
 
 CREATE SCHEMA IF NOT EXISTS kombu_pgmq;
@@ -1630,7 +1634,7 @@ CREATE FUNCTION kombu_pgmq.requeue(
     queues text[], msg_ids bigint[], read_cts integer[], enqueued timestamptz[],
     vt integer DEFAULT 0, uncount boolean DEFAULT false
 ) RETURNS TABLE (queue text, msg_id bigint)
-LANGUAGE plpgsql
+LANGUAGE plpgsql SET enable_seqscan = off
 SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 #variable_conflict use_column
 DECLARE
@@ -1695,7 +1699,7 @@ $$;
 CREATE FUNCTION kombu_pgmq.discard(
     pgmq_name text, msg_ids bigint[], read_cts integer[], enqueued timestamptz[]
 ) RETURNS SETOF bigint
-LANGUAGE plpgsql
+LANGUAGE plpgsql SET enable_seqscan = off
 SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     IF to_regclass(format('pgmq.%I', 'q_' || pgmq_name)) IS NULL THEN
@@ -3505,7 +3509,7 @@ CREATE FUNCTION kombu_pgmq.dead_letter(
     pgmq_name text, msg_ids bigint[], read_cts integer[], enqueued timestamptz[],
     error_texts text[], dead_letter_queue text, reason text, kombu_queue text
 ) RETURNS SETOF bigint
-LANGUAGE plpgsql
+LANGUAGE plpgsql SET enable_seqscan = off
 SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     n integer;

@@ -4,6 +4,13 @@
 -- now (the values are the same: locks held across the upgrade keep their meaning). A
 -- queue's send function keeps its key as a literal, written in from lock_key_publish()
 -- when queue_functions makes it, so the functions of existing queues stay as they are.
+--
+-- The functions that settle by receipt with a statement planned at each call (EXECUTE):
+-- requeue (and lease renewal through it), discard and dead_letter, run with
+-- enable_seqscan off, as the queues' read and ack functions do. After a VACUUM behind a
+-- held snapshot removes nothing, an ANALYZE records the few live rows of a table of many
+-- pages, and the planner then scanned the whole table for the receipts' msg_ids, where
+-- the primary key finds them.
 
 CREATE FUNCTION kombu_pgmq.lock_key_publish() RETURNS integer
 LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT 1802530161 $$;
@@ -444,6 +451,118 @@ BEGIN
         PERFORM pg_notify('kombu_pgmq.' || w.queue, '');
     END IF;
     RETURN committed;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION kombu_pgmq.requeue(
+    queues text[], msg_ids bigint[], read_cts integer[], enqueued timestamptz[],
+    vt integer DEFAULT 0, uncount boolean DEFAULT false
+) RETURNS TABLE (queue text, msg_id bigint)
+LANGUAGE plpgsql SET enable_seqscan = off
+SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+#variable_conflict use_column
+DECLARE
+    q text;
+    ids bigint[];
+    cts integer[];
+    ats timestamptz[];
+    n integer;
+BEGIN
+    PERFORM kombu_pgmq.check_window('visibility timeout (seconds)', vt, 43200);
+    FOR q, ids, cts, ats IN
+        SELECT h.q, array_agg(h.id), array_agg(h.ct), array_agg(h.at)
+        FROM unnest(queues, msg_ids, read_cts, enqueued) AS h(q, id, ct, at)
+        GROUP BY h.q ORDER BY h.q
+    LOOP
+        CONTINUE WHEN to_regclass(format('pgmq.%I', 'q_' || q)) IS NULL;
+        RETURN QUERY EXECUTE format(
+            'UPDATE pgmq.%I AS t
+             SET vt = CASE WHEN $4 > 0 THEN clock_timestamp() + make_interval(secs => $4)
+                           ELSE least(t.enqueued_at, clock_timestamp()) END,
+                 headers = CASE WHEN $5 THEN kombu_pgmq.count_restore(t.headers)
+                                ELSE t.headers END
+             FROM unnest($1::bigint[], $2::integer[], $3::timestamptz[]) AS h(id, ct, at)
+             WHERE t.msg_id = ANY($1) AND t.msg_id = h.id AND t.read_ct = h.ct
+                   AND t.enqueued_at = h.at
+             RETURNING %L::text, t.msg_id',
+            'q_' || q, q
+        ) USING ids, cts, ats, vt, uncount;
+        GET DIAGNOSTICS n = ROW_COUNT;
+        IF n > 0 AND vt <= 0 THEN
+            PERFORM pg_notify('kombu_pgmq.' || q, 'rewind');
+        END IF;
+        IF n > 0 AND EXISTS (SELECT 1 FROM kombu_pgmq.limited l WHERE l.pgmq_queue = q) THEN
+            PERFORM kombu_pgmq.notify_waiting(q, CASE WHEN vt > 0 THEN
+                clock_timestamp() + make_interval(secs => vt) END);
+        END IF;
+    END LOOP;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION kombu_pgmq.discard(
+    pgmq_name text, msg_ids bigint[], read_cts integer[], enqueued timestamptz[]
+) RETURNS SETOF bigint
+LANGUAGE plpgsql SET enable_seqscan = off
+SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF to_regclass(format('pgmq.%I', 'q_' || pgmq_name)) IS NULL THEN
+        RETURN;
+    END IF;
+    RETURN QUERY EXECUTE format(
+        'DELETE FROM pgmq.%I AS t
+         USING unnest($1::bigint[], $2::integer[], $3::timestamptz[]) AS h(id, ct, at)
+         WHERE t.msg_id = ANY($1) AND t.msg_id = h.id AND t.read_ct = h.ct
+                   AND t.enqueued_at = h.at
+         RETURNING t.msg_id', 'q_' || pgmq_name
+    ) USING msg_ids, read_cts, enqueued;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION kombu_pgmq.dead_letter(
+    pgmq_name text, msg_ids bigint[], read_cts integer[], enqueued timestamptz[],
+    error_texts text[], dead_letter_queue text, reason text, kombu_queue text
+) RETURNS SETOF bigint
+LANGUAGE plpgsql SET enable_seqscan = off
+SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    n integer;
+BEGIN
+    UPDATE kombu_pgmq.queues q SET dead_letter = true
+    WHERE q.pgmq_queue = dead_letter_queue AND NOT q.dead_letter;
+    RETURN QUERY EXECUTE format(
+        $sql$
+        WITH moved AS (
+            DELETE FROM pgmq.%I AS t
+            USING unnest($1::bigint[], $2::integer[], $3::timestamptz[], $4::text[])
+                AS h(id, ct, at, err)
+            WHERE t.msg_id = ANY($1) AND t.msg_id = h.id AND t.read_ct = h.ct
+                   AND t.enqueued_at = h.at
+            RETURNING t.msg_id, t.read_ct, t.enqueued_at, t.message, t.headers, h.err
+        )
+        SELECT pgmq.send(
+            $5,
+            moved.message,
+            coalesce(moved.headers, '{}'::jsonb) || jsonb_build_object(
+                'x-dead-letter', jsonb_build_object(
+                    'queue', $7::text,
+                    'pgmq_queue', $8::text,
+                    'msg_id', moved.msg_id,
+                    'read_ct', moved.read_ct,
+                    'reason', $6::text,
+                    'enqueued_at', moved.enqueued_at,
+                    'dead_lettered_at', clock_timestamp()
+                ) || CASE WHEN moved.err IS NULL THEN '{}'::jsonb
+                          ELSE jsonb_build_object('error', moved.err) END
+            )
+        )
+        FROM moved
+        $sql$, 'q_' || pgmq_name
+    ) USING msg_ids, read_cts, enqueued, error_texts, dead_letter_queue, reason,
+            kombu_queue, pgmq_name;
+    GET DIAGNOSTICS n = ROW_COUNT;
+    IF n > 0 AND EXISTS (SELECT 1 FROM kombu_pgmq.limited l WHERE l.pgmq_queue = pgmq_name) THEN
+        PERFORM kombu_pgmq.notify_waiting(pgmq_name);
+    END IF;
 END
 $$;
 
