@@ -404,10 +404,11 @@ def test_the_heartbeat_thread_looks_below_the_positions(db_dsn, monkeypatch, loo
 def test_settling_probes_the_primary_key_after_a_vacuum_behind_a_held_snapshot(db_dsn, direct):
     """A VACUUM behind the snapshot removes nothing and leaves pg_class.reltuples at the
     few live rows, and an ANALYZE (autovacuum's, after so many changes) records them as
-    the whole table: a lease renewal, an ack (and the read it rides) and a requeue still
-    find their rows by msg_id on the primary key, not by a scan of the whole index (every
-    dead entry of 4,000 messages) nor of every page of the table, which the statistics
-    make look cheaper. ``direct``: statement ack_queue, else kombu_pgmq.ack."""
+    the whole table: a lease renewal, an ack (and the read it rides), a requeue, a discard
+    and a dead letter still find their rows by msg_id on the primary key, not by a scan of
+    the whole index (every dead entry of 4,000 messages) nor of every page of the table,
+    which the statistics make look cheaper. ``direct``: statement ack_queue, else
+    kombu_pgmq.ack."""
 
     def ack(broker: Broker, receipts: list[Receipt]) -> list[Any]:
         if direct:
@@ -415,6 +416,8 @@ def test_settling_probes_the_primary_key_after_a_vacuum_behind_a_held_snapshot(d
         return broker.db.fetch("ack", {**receipt_handles(receipts), **slot_holds(receipts)})
 
     queue = pgmq_queue_name("probe_pk")
+    dead_letters = pgmq_queue_name("probe_pk_dlq")
+    sql(db_dsn, "SELECT pgmq.create(%s)", (dead_letters,))
     with queue_broker(db_dsn, "probe_pk", direct=direct) as broker, held(db_dsn):
         for _ in range(20):
             cycle(broker, queue, 200)
@@ -429,15 +432,27 @@ def test_settling_probes_the_primary_key_after_a_vacuum_behind_a_held_snapshot(d
             ("renew", lambda: broker.renew(receipts, 60)),
             ("ack", lambda: ack(broker, receipts[:10])),
             ("requeue", lambda: broker.requeue(receipts[10:], 5)),
+            ("discard", lambda: broker.discard(receipts[10:15])),
+            (
+                "dead_letter",
+                lambda: broker.dead_letter(
+                    queue,
+                    receipts[15:],
+                    dead_letter_queue=dead_letters,
+                    reason="rejected",
+                    kombu_queue="probe_pk",
+                ),
+            ),
         ):
             before = index_entries_read(broker, db_dsn, f"q_{queue}_pkey")
             scans_before = seq_scans(broker, db_dsn, queue)
-            assert len(settle()) == (20 if step == "renew" else 10)
+            settled = {"renew": 20, "ack": 10, "requeue": 10, "discard": 5, "dead_letter": 5}
+            assert len(settle()) == settled[step]
             walked[step] = index_entries_read(broker, db_dsn, f"q_{queue}_pkey") - before
             scans[step] = seq_scans(broker, db_dsn, queue) - scans_before
     # by primary key: neither every entry of the index nor every page of the table
     assert max(walked.values()) <= 100, walked
-    assert scans == {"renew": 0, "ack": 0, "requeue": 0}, scans
+    assert scans == {"renew": 0, "ack": 0, "requeue": 0, "discard": 0, "dead_letter": 0}, scans
 
 
 @READS
