@@ -2693,7 +2693,7 @@ BEGIN
         RAISE EXCEPTION 'kombu_pgmq: a burst of queue % must be at least 1 token',
             quote_literal(kombu_queue) USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    IF q.fifo_groups THEN  -- migration 0011's groups, as a key limit
+    IF q.fifo_groups THEN  -- a FIFO queue (x-fifo-groups): its groups as a key limit
         cur.limit_key := 'x-group-id';
         cur.key_concurrency := 1;
         cur.key_rate := NULL;
@@ -4699,7 +4699,7 @@ BEGIN
         RAISE EXCEPTION 'Spark write % is not open: it cannot commit', commit_write.write_id
             USING ERRCODE = 'object_not_in_prerequisite_state';
     END IF;
-    -- Same wake-up protocol as kombu_pgmq.publish (migration 0003).
+    -- The wake-up protocol of kombu_pgmq.publish: the queue's publish lock, shared.
     PERFORM pg_advisory_xact_lock_shared(kombu_pgmq.lock_key_publish(), hashtext(w.queue));
     EXECUTE format(
         'UPDATE pgmq.%I SET vt = clock_timestamp(), headers = headers - ''x-kombu-pgmq-write''

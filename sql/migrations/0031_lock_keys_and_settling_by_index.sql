@@ -11,6 +11,8 @@
 -- held snapshot removes nothing, an ANALYZE records the few live rows of a table of many
 -- pages, and the planner then scanned the whole table for the receipts' msg_ids, where
 -- the primary key finds them.
+--
+-- Comments in set_queue_limits and commit_write state what their code does.
 
 CREATE FUNCTION kombu_pgmq.lock_key_publish() RETURNS integer
 LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT 1802530161 $$;
@@ -436,7 +438,7 @@ BEGIN
         RAISE EXCEPTION 'Spark write % is not open: it cannot commit', commit_write.write_id
             USING ERRCODE = 'object_not_in_prerequisite_state';
     END IF;
-    -- Same wake-up protocol as kombu_pgmq.publish (migration 0003).
+    -- The wake-up protocol of kombu_pgmq.publish: the queue's publish lock, shared.
     PERFORM pg_advisory_xact_lock_shared(kombu_pgmq.lock_key_publish(), hashtext(w.queue));
     EXECUTE format(
         'UPDATE pgmq.%I SET vt = clock_timestamp(), headers = headers - ''x-kombu-pgmq-write''
@@ -563,6 +565,140 @@ BEGIN
     IF n > 0 AND EXISTS (SELECT 1 FROM kombu_pgmq.limited l WHERE l.pgmq_queue = pgmq_name) THEN
         PERFORM kombu_pgmq.notify_waiting(pgmq_name);
     END IF;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION kombu_pgmq.set_queue_limits(
+    kombu_queue text, limits jsonb, replace boolean DEFAULT false
+) RETURNS SETOF kombu_pgmq.queue_limits
+LANGUAGE plpgsql
+SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    q kombu_pgmq.queues;
+    cur kombu_pgmq.queue_limits;
+    found_row boolean;
+    unknown text;
+    band text;
+    fifo_keys text[] := ARRAY['key_concurrency', 'key_rate', 'key_burst', 'limit_key'];
+BEGIN
+    SELECT * INTO q FROM kombu_pgmq.queues x WHERE x.queue = kombu_queue;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'kombu_pgmq: queue % does not exist: declare it first (start a worker '
+                        'that consumes it, or publish to it), then set its limits',
+            quote_literal(kombu_queue) USING ERRCODE = 'undefined_object';
+    END IF;
+    IF limits IS NULL OR jsonb_typeof(limits) <> 'object' THEN
+        RAISE EXCEPTION 'kombu_pgmq: the limits of queue % must be a JSON object, not %',
+            quote_literal(kombu_queue), coalesce(limits::text, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    SELECT string_agg(k, ', ') INTO unknown FROM jsonb_object_keys(limits) AS k
+    WHERE k NOT IN ('concurrency', 'rate', 'burst', 'key_concurrency', 'key_rate',
+                    'key_burst', 'limit_key');
+    IF unknown IS NOT NULL THEN
+        RAISE EXCEPTION 'kombu_pgmq: unknown limit(s) % for queue %: use concurrency, rate, '
+                        'burst, key_concurrency, key_rate, key_burst, limit_key',
+            unknown, quote_literal(kombu_queue) USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF q.fifo_groups AND limits ?| fifo_keys THEN
+        RAISE EXCEPTION 'kombu_pgmq: queue % is a FIFO queue (x-fifo-groups): each x-group-id '
+                        'is delivered one message at a time, in order; key limits belong on '
+                        'a queue without x-fifo-groups', quote_literal(kombu_queue)
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    SELECT * INTO cur FROM kombu_pgmq.queue_limits l WHERE l.queue = kombu_queue FOR UPDATE;
+    found_row := FOUND;
+    IF NOT found_row OR replace THEN
+        cur.queue := kombu_queue;
+        cur.concurrency := NULL;
+        cur.rate := NULL;
+        cur.burst := NULL;
+        cur.key_concurrency := NULL;
+        cur.key_rate := NULL;
+        cur.key_burst := NULL;
+        cur.limit_key := 'x-limit-key';
+        cur.throttled_concurrency := coalesce(cur.throttled_concurrency, 0);
+        cur.throttled_rate := coalesce(cur.throttled_rate, 0);
+        cur.throttled_keys := coalesce(cur.throttled_keys, 0);
+    END IF;
+    IF limits ? 'concurrency' THEN
+        cur.concurrency := nullif((limits ->> 'concurrency')::integer, 0);
+    END IF;
+    IF limits ? 'rate' THEN
+        cur.rate := nullif(nullif(btrim(limits ->> 'rate'), ''), '0');
+    END IF;
+    IF limits ? 'burst' THEN
+        cur.burst := nullif((limits ->> 'burst')::double precision, 0);
+    END IF;
+    IF limits ? 'key_concurrency' THEN
+        cur.key_concurrency := nullif((limits ->> 'key_concurrency')::integer, 0);
+    END IF;
+    IF limits ? 'key_rate' THEN
+        cur.key_rate := nullif(nullif(btrim(limits ->> 'key_rate'), ''), '0');
+    END IF;
+    IF limits ? 'key_burst' THEN
+        cur.key_burst := nullif((limits ->> 'key_burst')::double precision, 0);
+    END IF;
+    IF limits ? 'limit_key' THEN
+        cur.limit_key := coalesce(nullif(btrim(limits ->> 'limit_key'), ''), 'x-limit-key');
+    END IF;
+    IF coalesce(cur.concurrency, 1) < 0 OR coalesce(cur.key_concurrency, 1) < 0 THEN
+        RAISE EXCEPTION 'kombu_pgmq: a concurrency limit of queue % must be a positive number '
+                        '(0 removes it)', quote_literal(kombu_queue)
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    cur.rate_per_second := kombu_pgmq.rate_per_second(cur.rate);
+    cur.key_rate_per_second := kombu_pgmq.rate_per_second(cur.key_rate);
+    IF cur.burst IS NOT NULL AND cur.rate IS NULL
+       OR cur.key_burst IS NOT NULL AND cur.key_rate IS NULL THEN
+        RAISE EXCEPTION 'kombu_pgmq: a burst of queue % needs its rate (burst with rate, '
+                        'key_burst with key_rate)', quote_literal(kombu_queue)
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF coalesce(cur.burst, 1) < 1 OR coalesce(cur.key_burst, 1) < 1 THEN
+        RAISE EXCEPTION 'kombu_pgmq: a burst of queue % must be at least 1 token',
+            quote_literal(kombu_queue) USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF q.fifo_groups THEN  -- a FIFO queue (x-fifo-groups): its groups as a key limit
+        cur.limit_key := 'x-group-id';
+        cur.key_concurrency := 1;
+        cur.key_rate := NULL;
+        cur.key_rate_per_second := NULL;
+        cur.key_burst := NULL;
+        cur.ordered_keys := true;
+    ELSE
+        cur.ordered_keys := false;
+    END IF;
+    cur.updated_at := clock_timestamp();
+    cur.updated_by := session_user;
+    IF cur.concurrency IS NULL AND cur.rate IS NULL AND cur.key_concurrency IS NULL
+       AND cur.key_rate IS NULL THEN
+        DELETE FROM kombu_pgmq.queue_limits l WHERE l.queue = kombu_queue;
+    ELSE
+        INSERT INTO kombu_pgmq.queue_limits AS l VALUES (cur.*)
+        ON CONFLICT (queue) DO UPDATE
+        SET concurrency = excluded.concurrency, rate = excluded.rate,
+            rate_per_second = excluded.rate_per_second, burst = excluded.burst,
+            limit_key = excluded.limit_key, key_concurrency = excluded.key_concurrency,
+            key_rate = excluded.key_rate, key_rate_per_second = excluded.key_rate_per_second,
+            key_burst = excluded.key_burst, ordered_keys = excluded.ordered_keys,
+            tokens = CASE WHEN excluded.rate_per_second IS NULL THEN NULL ELSE l.tokens END,
+            in_flight_bound = NULL,
+            refilled_at = CASE WHEN excluded.rate_per_second IS NULL THEN NULL
+                               ELSE l.refilled_at END,
+            updated_at = excluded.updated_at, updated_by = excluded.updated_by;
+        IF cur.key_rate IS NULL THEN
+            DELETE FROM kombu_pgmq.limit_key_tokens t WHERE t.queue = kombu_queue;
+        END IF;
+        FOREACH band IN ARRAY coalesce(q.band_queues, ARRAY[q.pgmq_queue]) LOOP
+            INSERT INTO kombu_pgmq.limited (pgmq_queue, queue) VALUES (band, kombu_queue)
+            ON CONFLICT (pgmq_queue) DO UPDATE SET queue = excluded.queue;
+        END LOOP;
+        RETURN QUERY SELECT * FROM kombu_pgmq.queue_limits l WHERE l.queue = kombu_queue;
+    END IF;
+    FOREACH band IN ARRAY coalesce(q.band_queues, ARRAY[q.pgmq_queue]) LOOP
+        PERFORM kombu_pgmq.notify_waiting(band);
+    END LOOP;
 END
 $$;
 
