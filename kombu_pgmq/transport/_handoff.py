@@ -18,25 +18,41 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
 
 from .. import errors
 from .._db.broker import Broker, Receipt
 from .._db.consumers import HandoffSlot
 from .._db.rows import Row
 from .._stats import STATS
-from ._interfaces import TransportView
 from ._listener import Listener
+from .reader import Reader
 
-__all__ = ["Handoff"]
+__all__ = ["ConsumerOf", "Handoff"]
+
+#: ``consumer_of(name)``: ``(reader, kombu queue)`` of the first channel consuming PGMQ
+#: queue ``name`` (a band of the kombu queue), or None.
+ConsumerOf = Callable[[str], "tuple[Reader, str] | None"]
 
 
 class Handoff:
-    """Hand-off slots and handed rows of one connection's poller."""
+    """Hand-off slots and handed rows of one connection's poller.
 
-    def __init__(self, transport: TransportView) -> None:
-        self.transport = transport
+    Arguments:
+        vt_seconds: the visibility timeout (seconds) of a row handed off to a slot.
+        consumer_of: finds the channel's reader consuming a PGMQ queue (see
+            :data:`ConsumerOf`).
+        owner: this connection's consumer identity (``kombu_pgmq.consumers.owner``;
+            a forked child gets a new one).
+
+    The statements go through the :class:`~kombu_pgmq._db.broker.Broker` each call is
+    given.
+    """
+
+    def __init__(self, vt_seconds: int, consumer_of: ConsumerOf, owner: Callable[[], str]) -> None:
+        self.vt_seconds = vt_seconds
+        self._consumer_of = consumer_of
+        self._owner = owner
         #: PGMQ queues whose waiting row offers a slot now (as far as we know).
         self.armed: set[str] = set()
         #: Rows handed off, not delivered yet (from the listener).
@@ -52,22 +68,19 @@ class Handoff:
         if slot is None or seq is None:
             return None
         queues = sorted(n for n in names if self._consumer(n, acks=True) is not None)
-        vt = self.transport.options.vt_seconds
-        return HandoffSlot(slot[0], slot[1], vt, queues, seq)
+        return HandoffSlot(slot[0], slot[1], self.vt_seconds, queues, seq)
 
-    def _consumer(self, name: str, *, acks: bool = False) -> tuple[Any, str] | None:
-        """``(channel, kombu queue)`` consuming PGMQ queue ``name`` (a band of it), or
+    def _consumer(self, name: str, *, acks: bool = False) -> tuple[Reader, str] | None:
+        """``(reader, kombu queue)`` consuming PGMQ queue ``name`` (a band of it), or
         None; ``acks``: only a consumer that takes messages with acks."""
-        bands = self.transport.topology.bands
-        for channel in self.transport.channels:
-            for queue in channel.consumed_queues:
-                if name in bands(queue).queues:
-                    if acks and channel.reader.is_no_ack(queue):
-                        return None
-                    return channel, queue
-        return None
+        found = self._consumer_of(name)
+        if found is not None and acks and found[0].is_no_ack(found[1]):
+            return None
+        return found
 
-    def deliver(self, waiting: set[str], defer_rearm: bool = False) -> tuple[int, set[str]]:
+    def deliver(
+        self, waiting: set[str], broker: Broker, defer_rearm: bool = False
+    ) -> tuple[int, set[str]]:
         """Deliver the handed rows to their consumers. Returns ``(delivered, to_read)``:
         queues whose slot could not be offered again yet (the channel has no room, or
         the statement failed): read them when the window allows, and offer the slot
@@ -85,26 +98,26 @@ class Handoff:
         for name, batch in by_name.items():
             found = self._consumer(name)
             if found is None:  # cancelled since: visible again, not counted
-                self.give_back(batch)
+                self.give_back(batch, broker)
                 continue
-            channel, queue = found
-            delivered += channel.reader.deliver_rows(queue, name, batch)
+            reader, queue = found
+            delivered += reader.deliver_rows(queue, name, batch)
             STATS.handoffs += len(batch)
         rearm, to_read = self._with_room(sorted(waiting))
         if rearm and defer_rearm:
             self.rearm_pending.update(rearm)
         elif rearm:
-            self._rearm(rearm, waiting, to_read)
+            self._rearm(rearm, waiting, to_read, broker)
         return delivered, to_read
 
-    def rearm_now(self, waiting: set[str]) -> set[str]:
+    def rearm_now(self, waiting: set[str], broker: Broker) -> set[str]:
         """Offer the slots :meth:`deliver` left pending (``defer_rearm``) on the queues
         still waited on, not offered since, whose channel still has room. Returns the
         queues to read instead (no room now, or the statement could not be sent)."""
         pending, self.rearm_pending = self.rearm_pending, set()
         names, to_read = self._with_room(sorted((pending & waiting) - self.armed))
         if names:
-            self._rearm(names, waiting, to_read)
+            self._rearm(names, waiting, to_read, broker)
         return to_read
 
     def _with_room(self, names: list[str]) -> tuple[list[str], set[str]]:
@@ -117,13 +130,15 @@ class Handoff:
             found = self._consumer(name, acks=True)
             if found is None:
                 continue
-            if found[0].qos.can_consume():
+            if found[0].can_consume():
                 offer.append(name)
             else:
                 to_read.add(name)
         return offer, to_read
 
-    def _rearm(self, names: list[str], waiting: set[str], to_read: set[str]) -> None:
+    def _rearm(
+        self, names: list[str], waiting: set[str], to_read: set[str], broker: Broker
+    ) -> None:
         """Offer the slots of ``names`` again, without waiting for the answer (taken as
         given until it is read; a queue no longer waited on then leaves ``waiting``, to
         be waited on again when next found empty)."""
@@ -139,17 +154,16 @@ class Handoff:
         def failed(_exc: errors.KombuPgmqError) -> None:
             offered(set())
 
-        consumers = self.transport.broker().consumers
         try:
-            consumers.rearm_handoff_nowait(
-                self.transport.owner, offer, on_offered=offered, on_error=failed
+            broker.consumers.rearm_handoff_nowait(
+                self._owner(), offer, on_offered=offered, on_error=failed
             )
         except errors.KombuPgmqError:
             to_read.update(names)  # read and wait again the usual way
         else:
             self.armed.update(names)
 
-    def settle(self, listener: Listener) -> None:
+    def settle(self, listener: Listener, broker: Broker | None) -> None:
         """After giving up slots (``stop_waiting`` committed): collect what was handed
         over before, and give back the rows of queues no channel consumes any more (the
         others are delivered by the next poll). A lost LISTEN connection loses what it had
@@ -159,16 +173,13 @@ class Handoff:
         consumed = {row.queue for row in self.handed if self._consumer(row.queue) is not None}
         gone = [row for row in self.handed if row.queue not in consumed]
         self.handed = [row for row in self.handed if row.queue in consumed]
-        self.give_back(gone)
+        self.give_back(gone, broker)
 
-    def give_back(self, rows: list[Row], broker: Broker | None = None) -> None:
+    def give_back(self, rows: list[Row], broker: Broker | None) -> None:
         """Make handed rows nobody here will take visible again (uncounted: the
-        application never saw them), on ``broker`` (default: the transport's, if
-        connected); on failure they come back after their visibility timeout."""
-        if not rows:
-            return
-        broker = broker or self.transport.broker_if_connected()
-        if broker is None:
+        application never saw them), on ``broker`` (None: not connected, nothing is
+        sent); on failure they come back after their visibility timeout."""
+        if not rows or broker is None:
             return
         receipts = [Receipt(r.queue, r.msg_id, r.read_ct, r.enqueued_at) for r in rows]
         with contextlib.suppress(errors.KombuPgmqError):

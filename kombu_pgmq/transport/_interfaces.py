@@ -1,78 +1,37 @@
-"""The interfaces between the transport's objects, as typing Protocols.
+"""The interfaces between the transport's objects that call each other both ways, as
+typing Protocols.
 
-* :class:`TransportView`: what a channel, its reader and publisher, and the poller use of
-  their :class:`~kombu_pgmq.transport.transport.Transport`;
+* :class:`TransportView`: what a channel and its publisher use of their
+  :class:`~kombu_pgmq.transport.transport.Transport` (kombu gives a channel the
+  transport that made it, and the transport's poller reads the channels);
 * :class:`ChannelView` (and :class:`QoSView`): what a channel's reader and publisher use of
-  their :class:`~kombu_pgmq.transport.channel.Channel`;
-* :class:`ConsumingChannel` (and :class:`ReaderView`, :class:`PollerView`): what the poller
-  uses of a channel, and the channel of the poller.
+  their :class:`~kombu_pgmq.transport.channel.Channel`, which made them;
+* :class:`PollerView`: what a channel and its QoS use of the transport's
+  :class:`~kombu_pgmq.transport.poller.Poller` (consumers started and cancelled, acks),
+  which reads through the channels' readers.
 
-The modules implementing them name these, not each other's classes, so none imports the
-one that imports it (no import circle, not even for type checking); mypy checks that the
-classes fit where they are passed.
+The modules name these, not each other's classes, so none imports the one that imports
+it (no import circle, not even for type checking); mypy checks that the classes fit where
+they are passed. Every other collaborator is passed in, by its class, where an object is
+made (the poller gets the channels' readers, a reader and a QoS what they use).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from types import MappingProxyType
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Sequence
+from typing import Any, Protocol
 
-from .._db.broker import Broker, Receipt, Row
+from .._db.broker import Broker, Receipt
 from ._leases import LeaseKeeper
 from .options import TransportOptions
 from .topology import Topology
 
 __all__ = [
     "ChannelView",
-    "Consumed",
-    "ConsumingChannel",
     "PollerView",
     "QoSView",
-    "ReaderView",
     "TransportView",
 ]
-
-
-class Consumed(NamedTuple):
-    """What one read round of a channel did (``Reader.consume``)."""
-
-    #: Messages handed to consumers.
-    delivered: int
-    #: PGMQ names of queues found empty.
-    drained: set[str]
-    #: PGMQ names of queues that filled the read (they may hold more).
-    full: set[str]
-    #: Whether the acks given were archived with the read (False: the caller archives them).
-    acks_sent: bool
-    #: The read was put off until half the prefetch window is free.
-    deferred: bool
-    #: PGMQ names of queues a rate limit held back -> seconds until it allows more
-    #: (``kombu_pgmq.read_limited``): read them again then (no notification comes for it).
-    retry: Mapping[str, float] = MappingProxyType({})
-
-
-class ReaderView(Protocol):
-    """A channel's read path, as the poller drives it."""
-
-    def consume(self, only: set[str] | None, acks: list[Receipt]) -> Consumed: ...
-
-    def is_no_ack(self, queue: str) -> bool: ...
-
-    def deliver_rows(self, queue: str, name: str, rows: list[Row]) -> int: ...
-
-
-class ConsumingChannel(Protocol):
-    """A channel, as the poller reads it."""
-
-    @property
-    def consumed_queues(self) -> list[str]: ...
-
-    @property
-    def reader(self) -> ReaderView: ...
-
-    @property
-    def qos(self) -> Any: ...
 
 
 class PollerView(Protocol):
@@ -96,7 +55,7 @@ class PollerView(Protocol):
 
 
 class TransportView(Protocol):
-    """A transport, as its channels, their parts and its poller use it."""
+    """A transport, as its channels and their publishers use it."""
 
     @property
     def options(self) -> TransportOptions: ...
@@ -111,22 +70,7 @@ class TransportView(Protocol):
     def leases(self) -> LeaseKeeper: ...
 
     @property
-    def owner(self) -> str: ...
-
-    @property
-    def dsn(self) -> str: ...
-
-    @property
-    def listen_dsn(self) -> str | None: ...
-
-    @property
     def client(self) -> Any: ...
-
-    @property
-    def polling_interval(self) -> float: ...
-
-    @property
-    def channels(self) -> Sequence[ConsumingChannel]: ...
 
     @property
     def unconfirmed_failed(self) -> list[tuple[str, str, str, int, int]]: ...
@@ -155,6 +99,8 @@ class QoSView(Protocol):
 
     @property
     def prefetch_count(self) -> int: ...
+
+    def can_consume(self) -> bool: ...
 
     def can_consume_max_estimate(self) -> int | None: ...
 

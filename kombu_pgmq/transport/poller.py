@@ -30,17 +30,20 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from time import monotonic, sleep
 from typing import Any
 
 from .. import errors
-from .._db.broker import Receipt
+from .._db.broker import Broker, Receipt
 from .._db.pooling import warn_polling_once
 from ._handoff import Handoff
-from ._interfaces import TransportView
 from ._listener import Listener
+from ._slots import Slots
 from .acks import AckBatch, archive, archive_nowait
+from .options import TransportOptions
+from .reader import Reader
+from .topology import Topology
 from .wakeups import Wakeups
 
 __all__ = ["RECONNECT_SECONDS", "Poller"]
@@ -75,13 +78,44 @@ READ_AFTER_HANDOFF_SECONDS = 0.001
 
 
 class Poller:
-    """Wake-ups, polling rounds and event-loop registration of one transport."""
+    """Wake-ups, polling rounds and event-loop registration of one transport.
 
-    def __init__(self, transport: TransportView) -> None:
-        self.transport = transport
+    Arguments:
+        options: the transport's options.
+        topology: the transport's priority bands (a queue's PGMQ queues).
+        listen_dsn: libpq string of the LISTEN connection (None: no LISTEN, consumers
+            poll).
+        readers: the read paths of the transport's channels now.
+        broker: the statement connection's broker (connects if needed).
+        broker_if_connected: the same without connecting (None when closed).
+        owner: this connection's consumer identity (a forked child gets a new one).
+        slots: the concurrency slots of early-acked tasks, released at each turn of
+            Celery's event loop.
+    """
+
+    def __init__(
+        self,
+        options: TransportOptions,
+        topology: Topology,
+        *,
+        listen_dsn: str | None,
+        readers: Callable[[], Sequence[Reader]],
+        broker: Callable[[], Broker],
+        broker_if_connected: Callable[[], Broker | None],
+        owner: Callable[[], str],
+        slots: Slots,
+    ) -> None:
+        self.options = options
+        self.topology = topology
+        self.listen_dsn = listen_dsn
+        self.readers = readers
+        self.broker = broker
+        self.broker_if_connected = broker_if_connected
+        self.owner = owner
+        self.slots = slots
         self.acks = AckBatch()
         #: Hand-off slots offered and rows handed off.
-        self.handoff = Handoff(transport)
+        self.handoff = Handoff(options.vt_seconds, self.consumer_of, owner)
         #: Which consumed queues to read next, which ones we sleep on, when delayed
         #: messages become due.
         self.wakeups = Wakeups()
@@ -113,14 +147,15 @@ class Poller:
 
     @property
     def polling_interval(self) -> float:
-        return self.transport.polling_interval
+        """Seconds between fallback polls of every consumed queue."""
+        return self.options.polling_interval
 
     # -- listening -------------------------------------------------------------------
 
     def listener(self) -> Listener:
         listener = self._listener
         if listener is None:
-            dsn = self.transport.listen_dsn
+            dsn = self.listen_dsn
             if dsn is None:
                 warn_polling_once(
                     "broker_transport_options",
@@ -158,24 +193,30 @@ class Poller:
             if self._listener is not None:
                 self._listener.unlisten([name])
             if was_waiting:
-                broker = self.transport.broker_if_connected()
+                broker = self.broker_if_connected()
                 if broker is not None:
                     # the reaper removes the row with our consumers
                     with contextlib.suppress(errors.KombuPgmqError):
-                        broker.consumers.stop_waiting(self.transport.owner, [name])
+                        broker.consumers.stop_waiting(self.owner(), [name])
                         given_up = True
         if given_up and self._listener is not None:
-            self.handoff.settle(self._listener)  # handed off before that: given back
+            # handed off before that: given back
+            self.handoff.settle(self._listener, self.broker_if_connected())
 
     def consumed(self) -> set[str]:
         """PGMQ queues (every priority band) of the queues consumed now."""
-        bands = self.transport.topology.bands
-        return {
-            name
-            for c in self.transport.channels
-            for q in c.consumed_queues
-            for name in bands(q).queues
-        }
+        bands = self.topology.bands
+        return {name for r in self.readers() for q in r.consumed_queues for name in bands(q).queues}
+
+    def consumer_of(self, name: str) -> tuple[Reader, str] | None:
+        """``(reader, kombu queue)`` of the first channel consuming PGMQ queue ``name``
+        (a band of the kombu queue), or None."""
+        bands = self.topology.bands
+        for reader in self.readers():
+            for queue in reader.consumed_queues:
+                if name in bands(queue).queues:
+                    return reader, queue
+        return None
 
     def wake(self, requeued: str | None = None) -> None:
         """End the current wait of :meth:`drain_events` (or run a poll in Celery's event
@@ -243,7 +284,7 @@ class Poller:
     def _send_acks_if_free(self) -> None:
         """Send the batched acks now if the statement connection is free (else the
         loop's next turn sends them: :meth:`poll`)."""
-        broker = self.transport.broker_if_connected()
+        broker = self.broker_if_connected()
         if broker is None:
             return
         try:
@@ -261,7 +302,7 @@ class Poller:
     def flush_acks(self) -> None:
         """Archive the batched acks now (one ``pgmq.archive`` per queue)."""
         if self.acks:
-            self.acks.flush(self.transport.broker(), durable=self.transport.options.durable_acks)
+            self.acks.flush(self.broker(), durable=self.options.durable_acks)
 
     # -- rounds ----------------------------------------------------------------------
 
@@ -273,7 +314,7 @@ class Poller:
         self.handoff.handed += listener.take_handed()
         now = monotonic()
         wakeups = self.wakeups
-        broker = self.transport.broker_if_connected()
+        broker = self.broker_if_connected()
         found_below = wakeups.take_found_below()
         if broker is not None:
             # rows requeued to their place, or found by the heartbeat thread's look, lie
@@ -325,7 +366,6 @@ class Poller:
         once (queues that just went to sleep get their final read: it finds what publishers
         that missed their waiting row sent, see ``kombu_pgmq.wait_for``).
         """
-        transport = self.transport
         wakeups = self.wakeups
         since = self.acks.since
         acks = self.acks.take()
@@ -338,19 +378,20 @@ class Poller:
             # READ_AFTER_HANDOFF_SECONDS: in Celery's event loop, not at a deferred round
             defer = self._hub is not None and bool(self.handoff.handed)
             defer = defer and not self._reading_deferred
-            delivered, to_read = self.handoff.deliver(wakeups.waiting, defer_rearm=defer)
+            broker = self.broker()
+            delivered, to_read = self.handoff.deliver(wakeups.waiting, broker, defer_rearm=defer)
             wakeups.ready |= to_read
             if defer and delivered and (wakeups.ready or self.handoff.rearm_pending):
                 self._defer_reads()
                 ready: set[str] = set()
             else:
                 if self.handoff.rearm_pending:
-                    wakeups.ready |= self.handoff.rearm_now(wakeups.waiting)
+                    wakeups.ready |= self.handoff.rearm_now(wakeups.waiting, broker)
                 ready = set(wakeups.ready)
-            for channel in list(transport.channels):
-                if not channel.consumed_queues or not ready:
+            for reader in list(self.readers()):
+                if not reader.consumed_queues or not ready:
                     continue
-                consumed = channel.reader.consume(ready, acks)
+                consumed = reader.consume(ready, acks)
                 if consumed.acks_sent:
                     acks = []
                 delivered += consumed.delivered
@@ -376,21 +417,21 @@ class Poller:
         to_wait, to_busy = wakeups.after_round(drained, full, listening=not listener.polling)
         if to_busy:
             # A backlog: publishers stop notifying (their commits would serialize).
-            transport.broker().consumers.stop_waiting(transport.owner, to_busy)
+            self.broker().consumers.stop_waiting(self.owner(), to_busy)
             wakeups.stopped_waiting(to_busy)
             self.handoff.armed.difference_update(to_busy)
         rearm = self.handoff.slot(listener, (drained & wakeups.waiting) - self.handoff.armed)
         if rearm is not None and rearm.queues:  # took a handed message, found empty now
-            consumers = transport.broker().consumers
+            consumers = self.broker().consumers
             # the slot is one per connection: every queue it is to be offered on is named
             offer = set(rearm.queues) | self.handoff.armed
-            offered = consumers.rearm_handoff(transport.owner, sorted(offer))
+            offered = consumers.rearm_handoff(self.owner(), sorted(offer))
             self.handoff.armed = offered
             wakeups.stopped_waiting(offer - offered)  # not waited on: wait_for again
         if to_wait:
             listener.fileno()  # LISTEN before publishers can see us waiting
             slot = self.handoff.slot(listener, to_wait)
-            waiting = transport.broker().consumers.wait_for(transport.owner, sorted(to_wait), slot)
+            waiting = self.broker().consumers.wait_for(self.owner(), sorted(to_wait), slot)
             if slot is not None:
                 self.handoff.armed |= set(slot.queues)
             if waiting.unsettled:
@@ -433,9 +474,8 @@ class Poller:
         """Archive ``acks`` now: sent without waiting for the result where the broker
         can (:meth:`Broker.ack_nowait <kombu_pgmq._db.broker.Broker.ack_nowait>`: one
         queue, its tables' own statement), else in one statement that waits."""
-        transport = self.transport
-        durable = transport.options.durable_acks
-        broker = transport.broker()
+        durable = self.options.durable_acks
+        broker = self.broker()
 
         def put_back(lost: list[Receipt]) -> None:
             self.acks.put_back(lost, since)
@@ -595,7 +635,7 @@ class Poller:
         self._hub_timer = loop.call_repeatedly(self.polling_interval, self._on_hub_fallback)
         # the pool's results (prefork, solo) are handled in the loop: a task that finished
         # frees its concurrency slot at the loop's next turn
-        loop.on_tick.add(self.transport.leases.slots.release_finished)
+        loop.on_tick.add(self.slots.release_finished)
         loop.call_soon(self._on_hub_event)
 
     def _watch_listener(self, listener: Listener) -> None:
@@ -643,7 +683,7 @@ class Poller:
             with contextlib.suppress(Exception):  # the loop may be closing too
                 hub.remove_reader(fd)
         self._hub_fds = []
-        hub.on_tick.discard(self.transport.leases.slots.release_finished)
+        hub.on_tick.discard(self.slots.release_finished)
         if self._hub_timer is not None:
             self._hub_timer.cancel()
             self._hub_timer = None
@@ -654,16 +694,16 @@ class Poller:
 
     # -- closing ---------------------------------------------------------------------
 
-    def close(self, broker: Any) -> None:
+    def close(self, broker: Broker | None) -> None:
         """Archive the batched acks and forget our waiting rows on ``broker`` (the
         statement connection, still open), then close the LISTEN connection."""
         self.unregister_from_event_loop()
         try:
             if broker is not None:
                 if self.acks:
-                    self.acks.flush(broker, durable=self.transport.options.durable_acks)
+                    self.acks.flush(broker, durable=self.options.durable_acks)
                 if self.wakeups.waiting:
-                    broker.consumers.stop_waiting(self.transport.owner)
+                    broker.consumers.stop_waiting(self.owner())
                     if self._listener is not None:  # handed off before that: give back
                         self.handoff.handed += self._listener.settle()
                 self.handoff.give_back(self.handoff.handed, broker)

@@ -28,9 +28,11 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import defaultdict
+from collections.abc import Mapping
 from datetime import datetime, timedelta, timezone
 from itertools import count
-from typing import Any
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 from .. import _encoding as encoding
 from .. import errors
@@ -39,7 +41,7 @@ from .._db.rows import THROTTLED_RATE, Reads
 from .._naming import pgmq_queue_name
 from .._stats import STATS
 from ._channel_part import ChannelPart
-from ._interfaces import ChannelView, Consumed, QoSView
+from ._interfaces import ChannelView, QoSView
 from .acks import warn_stale
 from .publisher import DELAY_PROPERTY
 
@@ -86,6 +88,24 @@ def _revoke_on_delivery(message: Any, by_queue: bool, overdue_seconds: float) ->
         headers["expires"] = passed.isoformat()
 
 
+class Consumed(NamedTuple):
+    """What one read round of a channel did (``Reader.consume``)."""
+
+    #: Messages handed to consumers.
+    delivered: int
+    #: PGMQ names of queues found empty.
+    drained: set[str]
+    #: PGMQ names of queues that filled the read (they may hold more).
+    full: set[str]
+    #: Whether the acks given were archived with the read (False: the caller archives them).
+    acks_sent: bool
+    #: The read was put off until half the prefetch window is free.
+    deferred: bool
+    #: PGMQ names of queues a rate limit held back -> seconds until it allows more
+    #: (``kombu_pgmq.read_limited``): read them again then (no notification comes for it).
+    retry: Mapping[str, float] = MappingProxyType({})
+
+
 def receipt(delivery_info: dict[str, Any]) -> Receipt:
     """The receipt handle of a delivered message (from its ``delivery_info``)."""
     return Receipt(
@@ -120,6 +140,15 @@ class Reader(ChannelPart):
     def qos(self) -> QoSView:
         """The channel's QoS: prefetch window and held messages."""
         return self.channel.qos
+
+    @property
+    def consumed_queues(self) -> list[str]:
+        """The Kombu queues the channel consumes now, in the order they were consumed."""
+        return self.channel.consumed_queues
+
+    def can_consume(self) -> bool:
+        """Whether the channel's prefetch window has room for one more message."""
+        return self.qos.can_consume()
 
     # -- consumers and windows -------------------------------------------------------
 
@@ -173,7 +202,7 @@ class Reader(ChannelPart):
         the read was put off until half the prefetch window is free (see
         :meth:`basic_qos`).
         """
-        queues = self.channel.consumed_queues
+        queues = self.consumed_queues
         if not queues:
             return Consumed(0, set(), set(), False, False)
         free = self.qos.can_consume_max_estimate()

@@ -127,14 +127,23 @@ class Transport(virtual.Transport):
         self.owner = self._new_owner()
         self._consumers: set[tuple[str, str]] = set()
         self._consumers_lock = threading.Lock()
-        #: Event-loop I/O: wake-ups, polling rounds, batched acks.
-        self.poller = Poller(self)
         #: Lease renewal of held messages (a thread and a connection of its own).
         self.leases = LeaseKeeper(
             self.dsn,
             lambda: held_by(self.channels),
             self._still_held,
             self.options.renewal_interval_seconds,
+        )
+        #: Event-loop I/O: wake-ups, polling rounds, batched acks.
+        self.poller = Poller(
+            self.options,
+            self.topology,
+            listen_dsn=self.listen_dsn,
+            readers=lambda: [channel.reader for channel in self.channels],
+            broker=self.broker,
+            broker_if_connected=self.broker_if_connected,
+            owner=lambda: self.owner,
+            slots=self.leases.slots,
         )
         #: Heartbeats, reaper and VACUUM of consumed tables (a thread and a connection).
         self.maintainer = Maintainer(
