@@ -18,7 +18,8 @@ from .. import errors
 from .._db.broker import Broker, QueueInfo
 from .._naming import pgmq_queue_name
 from .._stats import STATS
-from ._interfaces import TransportView
+from ._interfaces import PollerView, TransportView
+from ._leases import LeaseKeeper
 from ._slots import running_request
 from .acks import warn_stale
 from .options import TransportOptions
@@ -77,9 +78,25 @@ def _inequivalent(queue: str, argument: str, received: Any, current: Any) -> Cha
 class QoS(virtual.QoS):
     """Prefetch bookkeeping; acks archive, rejects requeue or dead-letter in PGMQ, each
     by receipt handle (:class:`~kombu_pgmq._db.broker.Receipt`): a stale one (the lease
-    lapsed and the message was delivered again) is logged, never applied."""
+    lapsed and the message was delivered again) is logged, never applied.
+
+    Arguments:
+        channel: the channel whose deliveries it holds.
+        prefetch_count: the prefetch window (0: unlimited).
+        poller: the transport's poller: acks are batched there while it defers them,
+            and an ack or reject wakes it (a prefetch slot is free).
+        leases: the transport's lease keeper: the concurrency slots of early-acked
+            tasks, and its lock, held while a delivery is made visible again.
+    """
 
     channel: Channel
+
+    def __init__(
+        self, channel: Channel, prefetch_count: int = 0, *, poller: PollerView, leases: LeaseKeeper
+    ) -> None:
+        super().__init__(channel, prefetch_count)
+        self.poller = poller
+        self.leases = leases
 
     def ack(self, delivery_tag: Any) -> None:
         """Archive the message: at once, or batched with others (see
@@ -91,22 +108,21 @@ class QoS(virtual.QoS):
             return
         held = receipt(message.delivery_info)
         STATS.acks += 1
-        transport = self.channel.connection
         if held.queue in self.channel.broker.limited:
             # Celery's early ack of a task that runs on: the ack holds its concurrency
             # slot, released when the task finishes (see _slots)
             request = running_request(message)
             if request is not None:
                 held = held._replace(hold_seconds=self.channel.reader.vt_seconds)
-                transport.leases.slots.track(held.queue, held.msg_id, request, held.hold_seconds)
-        if transport.poller.defers_acks:
+                self.leases.slots.track(held.queue, held.msg_id, request, held.hold_seconds)
+        if self.poller.defers_acks:
             super().ack(delivery_tag)
-            transport.poller.defer_ack(held)
+            self.poller.defer_ack(held)
         else:
-            durable = transport.options.durable_acks
+            durable = self.channel.options.durable_acks
             warn_stale("ack", [held], self.channel.broker.ack([held], durable=durable))
             super().ack(delivery_tag)
-            transport.poller.wake()  # a prefetch slot is free: read now
+            self.poller.wake()  # a prefetch slot is free: read now
 
     def reject(self, delivery_tag: Any, requeue: bool = False) -> None:
         """Requeue the message (visible again at once), or dead-letter it (reason
@@ -116,7 +132,7 @@ class QoS(virtual.QoS):
             return
         held = receipt(message.delivery_info)
         STATS.rejects += 1
-        with self.channel.connection.leases.lock:
+        with self.leases.lock:
             if requeue:
                 STATS.requeues += 1
                 warn_stale("requeue", [held], self.channel.broker.requeue([held], 0))
@@ -124,7 +140,7 @@ class QoS(virtual.QoS):
                 kombu_queue = message.delivery_info["kombu_queue"]
                 self.channel.reader.dead_letter(kombu_queue, held.queue, [held], "rejected")
             self._quick_ack(delivery_tag)
-        self.channel.connection.poller.wake(requeued=held.queue if requeue else None)
+        self.poller.wake(requeued=held.queue if requeue else None)
 
     def holds(self, delivery_tag: Any) -> bool:
         """Whether the message of ``delivery_tag`` is held for its ack (not settled)."""
@@ -138,10 +154,9 @@ class QoS(virtual.QoS):
         """Make every unacked message visible again (one statement); batched acks are
         archived first. Restored deliveries do not count toward ``max_deliveries``."""
         self._flush()
-        transport = self.channel.connection
-        if transport is not None:
-            transport.poller.flush_acks()
-            with transport.leases.lock:  # no renewal round may extend them afterwards
+        if self.channel.connection is not None:  # the channel is open
+            self.poller.flush_acks()
+            with self.leases.lock:  # no renewal round may extend them afterwards
                 return self._requeue_unacked()
         return self._requeue_unacked()
 
@@ -165,7 +180,6 @@ class QoS(virtual.QoS):
 class Channel(virtual.Channel):
     """One Kombu channel; all channels of a connection share its PostgreSQL connection."""
 
-    QoS = QoS
     connection: TransportView
 
     #: Bodies are stored by :mod:`kombu_pgmq._encoding` (JSON as JSON), not base64'd by
@@ -173,6 +187,10 @@ class Channel(virtual.Channel):
     body_encoding = None  # type: ignore[assignment]
 
     def __init__(self, connection: TransportView, **kwargs: Any) -> None:
+        # the transport's, kept for the channel's QoS (made on first use, maybe after
+        # kombu closed the channel and let go of its connection)
+        self._poller = connection.poller
+        self._leases: LeaseKeeper = connection.leases
         super().__init__(connection, **kwargs)
         #: The connection's validated transport options.
         self.options: TransportOptions = connection.options
@@ -184,7 +202,15 @@ class Channel(virtual.Channel):
         # errors surface at channel creation as kombu expects.
         self.connection.broker()
         #: The read path: coalesced reads, poison rows, TTL, deliveries to consumers.
-        self.reader = Reader(self)
+        self.reader = Reader(
+            self,
+            connection.options,
+            connection.topology,
+            connection.broker,
+            in_event_loop=lambda: self._poller.in_event_loop,
+            leases=self._leases,
+            propagate=(*connection.connection_errors, *connection.channel_errors),
+        )
         #: The publishing side: exchanges, bindings, publish.
         self.publisher = Publisher(self)
 
@@ -192,6 +218,13 @@ class Channel(virtual.Channel):
     def broker(self) -> Broker:
         """Broker operations on the connection's statement connection."""
         return self.connection.broker()
+
+    @property
+    def qos(self) -> QoS:
+        """The channel's QoS: prefetch window, held messages, ack, reject, restore."""
+        if self._qos is None:
+            self._qos = QoS(self, poller=self._poller, leases=self._leases)
+        return self._qos
 
     # -- queues ----------------------------------------------------------------------
 
@@ -468,7 +501,7 @@ class Channel(virtual.Channel):
         result = super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
         self.reader.add_consumer(queue, callback, no_ack)
         self.connection.register_consumer(queue, consumer_tag)
-        self.connection.poller.on_consume(self.connection.topology.bands(queue).queues)
+        self._poller.on_consume(self.connection.topology.bands(queue).queues)
         return result
 
     def close(self) -> None:
@@ -497,7 +530,7 @@ class Channel(virtual.Channel):
                 self.reader.remove_consumer(queue)
             if self.connection.release_consumer(queue, consumer_tag):
                 self._known_queues.discard(pgmq_queue_name(queue))
-            self.connection.poller.on_cancel(self.connection.topology.bands(queue).queues)
+            self._poller.on_cancel(self.connection.topology.bands(queue).queues)
         return result
 
     def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:

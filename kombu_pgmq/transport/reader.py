@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta, timezone
 from itertools import count
 from types import MappingProxyType
@@ -36,14 +36,16 @@ from typing import Any, NamedTuple
 
 from .. import _encoding as encoding
 from .. import errors
-from .._db.broker import Receipt, Row
+from .._db.broker import Broker, Receipt, Row
 from .._db.rows import THROTTLED_RATE, Reads
 from .._naming import pgmq_queue_name
 from .._stats import STATS
-from ._channel_part import ChannelPart
 from ._interfaces import ChannelView, QoSView
+from ._leases import LeaseKeeper
 from .acks import warn_stale
+from .options import TransportOptions
 from .publisher import DELAY_PROPERTY
+from .topology import Topology
 
 logger = logging.getLogger(__name__)
 
@@ -116,11 +118,41 @@ def receipt(delivery_info: dict[str, Any]) -> Receipt:
     )
 
 
-class Reader(ChannelPart):
-    """The read path of one channel (see the module docstring)."""
+class Reader:
+    """The read path of one channel (see the module docstring).
 
-    def __init__(self, channel: ChannelView) -> None:
-        super().__init__(channel)
+    Arguments:
+        channel: the channel it reads for (its consumed queues, QoS, messages;
+            it declares the dead-letter queue and recreates a dropped consumed queue).
+        options: the transport's options.
+        topology: the transport's priority bands (a queue's PGMQ queues).
+        broker: the statement connection's broker (connects if needed).
+        in_event_loop: whether the transport runs in Celery's event loop now.
+        leases: the transport's lease keeper (its lock is held while a delivery is
+            dead-lettered, so no renewal round extends it).
+        propagate: the transport's connection and channel errors: a consumer callback
+            raising one of them ends the round (the caller recovers).
+    """
+
+    def __init__(
+        self,
+        channel: ChannelView,
+        options: TransportOptions,
+        topology: Topology,
+        broker: Callable[[], Broker],
+        *,
+        in_event_loop: Callable[[], bool],
+        leases: LeaseKeeper,
+        propagate: tuple[type[BaseException], ...],
+    ) -> None:
+        self.channel = channel
+        #: The connection's validated transport options.
+        self.options = options
+        self.topology = topology
+        self._broker = broker
+        self._in_event_loop = in_event_loop
+        self._leases = leases
+        self._propagate = propagate
         #: Visibility timeout of a read (seconds): a delivery's lease.
         self.vt_seconds = self.options.vt_seconds
         #: Smallest read while this channel holds messages (half the prefetch window).
@@ -135,6 +167,11 @@ class Reader(ChannelPart):
         self._consumer_callbacks: dict[str, tuple[Any, bool]] = {}
         #: Kombu queue -> (x-message-ttl, x-expires) in ms, as stored (first declaration).
         self._lifetimes: dict[str, tuple[int | None, int | None]] = {}
+
+    @property
+    def broker(self) -> Broker:
+        """Broker operations on the transport's statement connection."""
+        return self._broker()
 
     @property
     def qos(self) -> QoSView:
@@ -236,7 +273,7 @@ class Reader(ChannelPart):
                 if throttle.state == THROTTLED_RATE and throttle.retry_seconds is not None:
                     retry[name] = throttle.retry_seconds
 
-        bands = self.connection.topology.bands
+        bands = self.topology.bands
         acked: list[tuple[str, str]] = []  # (kombu queue, PGMQ queue of a band)
         turn = next(self._turns) % len(queues)  # rotate: fair across queues
         for queue in queues[turn:] + queues[:turn]:
@@ -350,10 +387,7 @@ class Reader(ChannelPart):
         logged with its traceback, and delivery goes on (True). Outside the event loop
         (``drain_events``), or for a connection or statement error, the exception
         propagates as in kombu's transports (False)."""
-        transport = self.connection
-        if not transport.poller.in_event_loop or isinstance(
-            exc, (*transport.connection_errors, *transport.channel_errors)
-        ):
+        if not self._in_event_loop() or isinstance(exc, self._propagate):
             return False
         info = message.delivery_info
         logger.error(
@@ -366,7 +400,7 @@ class Reader(ChannelPart):
         tag = message.delivery_tag
         if self.qos.holds(tag):  # not acked or rejected by the callback
             held = receipt(info)
-            with transport.leases.lock:
+            with self._leases.lock:
                 error = [f"{type(exc).__name__}: {exc}"]
                 self.dead_letter(info["kombu_queue"], held.queue, [held], "consumer_error", error)
                 self.qos.forget(tag)
@@ -397,7 +431,7 @@ class Reader(ChannelPart):
         """Read up to ``qty`` messages of one queue, priority bands highest first (all
         bands in one round trip, unless popping). Returns ``(messages, rows read)``: rows
         dead-lettered or expired on the way are read but not returned."""
-        names = self.connection.topology.bands(queue).read_order
+        names = self.topology.bands(queue).read_order
         if len(names) > 1 and not no_ack:
             try:
                 rows = self.broker.read_many(names, self.vt_seconds, qty)
