@@ -130,7 +130,9 @@ class Binding:
             mark_pooled(self.dsn)
         #: The application's connection as a connector: statements run in its transaction.
         self.external = ExternalConnector(connection)
-        self.publisher = Broker(self.external)
+        #: The broker a publish through this binding goes through: on ``external``, or
+        #: the batch of :meth:`batched` inside its block.
+        self.broker: Broker = Broker(self.external)
         self._database: Any = None
         self._same: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
         self._same_broker: dict[str, bool] = {}
@@ -168,11 +170,12 @@ class Binding:
         """``(name, server start)`` of the application connection's database (one query,
         the first time)."""
         if self._database is None:
-            self._database = self.publisher.database_identity()
+            self._database = self.broker.database_identity()
         return self._database
 
-    def publisher_for(self, transport: Any) -> Broker:
-        """The publishing broker for a transport's publish inside ``with using(conn):``.
+    def broker_for(self, transport: Any) -> Broker:
+        """The broker a transport's publish inside ``with using(conn):`` goes through
+        (:attr:`broker`).
 
         Raises:
             ConfigurationError: the application's connection is to another database
@@ -187,7 +190,7 @@ class Binding:
             self._refuse(
                 transport.dsn, broker, "the publishing connection's", "or publish outside the block"
             )
-        return self.publisher
+        return self.broker
 
     @contextmanager
     def batched(self) -> Iterator[BatchedPublisher]:
@@ -199,13 +202,13 @@ class Binding:
         Raises (at the end of the block):
             StatementError: the routing table changed meanwhile (nothing was sent).
         """
-        previous = self.publisher
+        previous = self.broker
         batch = BatchedPublisher(previous)
-        self.publisher = batch
+        self.broker = batch
         try:
             yield batch
         finally:
-            self.publisher = previous
+            self.broker = previous
         batch.flush()
 
     def check_broker(self, broker_dsn: str, source: str) -> None:

@@ -256,10 +256,10 @@ class Transport(virtual.Transport):
         kombu_pgmq.using(conn):`` block (:mod:`kombu_pgmq.transactional`), else
         :meth:`broker` (the statement connection)."""
         if self.binding is not None:
-            return self.binding.publisher
+            return self.binding.broker
         binding = current_binding()
         if binding is not None:
-            return binding.publisher_for(self)
+            return binding.broker_for(self)
         return self.broker()
 
     def _read_positions(self) -> ReadPositions | None:

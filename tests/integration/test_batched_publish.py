@@ -26,7 +26,7 @@ def _count(url: str, queue: str) -> int:
 def _statements(bound) -> list[str]:  # type: ignore[no-untyped-def]
     """Names of the statements the bound connection's publisher sends from now on."""
     sent: list[str] = []
-    db = bound.binding.publisher.db
+    db = bound.binding.broker.db
     fetch = db.fetch
 
     def spy(query, *args, **kwargs):  # type: ignore[no-untyped-def]
