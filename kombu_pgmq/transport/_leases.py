@@ -135,6 +135,17 @@ class LeaseKeeper(Service):
         #: Concurrency slots of tasks running after their ack, renewed with the leases
         #: on this connection (:mod:`._slots`).
         self.slots = Slots(lambda: self.connector, lambda: self.lock)
+        self._broker: Broker | None = None
+
+    @property
+    def broker(self) -> Broker:
+        """The broker on this keeper's connection: one per connection (a new one with
+        each connection the keeper opens)."""
+        connector = self.connector
+        broker = self._broker
+        if broker is None or broker.db is not connector:
+            broker = self._broker = Broker(connector)
+        return broker
 
     def after_fork(self) -> None:
         forked = self._pid != os.getpid()
@@ -165,7 +176,7 @@ class LeaseKeeper(Service):
             by_vt: dict[int, list[Held]] = defaultdict(list)
             for h in held:
                 by_vt[h.vt_seconds].append(h)
-            broker = Broker(self.connector)
+            broker = self.broker
             renewed: set[tuple[str, int]] = set()
             for vt, group in by_vt.items():
                 renewed |= broker.renew([h.receipt for h in group], vt)
