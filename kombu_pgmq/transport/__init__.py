@@ -51,7 +51,7 @@ Delivery semantics
 * Acks. Inside ``drain_events``, the acks its callbacks make are archived in one
   statement per queue before it returns. In Celery's event loop an ack is sent at once,
   from ``ack()``, without waiting for its result, as kombu's AMQP and Redis transports
-  write an ack in ``ack()``; acks made within ``poller.ACK_BATCH_SECONDS`` (2 ms) of the
+  write an ack in ``ack()``; acks made within ``acks.ACK_BATCH_SECONDS`` (2 ms) of the
   last ones, or while the statement connection is busy, go together with the next read
   or at a timer. ``message.ack()`` thus returns before the archive commits: if the
   process dies in between, the message is delivered again after its visibility timeout

@@ -40,7 +40,7 @@ from .._db.pooling import warn_polling_once
 from ._handoff import Handoff
 from ._listener import Listener
 from ._slots import Slots
-from .acks import AckBatch, archive, archive_nowait
+from .acks import ACK_BATCH_SECONDS, AckBatch, archive, archive_nowait
 from .options import TransportOptions
 from .reader import Reader
 from .topology import Topology
@@ -58,16 +58,6 @@ RECONNECT_SECONDS = 1.0
 #: handed off): reads and probes walk the dead row versions left since the position,
 #: which a long transaction elsewhere keeps (kombu_pgmq._db.positions).
 REFRESH_SECONDS = 2.0
-
-#: Seconds, in Celery's event loop, between two statements of acks alone (not riding
-#: with a read): an ack made sooner after the last one waits for a read or for this, so a
-#: backlog drains with acks batched while a lone ack goes at once (Nagle's algorithm).
-#: 2 ms: every ack sent alone cost 30 % of the backlog drain rate, batched within 2 ms
-#: 2-5 %, and a task's ack still reached the server a median 1.8 ms after the task ended
-#: (3.5 ms while acks waited for the next read), which is what a worker killed right
-#: after a task takes along (benchmarks/README.md, "acks sent at once, duplicates per
-#: kill").
-ACK_BATCH_SECONDS = 0.002
 
 #: Seconds, in Celery's event loop, that reads and slot offers wait after a round that
 #: delivered handed-off messages: Celery writes those tasks to its pool on the loop's
