@@ -7,9 +7,11 @@ queue). At least once: until archived, a message stays in its queue table, invis
 the process dies first it is delivered again after its visibility timeout. Acks are
 receipt handles (:class:`~kombu_pgmq._db.broker.Receipt`): a stale one is never applied.
 
-The batch never opens a connection: :meth:`AckBatch.flush` takes the
-:class:`~kombu_pgmq._db.broker.Broker` to archive on explicitly, so closing a connection
-flushes on that connection and then closes it, never the other way round.
+The batch never opens a connection: :meth:`AckBatch.flush`, :meth:`AckBatch.send` and
+:meth:`AckBatch.send_soon` take the :class:`~kombu_pgmq._db.broker.Broker` to archive on
+explicitly, so closing a connection flushes on that connection and then closes it, never
+the other way round; the event loop's timers are the caller's (the poller's), so the
+batch's decisions are tested without PostgreSQL or an event loop.
 """
 
 from __future__ import annotations
@@ -44,13 +46,23 @@ ACK_BATCH_SECONDS = 0.002
 
 
 class AckBatch:
-    """Acked, not yet archived deliveries (receipt handles)."""
+    """Acked, not yet archived deliveries (receipt handles), and when acks last went to
+    the server.
 
-    def __init__(self) -> None:
+    Arguments:
+        durable: archive with a synchronous commit (transport option ``durable_acks``).
+    """
+
+    def __init__(self, *, durable: bool) -> None:
+        self.durable = durable
         self._acks: list[Receipt] = []
         self._lock = threading.Lock()
         #: ``monotonic()`` when the oldest pending ack was made (0.0: none pending).
         self.since = 0.0
+        #: ``monotonic()`` when acks last went to the server, alone or riding with a read.
+        self.sent_at = 0.0
+        #: A timer of the event loop is set to call :meth:`send_soon` again.
+        self.timer_pending = False
 
     def __len__(self) -> int:
         return len(self._acks)
@@ -86,7 +98,7 @@ class AckBatch:
         with self._lock:
             self._acks = []
 
-    def flush(self, broker: Broker, *, durable: bool) -> None:
+    def flush(self, broker: Broker) -> None:
         """Archive the pending acks on ``broker`` now (one statement).
 
         Raises:
@@ -97,7 +109,58 @@ class AckBatch:
         """
         acks = self.take()
         if acks:
-            archive(broker, acks, durable=durable, on_lost=self.put_back)
+            archive(broker, acks, durable=self.durable, on_lost=self.put_back)
+
+    def send(self, broker: Broker, acks: list[Receipt], since: float) -> None:
+        """Archive ``acks`` (taken from the batch, the oldest made at ``since``) on
+        ``broker`` now: without waiting for the result where the broker can
+        (:func:`archive_nowait`), else in one statement that waits. Those not archived
+        (a lost connection, a cancelled statement) are put back.
+
+        Raises:
+            BrokerConnectionError, StatementCanceled: as :func:`archive` (put back).
+        """
+
+        def put_back(lost: list[Receipt]) -> None:
+            self.put_back(lost, since)
+
+        self.sent_at = monotonic()
+        if not archive_nowait(broker, acks, durable=self.durable, on_lost=put_back):
+            archive(broker, acks, durable=self.durable, on_lost=put_back)
+
+    def send_soon(
+        self,
+        broker: Broker | None,
+        now: float,
+        failed: Callable[[KombuPgmqError], None],
+    ) -> float | None:
+        """The pacing of acks in Celery's event loop (Nagle's algorithm): send the
+        pending acks on ``broker`` now if the last ones went at least
+        :data:`ACK_BATCH_SECONDS` before ``now`` (monotonic) and its connection is free
+        (not waiting for a result; None: not connected, nothing is sent). Returns the
+        seconds after which to call this again, at a timer the caller sets (one at a
+        time: :attr:`timer_pending`, cleared by the caller when it fires), or None: no
+        ack is left, or a timer is set already (a read may take them first). A lost
+        connection or a cancelled statement goes to ``failed`` (the acks were put back,
+        tried again at the timer)."""
+        wait = self.sent_at + ACK_BATCH_SECONDS - now
+        if wait <= 0:
+            if broker is not None:
+                try:
+                    if broker.db.free():
+                        since = self.since
+                        acks = self.take()
+                        if acks:
+                            self.send(broker, acks, since)
+                except (BrokerConnectionError, StatementCanceled) as exc:
+                    failed(exc)
+            if not self._acks:
+                return None
+            wait = ACK_BATCH_SECONDS  # the connection was busy: try again then
+        if self.timer_pending:
+            return None
+        self.timer_pending = True
+        return wait
 
 
 def archive(

@@ -40,7 +40,7 @@ from .._db.pooling import warn_polling_once
 from ._handoff import Handoff
 from ._listener import Listener
 from ._slots import Slots
-from .acks import ACK_BATCH_SECONDS, AckBatch, archive, archive_nowait
+from .acks import AckBatch
 from .options import TransportOptions
 from .reader import Reader
 from .topology import Topology
@@ -103,7 +103,7 @@ class Poller:
         self.broker_if_connected = broker_if_connected
         self.owner = owner
         self.slots = slots
-        self.acks = AckBatch()
+        self.acks = AckBatch(durable=options.durable_acks)
         #: Hand-off slots offered and rows handed off.
         self.handoff = Handoff(options.vt_seconds, self.consumer_of, owner)
         #: Which consumed queues to read next, which ones we sleep on, when delayed
@@ -118,8 +118,6 @@ class Poller:
         self._hub_timer: Any = None
         self._hub_thread = 0  # the event loop's thread (acks from others wait for it)
         self._polling = False  # inside poll(): an ack made by a callback waits for its end
-        self._acks_sent_at = 0.0  # monotonic() when acks last went to the server
-        self._ack_timer_pending = False  # batched acks go at a timer of the loop
         self._connection_lost_at: float | None = None
         self._canceled_at: float | None = None  # a read was cancelled (statement_timeout)
         self._retry_pending = False  # a reconnection attempt is scheduled in the event loop
@@ -233,7 +231,7 @@ class Poller:
     def defers_acks(self) -> bool:
         """True while acks go through :meth:`defer_ack`: inside :meth:`drain_events`
         (archived before it returns) and once registered with Celery's event loop (sent
-        at once, or batched for :data:`ACK_BATCH_SECONDS`)."""
+        at once, or batched for :data:`~kombu_pgmq.transport.acks.ACK_BATCH_SECONDS`)."""
         return self._draining > 0 or self._hub is not None
 
     def defer_ack(self, held: Receipt) -> None:
@@ -241,8 +239,9 @@ class Poller:
         event loop, on the loop's thread, it is sent at once instead, without waiting
         for its result, as kombu's AMQP and Redis transports write an ack in ``ack()``
         (a worker killed right after its task finished then has its ack on the server):
-        unless the last acks went less than :data:`ACK_BATCH_SECONDS` ago or the
-        statement connection is busy, then with the next read or at a timer, together."""
+        unless the last acks went less than
+        :data:`~kombu_pgmq.transport.acks.ACK_BATCH_SECONDS` ago or the statement
+        connection is busy, then with the next read or at a timer, together."""
         self.acks.add(held)
         if (
             self._hub is not None
@@ -254,45 +253,30 @@ class Poller:
 
     def _send_acks_soon(self) -> None:
         """In Celery's event loop: send the batched acks now if the last ones went at
-        least :data:`ACK_BATCH_SECONDS` ago and the statement connection is free, else at a
-        timer (one at a time) or with the next read, whichever comes first."""
-        wait = self._acks_sent_at + ACK_BATCH_SECONDS - monotonic()
-        if wait <= 0:
-            self._send_acks_if_free()
-            if not self.acks:
-                return
-            wait = ACK_BATCH_SECONDS  # the connection was busy: try again then
-        if not self._ack_timer_pending and self._hub is not None:
-            self._ack_timer_pending = True
+        least :data:`~kombu_pgmq.transport.acks.ACK_BATCH_SECONDS` ago and the statement
+        connection is free, else at a timer (one at a time) or with the next read,
+        whichever comes first (:meth:`AckBatch.send_soon
+        <kombu_pgmq.transport.acks.AckBatch.send_soon>`)."""
+        wait = self.acks.send_soon(self.broker_if_connected(), monotonic(), self._acks_failed)
+        if wait is not None and self._hub is not None:
             self._hub.call_later(wait, self._on_ack_timer)
 
     def _on_ack_timer(self) -> None:
-        self._ack_timer_pending = False
+        self.acks.timer_pending = False
         if self.acks and self._hub is not None:
             self._send_acks_soon()
 
-    def _send_acks_if_free(self) -> None:
-        """Send the batched acks now if the statement connection is free (else the
-        loop's next turn sends them: :meth:`poll`)."""
-        broker = self.broker_if_connected()
-        if broker is None:
-            return
-        try:
-            if not broker.db.free():
-                return
-            since = self.acks.since
-            acks = self.acks.take()
-            if acks:
-                self._send_acks(acks, since)
-        except errors.BrokerConnectionError as exc:
-            self._connection_lost(exc)
-        except errors.StatementCanceled as exc:
+    def _acks_failed(self, exc: errors.KombuPgmqError) -> None:
+        """Acks sent in the event loop failed (they were put back): recover as a read."""
+        if isinstance(exc, errors.StatementCanceled):
             self._statement_canceled(exc)
+        else:
+            self._connection_lost(exc)
 
     def flush_acks(self) -> None:
         """Archive the batched acks now (one ``pgmq.archive`` per queue)."""
         if self.acks:
-            self.acks.flush(self.broker(), durable=self.options.durable_acks)
+            self.acks.flush(self.broker())
 
     # -- rounds ----------------------------------------------------------------------
 
@@ -391,7 +375,7 @@ class Poller:
         finally:
             self._polling = False
             if taken and not acks:
-                self._acks_sent_at = monotonic()  # they rode with the read
+                self.acks.sent_at = monotonic()  # they rode with the read
             if self._hub is not None:
                 # Acks no read took (it was put off until half the prefetch window is
                 # free) or made while delivering: sent on their own soon, without
@@ -401,7 +385,7 @@ class Poller:
                 if self.acks:
                     self._send_acks_soon()
             elif acks:
-                self._send_acks(acks, since)  # drain_events: before it returns
+                self.acks.send(self.broker(), acks, since)  # drain_events: before it returns
         listener = self.listener()
         # Without LISTEN (polling) nobody hears a NOTIFY: publishers are not asked for one.
         to_wait, to_busy = wakeups.after_round(drained, full, listening=not listener.polling)
@@ -459,20 +443,6 @@ class Poller:
             self._on_hub_event()
         finally:
             self._reading_deferred = False
-
-    def _send_acks(self, acks: list[Receipt], since: float) -> None:
-        """Archive ``acks`` now: sent without waiting for the result where the broker
-        can (:meth:`Broker.ack_nowait <kombu_pgmq._db.broker.Broker.ack_nowait>`: one
-        queue, its tables' own statement), else in one statement that waits."""
-        durable = self.options.durable_acks
-        broker = self.broker()
-
-        def put_back(lost: list[Receipt]) -> None:
-            self.acks.put_back(lost, since)
-
-        self._acks_sent_at = monotonic()
-        if not archive_nowait(broker, acks, durable=durable, on_lost=put_back):
-            archive(broker, acks, durable=durable, on_lost=put_back)
 
     def drain_events(self, timeout: float | None = None) -> None:
         """See :meth:`kombu_pgmq.transport.Transport.drain_events`."""
@@ -691,7 +661,7 @@ class Poller:
         try:
             if broker is not None:
                 if self.acks:
-                    self.acks.flush(broker, durable=self.options.durable_acks)
+                    self.acks.flush(broker)
                 if self.wakeups.waiting:
                     broker.consumers.stop_waiting(self.owner())
                     if self._listener is not None:  # handed off before that: give back
@@ -717,7 +687,7 @@ class Poller:
         self._hub = None
         self._hub_fds = []
         self._hub_timer = None
-        self._ack_timer_pending = False
+        self.acks.timer_pending = False
         self._draining = 0
         listener, self._listener = self._listener, None
         if listener is not None:
