@@ -108,6 +108,30 @@ class Consumed(NamedTuple):
     retry: Mapping[str, float] = MappingProxyType({})
 
 
+def read_size(free: int | None, prefetch_count: int, batch_size: int, floor: int) -> int | None:
+    """How many messages a channel's read asks for: its free prefetch window ``free``
+    (None: unlimited), at most ``batch_size``; 0 when the window is full. None: the read
+    is put off, since messages are still held (``free`` is not the whole window
+    ``prefetch_count``) and fewer than ``floor`` (half the window) are free: the
+    application has work, and a backlog is then read in batches, not one message per
+    ack (see :meth:`Reader.set_prefetch`)."""
+    size = batch_size if free is None else min(free, batch_size)
+    if size <= 0:
+        return 0
+    if size < floor and free != prefetch_count:
+        return None
+    return size
+
+
+def smallest_read(base_prefetch: int | None, prefetch_count: int, batch_size: int) -> int:
+    """The smallest read of a channel that holds messages: half its prefetch window (at
+    least 1), of the first window set (``base_prefetch``) if it was smaller: Celery
+    widens the window for each ETA/countdown task it holds, which must not hold back
+    reads. With an unlimited window (0), 1."""
+    base = min(base_prefetch or 0, prefetch_count) if prefetch_count else 0
+    return max(1, min(base, batch_size) // 2)
+
+
 def receipt(delivery_info: dict[str, Any]) -> Receipt:
     """The receipt handle of a delivered message (from its ``delivery_info``)."""
     return Receipt(
@@ -194,8 +218,7 @@ class Reader:
         count_ = int(prefetch_count or 0)
         if count_ and self._base_prefetch is None:
             self._base_prefetch = count_
-        base = min(self._base_prefetch or 0, count_) if count_ else 0
-        self.read_floor = max(1, min(base, self.options.read_batch_size) // 2)
+        self.read_floor = smallest_read(self._base_prefetch, count_, self.options.read_batch_size)
 
     def add_consumer(self, queue: str, callback: Any, no_ack: bool) -> None:
         """Deliver what is read from Kombu queue ``queue`` to ``callback``."""
@@ -242,20 +265,18 @@ class Reader:
         queues = self.consumed_queues
         if not queues:
             return Consumed(0, set(), set(), False, False)
-        free = self.qos.can_consume_max_estimate()
-        remaining = (
-            self.options.read_batch_size
-            if free is None
-            else min(free, self.options.read_batch_size)
+        size = read_size(
+            self.qos.can_consume_max_estimate(),
+            self.qos.prefetch_count,
+            self.options.read_batch_size,
+            self.read_floor,
         )
-        if remaining <= 0:
-            return Consumed(0, set(), set(), False, False)
-        if remaining < self.read_floor and free != self.qos.prefetch_count:
-            # Messages are still held (the application has work): wait until half the
-            # prefetch window is free, so a backlog is read in batches, not one message
-            # per ack (see the ``Channel.basic_qos`` note).
+        if size is None:  # messages held: wait until half the prefetch window is free
             self.deferred_reads += 1
             return Consumed(0, set(), set(), False, True)
+        if size == 0:
+            return Consumed(0, set(), set(), False, False)
+        remaining = size
         drained: set[str] = set()
         full: set[str] = set()
         retry: dict[str, float] = {}
