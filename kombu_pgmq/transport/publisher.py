@@ -14,12 +14,13 @@ from kombu.transport import virtual
 
 from .. import _encoding as encoding
 from .. import errors, revocations
+from .._db.broker import Broker
 from .._naming import pgmq_queue_name
 from .._stats import STATS
-from ._channel_part import ChannelPart
 from ._delays import delay_seconds
-from ._interfaces import ChannelView
+from ._interfaces import ChannelView, TransportView
 from ._routing import EXCHANGE_TYPES
+from .options import TransportOptions
 
 logger = logging.getLogger(__name__)
 
@@ -65,14 +66,26 @@ def _log_duplicates(queues: list[str]) -> None:
     )
 
 
-class Publisher(ChannelPart):
+class Publisher:
     """Exchanges, bindings and publish of one channel (see the module docstring)."""
 
     def __init__(self, channel: ChannelView) -> None:
-        super().__init__(channel)
+        self.channel = channel
+        #: The connection's validated transport options.
+        self.options: TransportOptions = channel.connection.options
         #: Kombu queue -> ``(exchange, routing key)`` this channel bound it with (to bind
         #: a consumed queue again if it is dropped under it).
         self.bindings_made: dict[str, set[tuple[str, str]]] = {}
+
+    @property
+    def connection(self) -> TransportView:
+        """The channel's transport."""
+        return self.channel.connection
+
+    @property
+    def broker(self) -> Broker:
+        """Broker operations on the transport's statement connection."""
+        return self.channel.broker
 
     # -- exchanges and bindings --------------------------------------------------------
 
