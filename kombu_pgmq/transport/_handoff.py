@@ -165,9 +165,9 @@ class Handoff:
 
     def settle(self, listener: Listener, broker: Broker | None) -> None:
         """After giving up slots (``stop_waiting`` committed): collect what was handed
-        over before, and give back the rows of queues no channel consumes any more (the
-        others are delivered by the next poll). A lost LISTEN connection loses what it had
-        not read: those rows come back after their visibility timeout."""
+        over before, and give back the rows of queues no channel consumes any more, on
+        ``broker`` (the others are delivered by the next poll). A lost LISTEN connection
+        loses what it had not read: those rows come back after their visibility timeout."""
         with contextlib.suppress(errors.KombuPgmqError):
             self.handed += listener.settle()
         consumed = {row.queue for row in self.handed if self._consumer(row.queue) is not None}
