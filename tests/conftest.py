@@ -33,7 +33,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     Modules that hold a test marked ``slow`` run first, each module's tests together (its
     module fixtures are made once), in collection order otherwise: the test processes
     (pytest-xdist) take tests in this order, so the long ones do not end the run on one
-    process while the other idles."""
+    process while the others idle."""
     for item in items:
         try:
             top = item.path.relative_to(_TESTS_DIR).parts[0]
