@@ -27,13 +27,25 @@ _TESTS_DIR = Path(__file__).parent
 _DIRECTORY_MARKERS = {"integration": "integration", "e2e": "e2e", "spark": "spark"}
 
 
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """The ``spark`` tests (tests/spark, and those marked ``spark``) form one
+    ``xdist_group`` (``--dist loadgroup``): they run one after another on one test
+    process, since each starts JVMs that take the two cores, and a Spark job started beside
+    another missed its time limits. Marked as each is collected: pytest-xdist reads the
+    group in its own pytest_collection_modifyitems."""
+    in_spark_dir = item.path.is_relative_to(_TESTS_DIR / "spark")
+    if in_spark_dir or item.get_closest_marker("spark"):
+        item.add_marker(pytest.mark.xdist_group("spark"))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark tests by directory: tests/integration -> ``integration``, tests/e2e -> ``e2e``,
     tests/spark -> ``spark`` (Spark e2e tests in tests/e2e carry ``spark`` themselves).
-    Modules that hold a test marked ``slow`` run first, each module's tests together (its
-    module fixtures are made once), in collection order otherwise: the test processes
-    (pytest-xdist) take tests in this order, so the long ones do not end the run on one
-    process while the others idle."""
+    Modules that hold a
+    test marked ``slow`` run first, each module's tests together (its module fixtures are
+    made once), in collection order otherwise: the test processes (pytest-xdist) take
+    tests in this order, so the long ones do not end the run on one process while the
+    others idle."""
     for item in items:
         try:
             top = item.path.relative_to(_TESTS_DIR).parts[0]
