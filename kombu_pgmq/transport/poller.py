@@ -656,10 +656,13 @@ class Poller:
 
     def close(self, broker: Broker | None) -> None:
         """Archive the batched acks and forget our waiting rows on ``broker`` (the
-        statement connection, still open), then close the LISTEN connection."""
+        statement connection, still open), then close the LISTEN connection. Acks sent
+        without waiting are settled first (their result read), so every ack given before
+        the close is archived when it returns."""
         self.unregister_from_event_loop()
         try:
             if broker is not None:
+                broker.db.collect()
                 if self.acks:
                     self.acks.flush(broker)
                 if self.wakeups.waiting:

@@ -280,18 +280,28 @@ def test_lease_connection_is_closed_while_nothing_is_held(db_dsn):
 
 
 def test_close_with_batched_acks_archives_them_and_leaks_no_connection(db_dsn):
+    """An ack sent without waiting is settled before the close returns: another session
+    holds the message's row while the ack is sent and for 0.5 s after."""
     name = f"kpt_leak_{uuid.uuid4().hex[:8]}"
     hub = Hub()
+    locker = psycopg.connect(db_dsn)
+    release = threading.Timer(0.5, locker.rollback)
     try:
         with connect(db_dsn, connection_options={"application_name": name}) as conn:
             publish(conn, "leak", ["x"])
             conn.transport.register_with_event_loop(conn.connection, hub)  # acks batched
             message = conn.channel().basic_get("leak")
             assert message is not None
-            message.ack()  # batched: archived when the connection closes
+            locker.execute(f"SELECT 1 FROM {table('leak')} FOR UPDATE")
+            release.start()
+            message.ack()  # batched, or sent without waiting: archived by the close
+        archived = sql(db_dsn, f"SELECT count(*) FROM {table('leak', 'a')}")
     finally:
         hub.close()
-    assert sql(db_dsn, f"SELECT count(*) FROM {table('leak', 'a')}") == [(1,)]
+        if release.is_alive():
+            release.join()
+        locker.close()
+    assert archived == [(1,)]
     assert _backends(db_dsn, name) == 0
 
 
