@@ -62,7 +62,8 @@ def test_cancel_is_durable_and_revokes_a_delivered_task(start_worker, app, db, d
     record = app.tasks["e2e.record"]
     # Queued with a countdown, no worker yet: cancelled in the table, so a worker started
     # afterwards never receives it (Celery's revoke lives in workers' memory only).
-    queued = record.apply_async(("cancelled while queued",), countdown=4)
+    queued = record.apply_async(("cancelled while queued",), countdown=8)  # delayed still,
+    queued_eta = time.monotonic() + 8  # on a loaded machine too, when it is looked up
     assert [f["state"] for f in find(db_dsn, queued.id)] == ["delayed"]
     cancelled = kombu_pgmq(db_dsn, "task", "cancel", queued.id)
     assert cancelled.returncode == 0 and "reason cancelled" in cancelled.stdout, cancelled.stderr
@@ -70,7 +71,7 @@ def test_cancel_is_durable_and_revokes_a_delivered_task(start_worker, app, db, d
     start_worker(KPT_ETA_LEAD_SECONDS="3", KPT_POLLING_INTERVAL="0.5")
     # Delivered 3 s before its ETA, then held by the worker: revoked through Celery.
     delivered = record.apply_async(("revoked while held",), countdown=6)
-    past_both_etas = time.monotonic() + 6 + 2  # the later ETA, and 2 s to run it
+    past_both_etas = max(queued_eta, time.monotonic() + 6) + 2  # the later ETA, 2 s to run
     wait_for(
         lambda: [f["state"] for f in find(db_dsn, delivered.id)] == ["in_flight"],
         20,
