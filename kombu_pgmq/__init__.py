@@ -20,6 +20,7 @@ from .errors import (
     InvalidQueueName,
     KombuPgmqError,
     QueueNotFound,
+    StaleDelivery,
     StatementError,
     UnsupportedPgmqVersion,
 )
@@ -65,6 +66,10 @@ def __getattr__(name: str) -> object:
         from .transactional import using
 
         return using
+    if name == "AtomicTask":  # imports Celery
+        from .atomic import AtomicTask
+
+        return AtomicTask
     if name == "default_broker_url":
         from .embedded import default_broker_url
 
@@ -73,12 +78,14 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
+    "AtomicTask",
     "BootstrapError",
     "BrokerConnectionError",
     "ConfigurationError",
     "InvalidQueueName",
     "KombuPgmqError",
     "QueueNotFound",
+    "StaleDelivery",
     "StatementError",
     "Transport",
     "UnsupportedPgmqVersion",

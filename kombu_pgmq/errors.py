@@ -29,6 +29,7 @@ __all__ = [
     "QueueNotFound",
     "SparkError",
     "SparkServerError",
+    "StaleDelivery",
     "StatementCanceled",
     "StatementError",
     "TransactionError",
@@ -103,6 +104,14 @@ class TransactionError(StatementError):
     failed: the statement failed on the application's connection, which PostgreSQL has
     then aborted, or that connection is closed. Not retried by kombu (the transaction is
     the application's to roll back and repeat)."""
+
+
+class StaleDelivery(TransactionError):
+    """The delivery an application's transaction settles no longer holds its message
+    (SQLSTATE ``KP001`` from ``kombu_pgmq.ack_in_transaction``): its visibility timeout
+    passed and another consumer received it, or it was acked, cancelled or removed. The
+    server has aborted the transaction: nothing of it is applied (the other delivery's
+    run applies its effects). See :class:`kombu_pgmq.AtomicTask`."""
 
 
 class PermissionDenied(StatementError):

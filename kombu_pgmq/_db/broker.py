@@ -418,6 +418,25 @@ class Broker:
         )
         return {(r.queue, int(r.msg_id)) for r in rows}
 
+    def ack_in_transaction(self, held: Receipt) -> None:
+        """Archive the message ``held`` (a receipt) in this connector's open transaction
+        (an application's connection: :class:`~kombu_pgmq._db.external.ExternalConnector`),
+        counted as settled in a transaction; it commits or rolls back with that
+        transaction.
+
+        Raises:
+            StaleDelivery: the receipt is no longer held; the server has aborted the
+                transaction.
+            TransactionError: the statement failed on the application's connection.
+        """
+        params = {
+            "queue": held.queue,
+            "msg_id": held.msg_id,
+            "read_ct": held.read_ct,
+            "enqueued": held.enqueued_at,
+        }
+        self.db.execute("ack_in_transaction", params)
+
     def ack_nowait(
         self,
         receipts: Sequence[Receipt],

@@ -10,10 +10,13 @@ from typing import Any
 
 import psycopg
 
-from ..errors import KombuPgmqError, TransactionError, translate
+from ..errors import KombuPgmqError, StaleDelivery, TransactionError, translate
 from .connector import _LIVE, Connector
 
-__all__ = ["ExternalConnector"]
+__all__ = ["STALE_DELIVERY", "ExternalConnector"]
+
+#: SQLSTATE of kombu_pgmq.ack_in_transaction's fence (a receipt no longer held).
+STALE_DELIVERY = "KP001"
 
 
 class ExternalConnector(Connector):
@@ -57,6 +60,9 @@ class ExternalConnector(Connector):
         self._ref = lambda: None
 
     def _fail(self, exc: psycopg.Error) -> KombuPgmqError:
+        if getattr(exc, "sqlstate", None) == STALE_DELIVERY:
+            diag = exc.diag
+            return StaleDelivery(f"{diag.message_primary}: {diag.message_hint}")
         return TransactionError(
             f"publishing in the application's transaction failed: {translate(exc)}; the "
             "transaction is aborted (PostgreSQL rolls it back): roll back and try it again"

@@ -13,6 +13,10 @@ SELECT queue, pgmq_queue, band, ready, in_flight, delayed, oldest_age_seconds, a
        archived_estimated, consumers, dead_letters, paused
 FROM kombu_pgmq.queue_stats(%(dead_letter_queue)s, %(exact_archive_below)s::bigint)
 
+-- name: settled_in_transaction
+-- Messages settled inside an application's transaction (AtomicTask), per PGMQ queue.
+SELECT pgmq_queue, settled FROM kombu_pgmq.settled_in_transaction()
+
 -- name: pause_queue
 -- Consumers stop receiving from the Kombu queue (every band); publishes still land.
 SELECT q AS pgmq_queue FROM kombu_pgmq.pause(%(kombu_queue)s) AS q

@@ -134,6 +134,12 @@ FROM kombu_pgmq.ack(%(queues)s::text[], %(msg_ids)s::bigint[], %(read_cts)s::int
                     %(enqueued)s::timestamptz[], %(holds)s::boolean[],
                     %(hold_seconds)s::integer)
 
+-- name: ack_in_transaction
+-- Ack of one delivery in the caller's open transaction (an AtomicTask's): archived with
+-- the transaction, or SQLSTATE KP001 (the receipt is no longer held) aborts it.
+SELECT kombu_pgmq.ack_in_transaction(%(queue)s, %(msg_id)s::bigint, %(read_ct)s::integer,
+                                     %(enqueued)s::timestamptz)
+
 -- name: ack_async
 -- The same with an asynchronous commit (durable_acks=False).
 SELECT queue, msg_id, set_config('synchronous_commit', 'off', true) AS synchronous_commit
