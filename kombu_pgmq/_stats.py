@@ -16,6 +16,7 @@ FIELDS = (
     "deliveries",
     "redeliveries",
     "acks",
+    "settled_in_transaction",
     "rejects",
     "requeues",
     "dead_lettered",
@@ -35,6 +36,7 @@ class ProcessStats:
     deliveries: int
     redeliveries: int
     acks: int
+    settled_in_transaction: int
     rejects: int
     requeues: int
     dead_lettered: int

@@ -164,6 +164,10 @@ _HELP = {
     "deliveries": "Messages delivered to consumers by this process",
     "redeliveries": "Deliveries of messages delivered before (read_ct > 1)",
     "acks": "Messages acked (archived)",
+    "settled_in_transaction": (
+        "Messages whose task archived them in its own transaction (AtomicTask): the "
+        "worker's ack sent nothing"
+    ),
     "rejects": "Messages rejected (requeued or dead-lettered)",
     "requeues": "Rejects with requeue",
     "dead_lettered": "Messages moved to the dead-letter queue by this process",

@@ -68,7 +68,7 @@ from .. import errors
 from .._db.connector import Connector
 from .._db.pooling import mark_pooled, warn_polling_once
 from .._db.results import ResultStore
-from ..transport._binding import current_binding
+from ..transport._binding import current_binding, current_transaction
 from . import chords
 from ._shared import SharedConnector, shared_connector
 from .consumer import ResultConsumer
@@ -222,15 +222,20 @@ class ResultBackend(AsyncBackendMixin, BaseKeyValueStoreBackend):
 
     @property
     def store(self) -> ResultStore:
-        """The statements' store: the app's one result connection to the database in this
-        process, shared by its backend instances, one per thread or greenlet
-        (:mod:`kombu_pgmq.results._shared`; connecting, and checking the schema once per
-        process).
+        """The statements' store: inside an :class:`~kombu_pgmq.AtomicTask`'s transaction
+        on this backend's database, that transaction's connection (the task's result and
+        chord count commit with it); else the app's one result connection to the
+        database in this process, shared by its backend instances, one per thread or
+        greenlet (:mod:`kombu_pgmq.results._shared`; connecting, and checking the schema
+        once per process).
 
         Raises:
             BrokerConnectionError: the server cannot be reached.
             BootstrapError: the schema is missing and ``install_schema`` is off.
         """
+        binding = current_transaction()
+        if binding is not None and self.stores_in_transaction(binding):
+            return ResultStore(binding.external)
         db = self._db
         if db is None or db.closed:
             db = self._db = shared_connector(self.app, self.dsn, self.install_schema)
@@ -466,6 +471,15 @@ class ResultBackend(AsyncBackendMixin, BaseKeyValueStoreBackend):
 
     def on_chord_part_return(self, request: Any, state: str, result: Any, **kwargs: Any) -> None:
         chords.on_chord_part_return(self, request, state, result)
+
+    def stores_in_transaction(self, binding: Any) -> bool:
+        """Whether this backend's database is that of ``binding`` (an application's
+        connection), so writes can go into its transaction (looked up once per binding).
+
+        Raises:
+            BrokerConnectionError: this backend's database cannot be reached.
+        """
+        return bool(binding.in_database_of(self.dsn))
 
     def same_database_as_broker(self) -> bool:
         """True when the app's broker is kombu_pgmq's in this database (a chord's callback

@@ -24,7 +24,7 @@ from ._slots import running_request
 from .acks import warn_stale
 from .options import TransportOptions
 from .publisher import Publisher
-from .reader import Reader, receipt
+from .reader import SETTLED, Reader, receipt
 
 logger = logging.getLogger(__name__)
 
@@ -102,9 +102,16 @@ class QoS(virtual.QoS):
         """Archive the message: at once, or batched with others (see
         :meth:`Poller.defer_ack`: inside ``drain_events`` and in Celery's event loop).
         Acking a message that is not held (``no_ack`` consumers, already settled) does
-        nothing, as kombu's virtual QoS."""
+        nothing, as kombu's virtual QoS; nor does acking one its task's transaction
+        settled (``delivery_info[SETTLED]``, :class:`kombu_pgmq.AtomicTask`)."""
         message = self._delivered.get(delivery_tag)
         if message is None:
+            return
+        if message.delivery_info.get(SETTLED):
+            # its task's transaction archived it (kombu_pgmq.AtomicTask): nothing to send
+            STATS.settled_in_transaction += 1
+            super().ack(delivery_tag)
+            self.poller.wake()
             return
         held = receipt(message.delivery_info)
         STATS.acks += 1

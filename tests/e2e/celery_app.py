@@ -49,11 +49,12 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import psycopg
-from celery import Celery
+from celery import Celery, chord
 from celery.schedules import crontab
 from kombu import Exchange, Queue
 
 import kombu_pgmq  # noqa: F401  (registers postgresql:// with kombu)
+from kombu_pgmq.atomic import AtomicTask
 from kombu_pgmq.spark import SparkTask  # does not import pyspark
 
 #: DDL of the table where tasks record each execution (created by the test fixtures).
@@ -377,7 +378,45 @@ def create_app(env: Mapping[str, str] = os.environ) -> Celery:
         """sum(0..n-1) computed by Spark."""
         return int(self.spark.range(n).selectExpr("sum(id) AS s").collect()[0]["s"])
 
+    @app.task(shared=False, name="e2e.atomic_add", base=AtomicTask, bind=True)
+    def atomic_add(
+        self: Any,
+        key: str,
+        amount: int = 1,
+        *,
+        sleep_seconds: float = 0.0,
+        rerun_sleep_seconds: float = 0.0,
+        fail: str | None = None,
+        chord_size: int = 0,
+    ) -> dict[str, Any]:
+        """Record the execution (``e2e_runs``, its own connection: every run counts), then
+        in the task's transaction (:class:`kombu_pgmq.AtomicTask`): add *amount* to row
+        *key* of ``e2e_counters`` (:data:`COUNTERS_DDL`), send a chord of *chord_size*
+        ``e2e.add`` tasks with callback ``e2e.record_sum`` (0: none), sleep
+        *sleep_seconds* (first run) or *rerun_sleep_seconds* (later runs). *fail*:
+        ``"always"`` raises after the write, ``"retry_once"`` calls ``self.retry()``
+        (countdown 0) on the first run."""
+        runs = record_run(broker_url, self)
+        self.db.execute(
+            "INSERT INTO e2e_counters (key, n) VALUES (%s, %s) "
+            "ON CONFLICT (key) DO UPDATE SET n = e2e_counters.n + excluded.n",
+            (key, amount),
+        )
+        if chord_size:
+            chord([add.s(i, i) for i in range(chord_size)])(record_sum.s())
+        time.sleep(sleep_seconds if runs == 1 else rerun_sleep_seconds)
+        if fail == "always":
+            raise ValueError(f"atomic_add {key} fails")
+        if fail == "retry_once" and self.request.retries == 0:
+            raise self.retry(countdown=0)
+        return {"key": key, "runs": runs, "pid": os.getpid()}
+
     return app
 
+
+#: DDL of the counters ``e2e.atomic_add`` adds to in its transaction (created by the tests).
+COUNTERS_DDL = """
+CREATE TABLE IF NOT EXISTS e2e_counters (key text PRIMARY KEY, n bigint NOT NULL)
+"""
 
 app = create_app()

@@ -140,12 +140,14 @@ def group_files(group: str) -> list[Path]:
             p
             for p in PACKAGE.rglob("*.py")
             if p.relative_to(PACKAGE).parts[0]
-            not in ("spark", "results", "beat", "embedded.py", "flower.py")
+            not in ("spark", "results", "beat", "atomic.py", "embedded.py", "flower.py")
         )
     if group in ("results", "beat"):
         return sorted((PACKAGE / group).rglob("*.py"))
     if group == "embedded":
         return [PACKAGE / "embedded.py"]
+    if group == "atomic":
+        return [PACKAGE / "atomic.py"]
     if group == "spark":
         return sorted((PACKAGE / "spark").rglob("*.py"))
     if group == "flower":
@@ -159,6 +161,7 @@ GROUPS = {
     "embedded": "embedded",
     "spark": "spark",
     "results": "celery",
+    "atomic": "celery",
     "beat": "celery",
     "flower": "flower",
     "examples": "examples",
