@@ -55,7 +55,8 @@ WIDTH = 64
 
 ORDERS_DDL = (
     "CREATE TABLE IF NOT EXISTS example_orders ("
-    "id bigserial PRIMARY KEY, item text NOT NULL, total numeric NOT NULL)"
+    "id bigserial PRIMARY KEY, item text NOT NULL, total numeric NOT NULL);"
+    "ALTER TABLE example_orders ADD COLUMN IF NOT EXISTS paid integer NOT NULL DEFAULT 0"
 )
 
 
@@ -513,9 +514,35 @@ def run(job: Job) -> None:
     job.step("chain add(2, 3) | mul(4) | add(1)", chained)
     job.step("group(12 x flights_in_month), then xsum", grouped)
     job.step("busiest_routes(1)", routes)
+
+    def exactly_once() -> tuple[str, bool]:
+        """pay_order (an AtomicTask): its UPDATE, ack, result and sent task, one commit."""
+        import psycopg
+
+        with psycopg.connect(broker_url) as conn:
+            conn.execute(ORDERS_DDL)
+            order_id = conn.execute(
+                "INSERT INTO example_orders (item, total) VALUES ('LGA->ORD', 214) RETURNING id"
+            ).fetchone()[0]
+        result = tasks.pay_order.delay(order_id)
+        job.get(result)
+        job.tasks += 1
+        paid = sql_count(
+            broker_url, "SELECT paid FROM example_orders WHERE id = %(id)s", {"id": order_id}
+        )
+        archived = sql_count(
+            broker_url,
+            "SELECT count(*) FROM pgmq.a_examples WHERE headers->>'id' = %(id)s",
+            {"id": result.id},
+        )
+        return "order paid once; ack, result and confirm_order in its commit", (
+            paid == 1 and archived == 1
+        )
+
     job.step("order + its task in one transaction, committed:", lambda: in_transaction(True))
     job.step("order + its task in one transaction, rolled back:", lambda: in_transaction(False))
     job.step("task enqueued in SQL (kombu_pgmq.send_task):", from_sql)
+    job.step("pay_order (AtomicTask), exactly once:", exactly_once)
 
     def periodic() -> tuple[str, bool]:
         """The worker's beat (leader elected in PostgreSQL) sends add(40, 2) every 2 s."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from kombu_pgmq.atomic import AtomicTask
+
 from . import spark_flights
 from .celeryapp import app, broker_url
 
@@ -38,6 +40,18 @@ def confirm_order(order_id: int) -> dict[str, Any]:
     if row is None:
         return {"order": order_id, "found": False}
     return {"order": order_id, "found": True, "item": row[0], "total": float(row[1])}
+
+
+@app.task(base=AtomicTask, bind=True)
+def pay_order(self: AtomicTask, order_id: int) -> dict[str, Any]:
+    """Mark an order of ``example_orders`` paid and send its confirmation, exactly once:
+    the UPDATE, the ``confirm_order`` task, this task's result and the ack of its message
+    commit in one transaction (``self.db``, :class:`kombu_pgmq.AtomicTask`). A worker
+    killed before the commit leaves none of it (the message is delivered again), one
+    killed after it leaves all of it (the message is archived)."""
+    self.db.execute("UPDATE example_orders SET paid = paid + 1 WHERE id = %s", (order_id,))
+    confirm_order.delay(order_id)
+    return {"order": order_id}
 
 
 class TransientError(Exception):

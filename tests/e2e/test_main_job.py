@@ -216,6 +216,7 @@ def assert_every_result(out: str) -> None:
     assert re.search(r"in one transaction, committed: ran once, order \d+ found", out), out
     assert "in one transaction, rolled back: never queued, never ran" in out
     assert re.search(r"enqueued in SQL \(kombu_pgmq.send_task\): ran, order \d+ found", out)
+    assert "pay_order (AtomicTask), exactly once: order paid once; ack, result" in out
     assert re.search(r"every 2 s \(beat\): = 42, sent once by the leader \S+:\d+", out), out
     spread = re.search(r"at most 20/s across workers: delivered over (\d+\.\d\d) s", out)
     assert spread and float(spread.group(1)) >= 0.9, out  # 20 at 20/s, burst 1: >= 0.95 s
