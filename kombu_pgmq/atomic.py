@@ -74,7 +74,7 @@ from ._conninfo import to_dsn
 from ._db.rows import Receipt
 from .transactional import BoundConnection, _celery_broker_url, driver_connection, using
 from .transport._binding import CURRENT_TRANSACTION
-from .transport.reader import SETTLED
+from .transport.acks import SETTLED, SETTLES_ITSELF
 
 __all__ = ["AtomicRequest", "AtomicTask", "Fenced"]
 
@@ -287,6 +287,12 @@ class AtomicRequest(Request):
     """The worker's request of an :class:`AtomicTask`: when the task's transaction
     settled its message (the task succeeded, or was fenced), the worker's own ack of it
     sends nothing (no statement, no stale-ack warning)."""
+
+    def __init__(self, message: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(message, *args, **kwargs)
+        info = getattr(message, "delivery_info", None)
+        if isinstance(info, dict):
+            info[SETTLES_ITSELF] = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

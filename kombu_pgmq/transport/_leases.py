@@ -36,20 +36,22 @@ from .._db.broker import Broker, Receipt
 from .._stats import STATS
 from ._service import Service
 from ._slots import Slots
+from .acks import SETTLES_ITSELF
 
 logger = logging.getLogger(__name__)
 
 
 class Held(NamedTuple):
     """A message this connection holds: PGMQ queue, msg_id, the read_ct it was read
-    with, its enqueued_at (the receipt), and the visibility timeout (seconds) its channel
-    uses."""
+    with, its enqueued_at (the receipt), the visibility timeout (seconds) its channel
+    uses, and whether its task may settle it in its own transaction (``SETTLES_ITSELF``)."""
 
     queue: str
     msg_id: int
     read_ct: int
     vt_seconds: int
     enqueued_at: Any = None
+    settles_itself: bool = False
 
     @property
     def receipt(self) -> Receipt:
@@ -96,6 +98,7 @@ def held_by(channels: Iterable[Any]) -> list[Held]:
                     info["pgmq_read_ct"],
                     vt,
                     info.get("pgmq_enqueued_at"),
+                    info.get(SETTLES_ITSELF, False),
                 )
             )
     return held
@@ -182,14 +185,23 @@ class LeaseKeeper(Service):
                 renewed |= broker.renew([h.receipt for h in group], vt)
         self.statements += len(by_vt)
         STATS.lease_renewals += len(renewed)
-        lost = [
-            (h.queue, h.msg_id)
+        missed = [
+            h
             for h in held
             if (h.queue, h.msg_id) not in renewed and self._still_held(h.queue, h.msg_id)
         ]
+        lost = [(h.queue, h.msg_id) for h in missed if not h.settles_itself]
+        for h in missed:
+            self._lost.add((h.queue, h.msg_id))
+            if h.settles_itself:
+                logger.debug(
+                    "message %s in PGMQ queue %r not renewed: its task's transaction "
+                    "settled it (or lost it to another delivery: the task says so)",
+                    h.msg_id,
+                    h.queue,
+                )
         STATS.lost_leases += len(lost)
         for queue, msg_id in lost:
-            self._lost.add((queue, msg_id))
             logger.warning(
                 "lost the lease of message %s in PGMQ queue %r: its visibility timeout "
                 "passed (e.g. during a database outage) and it was delivered again, or it "

@@ -30,9 +30,17 @@ from ..errors import (
     StatementCanceled,
 )
 
-__all__ = ["ACK_BATCH_SECONDS", "AckBatch"]
+__all__ = ["ACK_BATCH_SECONDS", "SETTLED", "SETTLES_ITSELF", "AckBatch"]
 
 logger = logging.getLogger(__name__)
+
+#: ``delivery_info`` key set (True) on a message its task settled in its own transaction
+#: (:class:`kombu_pgmq.AtomicTask`): the channel's ack of it then sends nothing.
+SETTLED = "pgmq_settled"
+#: ``delivery_info`` key set (True) on a message whose task may settle it in its own
+#: transaction (an AtomicTask's): a lease renewal that misses it is that commit, most
+#: likely, and is not warned about (a fenced run warns in the task's own log).
+SETTLES_ITSELF = "pgmq_settles_itself"
 
 #: Seconds, in Celery's event loop, between two statements of acks alone (not riding
 #: with a read): an ack made sooner after the last one waits for a read or for this, so a

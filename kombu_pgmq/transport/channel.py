@@ -21,10 +21,10 @@ from .._stats import STATS
 from ._interfaces import PollerView, TransportView
 from ._leases import LeaseKeeper
 from ._slots import running_request
-from .acks import warn_stale
+from .acks import SETTLED, warn_stale
 from .options import TransportOptions
 from .publisher import Publisher
-from .reader import SETTLED, Reader, receipt
+from .reader import Reader, receipt
 
 logger = logging.getLogger(__name__)
 

@@ -132,11 +132,6 @@ def smallest_read(base_prefetch: int | None, prefetch_count: int, batch_size: in
     return max(1, min(base, batch_size) // 2)
 
 
-#: ``delivery_info`` key set (True) on a message its task settled in its own transaction
-#: (:class:`kombu_pgmq.AtomicTask`): the channel's ack of it then sends nothing.
-SETTLED = "pgmq_settled"
-
-
 def receipt(delivery_info: dict[str, Any]) -> Receipt:
     """The receipt handle of a delivered message (from its ``delivery_info``)."""
     return Receipt(

@@ -12,6 +12,7 @@ import pytest
 from kombu import Consumer, Queue
 
 from kombu_pgmq.errors import ConfigurationError
+from kombu_pgmq.transport.acks import SETTLES_ITSELF
 
 from .helpers import connect, publish, sql, table
 
@@ -154,3 +155,21 @@ def test_lease_renewal_interval_must_be_below_the_visibility_timeout(db_dsn, val
     conn = connect(db_dsn, visibility_timeout=30, lease_renewal_interval=value)
     with pytest.raises(ConfigurationError, match="lease_renewal_interval"), conn:
         conn.connect()
+
+
+def test_a_message_its_task_settled_is_not_reported_lost(db_dsn, caplog):
+    # an AtomicTask's message: its task's transaction archived it before the worker's ack
+    with connect(db_dsn, lease_renewal_interval=0) as holder:
+        publish(holder, "settles_itself", ["x", "y"])
+        channel = holder.channel()
+        settled, plain = channel.basic_get("settles_itself"), channel.basic_get("settles_itself")
+        assert settled is not None and plain is not None
+        settled.delivery_info[SETTLES_ITSELF] = True
+        ids = [m.delivery_info["pgmq_msg_id"] for m in (settled, plain)]
+        sql(db_dsn, f"DELETE FROM {table('settles_itself')} WHERE msg_id = ANY(%s)", (ids,))
+        with caplog.at_level(logging.WARNING, logger="kombu_pgmq.transport._leases"):
+            result = holder.transport.leases.renew()
+        name = plain.delivery_info["pgmq_queue"]
+        assert result.lost == [(name, plain.delivery_info["pgmq_msg_id"])]
+        assert caplog.text.count("lost the lease") == 1
+        assert f"message {ids[0]} " not in caplog.text
