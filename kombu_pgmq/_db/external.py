@@ -64,6 +64,6 @@ class ExternalConnector(Connector):
             diag = exc.diag
             return StaleDelivery(f"{diag.message_primary}: {diag.message_hint}")
         return TransactionError(
-            f"publishing in the application's transaction failed: {translate(exc)}; the "
+            f"a statement in the application's transaction failed: {translate(exc)}; the "
             "transaction is aborted (PostgreSQL rolls it back): roll back and try it again"
         )

@@ -154,3 +154,44 @@ def test_killed_before_commit_leaves_neither_row_nor_chord(start_worker, app, co
         timeout=60,
         what="the chord callback",
     )
+
+
+@pytest.mark.parametrize("limit", ["soft_time_limit", "time_limit"])
+def test_a_time_limit_rolls_the_write_back(start_worker, app, counters, limit):
+    # soft: SoftTimeLimitExceeded raised in the body; hard: the pool process is killed and
+    # the server rolls its transaction back. Either way Celery fails the task and acks it.
+    start_worker()
+    result = app.tasks["e2e.atomic_add"].apply_async(
+        ("limited",), {"sleep_seconds": 30}, **{limit: 1}
+    )
+    with pytest.raises(Exception, match=r"TimeLimitExceeded|SoftTimeLimitExceeded"):
+        result.get(timeout=60)
+    assert counter(counters, "limited") is None
+    wait_for(lambda: queued(counters) == 0, timeout=30, what="the ack of the failed task")
+    assert len(archived(counters, result.id)) == 1
+    assert len(runs(counters, result.id)) == 1
+
+
+def test_a_lost_connection_requeues_the_task_and_it_runs_again(start_worker, app, counters):
+    # the task's session is terminated while its transaction is open (as a server restart
+    # would end it): rolled back, requeued, run again on a new connection, applied once
+    worker = start_worker()
+    result = app.tasks["e2e.atomic_add"].delay("reconnected", sleep_seconds=3)
+    wait_for(lambda: len(runs(counters, result.id)) == 1, timeout=60, what="the first run")
+    pids = wait_for(
+        lambda: [
+            r[0]
+            for r in counters.execute(
+                "SELECT pid FROM pg_stat_activity WHERE state = 'idle in transaction' "
+                "AND query LIKE '%%e2e_counters%%'"
+            )
+        ],
+        timeout=30,
+        what="the task's open transaction",
+    )
+    counters.execute("SELECT pg_terminate_backend(pid) FROM unnest(%s::int[]) AS pid", (pids,))
+    assert result.get(timeout=60)["runs"] == 2
+    assert counter(counters, "reconnected") == 1
+    assert len(archived(counters, result.id)) == 1
+    assert queued(counters) == 0
+    assert "reject requeue=True" in worker.log(), worker.log()
