@@ -128,6 +128,7 @@ def test_fencing_the_delivery_that_lost_its_message_commits_nothing(start_worker
     assert queued(counters) == 0
     assert settled_in_transaction(counters) == 1
     assert "went to another delivery" not in second.log()
+    assert "stale" not in first.log(), first.log()  # its own ack sent nothing
 
 
 def test_killed_before_commit_leaves_neither_row_nor_chord(start_worker, app, counters):
