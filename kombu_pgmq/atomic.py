@@ -58,6 +58,7 @@ Task options (class attributes; ``@app.task(base=AtomicTask, atomic_db=...)``):
 from __future__ import annotations
 
 import contextvars
+import functools
 import importlib
 import logging
 import os
@@ -125,7 +126,7 @@ class _Transaction:
         self.manager.__enter__()
         self.open = True
         self.bound = using(driver_connection(self.handle), broker_url=broker_url)
-        self.bound.binding.check_broker(to_dsn(broker_url), "the Celery app's broker_url")
+        self.bound.binding.check_broker(_dsn(broker_url), "the Celery app's broker_url")
         self.bound.__enter__()
         self._tokens = [
             (CURRENT_TRANSACTION, CURRENT_TRANSACTION.set(self.bound.binding)),
@@ -395,7 +396,7 @@ def _open(target: Any, broker_url: str) -> _Transaction:
     if target is None:
         target = broker_url
     if isinstance(target, str):
-        conn = _connection(to_dsn(target))
+        conn = _connection(_dsn(target))
         return _Transaction(conn, conn.transaction())
     made = False
     if callable(target) and not isinstance(target, psycopg.Connection):
@@ -418,6 +419,12 @@ def _open(target: Any, broker_url: str) -> _Transaction:
         "a libpq URL, a psycopg 3 Connection, a SQLAlchemy Engine, sessionmaker, Session "
         "or Connection, or a Django connection (or a callable returning one)"
     )
+
+
+@functools.lru_cache(maxsize=64)
+def _dsn(url: str) -> str:
+    """The libpq string of a broker URL (parsed once per URL and process)."""
+    return to_dsn(url)
 
 
 def _application_module(name: str) -> Any:
