@@ -4,8 +4,9 @@ PostgreSQL crash, against Redis and RabbitMQ in the same run.
 Usage (from the repository root)::
 
     python benchmarks/chaos.py [--tasks 20000] [--workers 4] [--concurrency 2]
-        [--kill-every 3] [--task-ms 2] [--brokers kombu_pgmq,redis,rabbitmq]
-        [--no-crash] [--json benchmarks/results/chaos.json]
+        [--kill-every 3] [--kill-jitter 0] [--kill-until-done] [--task-ms 2]
+        [--brokers kombu_pgmq,redis,rabbitmq] [--modes work] [--no-crash]
+        [--json benchmarks/results/chaos.json]
 
 For each broker, :func:`tests.e2e.chaos.run`: ``--workers`` Celery workers (prefork,
 ``--concurrency`` each, ``acks_late`` and ``reject_on_worker_lost``) drain ``--tasks``
@@ -24,8 +25,17 @@ process group) is SIGKILLed every ``--kill-every`` seconds and started again.
 * ``rabbitmq``: ``amqp://guest:guest@127.0.0.1:5672//`` (no crash step: stopping this
   machine's RabbitMQ node is outside the run).
 
-Reported per broker: published, executed, distinct, lost (must be 0), duplicates, kills,
-duplicates per kill, crashes, times. Exit status 1 if any broker lost a message or a run failed.
+``--modes`` (comma-separated, each run against each broker): ``work`` (``chaos.work``,
+every broker); ``count`` (``chaos.count``, a ``kombu_pgmq.AtomicTask``: its counter write,
+result and ack in one transaction) and ``count_plain`` (``chaos.count_plain``, the same
+writes committed before a plain ``acks_late`` ack): kombu_pgmq only, each on a server of
+its own. ``--kill-until-done``: kills go on until every task is done, not only while
+publishing.
+
+Reported per broker and mode: published, executed (attempts), distinct, lost (must be 0),
+duplicates, kills, duplicates per kill, crashes, times; for the counting modes also the
+final counter, tasks applied twice, results by state and messages left in the queue.
+Exit status 1 if a run lost a message, failed, or (``count``) applied a task twice.
 """
 
 from __future__ import annotations
@@ -68,7 +78,7 @@ OTHERS = {
 }
 
 
-def run_ours(args: argparse.Namespace) -> dict[str, Any]:
+def run_ours(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     server = pgserver.start_server(settings=DURABLE)
     try:
         with psycopg.connect(server.dsn, autocommit=True) as conn:
@@ -81,14 +91,18 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
             server.start_again()
 
         crash_step = crash if args.crash else None
-        result = chaos.run(config(args, url, {"visibility_timeout": 10}, crash_step))
+        result = chaos.run(config(args, url, {"visibility_timeout": 10}, crash_step, mode))
         return {"url": "postgresql (throwaway server, fsync on)", **result.as_dict()}
     finally:
         server.stop()
 
 
 def config(
-    args: argparse.Namespace, url: str, options: dict[str, Any], crash: Any = None
+    args: argparse.Namespace,
+    url: str,
+    options: dict[str, Any],
+    crash: Any = None,
+    mode: str = "work",
 ) -> chaos.ChaosConfig:
     return chaos.ChaosConfig(
         broker_url=url,
@@ -97,7 +111,10 @@ def config(
         workers=args.workers,
         concurrency=args.concurrency,
         kill_every_s=args.kill_every,
+        kill_jitter_s=args.kill_jitter,
+        kill_until_done=args.kill_until_done,
         crash=crash,
+        task=mode,
         task_ms=args.task_ms,
         settle_timeout_s=args.settle_timeout,
     )
@@ -109,6 +126,15 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--kill-every", type=float, default=3.0, help="seconds")
+    parser.add_argument("--kill-jitter", type=float, default=0.0, help="seconds, up to")
+    parser.add_argument(
+        "--kill-until-done",
+        action="store_true",
+        help="kill until every task is done (default: while publishing, then 5 s)",
+    )
+    parser.add_argument(
+        "--modes", default="work", help=f"comma-separated, of {','.join(chaos.TASKS)}"
+    )
     parser.add_argument("--task-ms", type=int, default=2)
     parser.add_argument("--settle-timeout", type=float, default=300.0, help="seconds")
     parser.add_argument("--brokers", default="kombu_pgmq,redis,rabbitmq")
@@ -129,26 +155,25 @@ def main() -> int:
         "kombu": kombu.__version__,
         "args": vars(args) | {"json": str(args.json) if args.json else None},
     }
+    modes = args.modes.split(",")
+    unknown = [m for m in modes if m not in chaos.TASKS]
+    if unknown:
+        parser.error(f"--modes: {unknown} not in {chaos.TASKS}")
     results: dict[str, Any] = {}
-    for name in args.brokers.split(","):
-        print(f"[{name}] running...", file=sys.stderr, flush=True)
-        if name == "kombu_pgmq":
-            results[name] = run_ours(args)
-        else:
-            url, options = OTHERS[name]
-            outcome = chaos.run(config(args, url, options))
-            results[name] = {"url": url, "transport_options": options, **outcome.as_dict()}
-        res = results[name]
-        print(
-            f"[{name}] published {res['published']}, executed {res['executed']} "
-            f"({res['distinct']} distinct), lost {res['lost']}, duplicates "
-            f"{res['duplicates']}, kills {res['kills']}, crashes {res['crashes']}, "
-            f"{res['total_s']} s; duplicates' first runs ended before a kill by (ms): "
-            f"{res['duplicate_gaps_ms']}; errors: {res['errors'][:3]}",
-            file=sys.stderr,
-            flush=True,
-        )
-    head = ["broker", "published", "executed", "lost", "duplicated", "kills", "dup/kill"]
+    for mode in modes:
+        for broker in args.brokers.split(","):
+            if mode != "work" and broker != "kombu_pgmq":
+                continue  # the counting tasks write to the broker's database
+            name = broker if mode == "work" else f"{broker}:{mode}"
+            print(f"[{name}] running...", file=sys.stderr, flush=True)
+            if broker == "kombu_pgmq":
+                results[name] = run_ours(args, mode)
+            else:
+                url, options = OTHERS[broker]
+                outcome = chaos.run(config(args, url, options))
+                results[name] = {"url": url, "transport_options": options, **outcome.as_dict()}
+            report(name, results[name])
+    head = ["run", "published", "executed", "lost", "duplicated", "kills", "dup/kill"]
     head += ["crashes", "s"]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for name, res in results.items():
@@ -156,13 +181,49 @@ def main() -> int:
         per_kill = res["duplicates"] / res["kills"] if res["kills"] else 0.0
         row += [str(res["kills"]), f"{per_kill:.2f}", str(res["crashes"]), str(res["total_s"])]
         print("| " + " | ".join(row) + " |")
+    counted = {name: res for name, res in results.items() if res["task"] != "work"}
+    if counted:
+        head = ["run", "counter", "applied twice", "unapplied", "attempts", "kills", "results"]
+        head += ["queue left"]
+        print("\n| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+        for name, res in counted.items():
+            row = [name, f"{res['counter']:,}" if res["counter"] is not None else "-"]
+            row += [str(res["applied_duplicates"]), str(res["unapplied"])]
+            row += [f"{res['executed']:,}", str(res["kills"]), str(res["results"] or "-")]
+            row += [str(res["queue_left"])]
+            print("| " + " | ".join(row) + " |")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"environment": env, "results": results}, indent=2) + "\n")
     failed = any(
-        r["lost"] or any(e.startswith("run:") for e in r["errors"]) for r in results.values()
+        r["lost"]
+        or r.get("unapplied")
+        or (r["task"] == "count" and r.get("applied_duplicates"))
+        or any(e.startswith(("run:", "account:")) for e in r["errors"])
+        for r in results.values()
     )
     return 1 if failed else 0
+
+
+def report(name: str, res: dict[str, Any]) -> None:
+    """One run's line on stderr."""
+    counted = ""
+    if res["task"] != "work":
+        counted = (
+            f"; counter {res['counter']}, applied twice {res['applied_duplicates']} "
+            f"{res['applied_twice_sample']}, unapplied {res['unapplied']}, results "
+            f"{res['results']}, not SUCCESS {res['results_not_success'][:5]}, queue left "
+            f"{res['queue_left']}"
+        )
+    print(
+        f"[{name}] published {res['published']}, executed {res['executed']} "
+        f"({res['distinct']} distinct), lost {res['lost']}, duplicates "
+        f"{res['duplicates']}, kills {res['kills']}, crashes {res['crashes']}, "
+        f"{res['total_s']} s; duplicates' first runs ended before a kill by (ms): "
+        f"{res['duplicate_gaps_ms']}; errors: {res['errors'][:3]}{counted}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 if __name__ == "__main__":
