@@ -89,8 +89,9 @@ def start_worker(
     request: pytest.FixtureRequest, tmp_path: Path, e2e_env: dict[str, str], app: Celery
 ) -> Iterator[Callable[..., Worker]]:
     """``start_worker(wait=True, *, extra_args=(), without=DEFAULT_WITHOUT, own_queue=True,
-    queues=("celery",), concurrency=2, pool="prefork", **env_overrides) -> Worker``
-    (keywords as :class:`Worker`'s); every worker is stopped at teardown."""
+    queues=("celery",), concurrency=2, pool="prefork", app_module="tests.e2e.celery_app",
+    **env_overrides) -> Worker`` (keywords as :class:`Worker`'s); every worker is stopped
+    at teardown."""
     workers: list[Worker] = []
     reported = request.node.stash.setdefault(_WORKERS_KEY, [])
 
@@ -103,6 +104,7 @@ def start_worker(
         queues: Sequence[str] = ("celery",),
         concurrency: int = 2,
         pool: str = "prefork",
+        app_module: str = "tests.e2e.celery_app",
         **env_overrides: str,
     ) -> Worker:
         name = f"w{len(workers) + 1}_{uuid.uuid4().hex[:6]}"
@@ -116,6 +118,7 @@ def start_worker(
             queues=queues,
             concurrency=concurrency,
             pool=pool,
+            app_module=app_module,
         )
         workers.append(worker)
         reported.append(worker)
