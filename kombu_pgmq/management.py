@@ -96,7 +96,9 @@ class QueueStats:
     ``bands`` has one entry per PGMQ queue (band floor ``band``; one entry without
     priorities); ``limits``: the queue's limits and their use (None: not limited, or
     not read: see :meth:`Management.queues`); ``dead_tuples``: dead row versions of its
-    tables (None: no statistics yet).
+    tables (None: no statistics yet); ``settled_in_transaction``: messages of the queue
+    archived by their task's own transaction (:class:`~kombu_pgmq.AtomicTask`), since the
+    schema counts them (None: not read, see :meth:`Management.queues`).
     """
 
     name: str
@@ -112,6 +114,7 @@ class QueueStats:
     bands: tuple[BandStats, ...]
     limits: LimitInfo | None = None
     dead_tuples: int | None = None
+    settled_in_transaction: int | None = None
 
     @property
     def messages(self) -> int:
@@ -144,6 +147,7 @@ class QueueStats:
             ],
             "limits": None if self.limits is None else self.limits.as_dict(queue=False),
             "dead_tuples": self.dead_tuples,
+            "settled_in_transaction": self.settled_in_transaction,
         }
 
 
@@ -178,6 +182,11 @@ def _summed(dead: Mapping[str, int], bands: Iterable[BandStats]) -> int | None:
     """Dead tuples of a queue's band tables (None: none has statistics yet)."""
     found = [dead[b.pgmq_queue] for b in bands if b.pgmq_queue in dead]
     return sum(found) if found else None
+
+
+def _counted(settled: Mapping[str, int], bands: Iterable[BandStats]) -> int:
+    """Messages of a queue's bands settled in a transaction."""
+    return sum(settled.get(b.pgmq_queue, 0) for b in bands)
 
 
 def _headers(text: str | None) -> dict[str, Any]:
@@ -354,6 +363,7 @@ class Management:
         self._results_checked = False
         self._beat_checked = False
         self._limits_readable: bool | None = None  # None: not tried yet
+        self._settled_readable: bool | None = None  # None: not tried yet
         self._admin_ops = Admin(self._db)
 
     @property
@@ -381,7 +391,10 @@ class Management:
         self, *, exact_archive_below: int = EXACT_ARCHIVE_BELOW, limits: bool = True
     ) -> list[QueueStats]:
         """Every queue's statistics (one statement: one scan of each queue table), sorted
-        by name; with ``limits``, each limited queue's limits and their use
+        by name, with its dead row versions and the messages settled in a transaction
+        (``QueueStats.settled_in_transaction``: one statement each; the latter None when
+        the database has no ``kombu_pgmq.settled_in_transaction()`` or the role may not
+        call it); with ``limits``, each limited queue's limits and their use
         (``QueueStats.limits``: one more statement, which counts the in-flight messages
         of each limited queue), left out when they cannot be read (see
         :meth:`limits_readable`)."""
@@ -389,8 +402,14 @@ class Management:
 
         rows = self._admin.queue_stats(pgmq_queue_name(self.dead_letter_queue), exact_archive_below)
         dead = HorizonStore(self._db).dead_tuples()
+        settled = self._settled_in_transaction()
         stats = [
-            dataclasses.replace(q, dead_tuples=_summed(dead, q.bands)) for q in queue_stats(rows)
+            dataclasses.replace(
+                q,
+                dead_tuples=_summed(dead, q.bands),
+                settled_in_transaction=None if settled is None else _counted(settled, q.bands),
+            )
+            for q in queue_stats(rows)
         ]
         if not limits or not self.limits_readable():
             return stats
@@ -401,6 +420,21 @@ class Management:
             self._limits_readable = False
             return stats
         return [dataclasses.replace(q, limits=found.get(q.name)) for q in stats]
+
+    def _settled_in_transaction(self) -> dict[str, int] | None:
+        """Messages settled in a transaction per PGMQ queue (None: the database has no
+        ``kombu_pgmq.settled_in_transaction()``, or the role may not call it: logged,
+        and not tried again)."""
+        if self._settled_readable is None:
+            self._settled_readable = self._admin.settled_in_transaction_installed()
+        if not self._settled_readable:
+            return None
+        try:
+            return self._admin.settled_in_transaction()
+        except errors.PermissionDenied as exc:
+            logger.info("kombu_pgmq: messages settled in a transaction left out: %s", exc)
+            self._settled_readable = False
+            return None
 
     def horizon(self) -> Horizon | None:
         """The oldest holder of the database's xmin horizon other than this connection

@@ -38,6 +38,11 @@ summed; see :mod:`kombu_pgmq.management` for the states):
 ``kombu_pgmq_queue_paused{queue}``               1 while ``kombu-pgmq queue pause``-d
 ``kombu_pgmq_queue_dead_tuples{queue}``          dead row versions in its tables, not
                                                  vacuumed yet (server statistics)
+``kombu_pgmq_queue_settled_in_transaction_total{queue}``  messages archived by their
+                                                 task's own transaction
+                                                 (:class:`~kombu_pgmq.AtomicTask`; counter;
+                                                 absent without
+                                                 ``kombu_pgmq.settled_in_transaction()``)
 ``kombu_pgmq_xmin_horizon_age_seconds``          seconds since the oldest holder of the
                                                  database's xmin horizon began its
                                                  transaction (0: none; absent when the
@@ -93,8 +98,10 @@ from :mod:`kombu_pgmq._stats`): ``kombu_pgmq_deliveries_total``,
 ``kombu_pgmq_dead_lettered_total``, ``kombu_pgmq_lease_renewals_total``,
 ``kombu_pgmq_lost_leases_total``, ``kombu_pgmq_publishes_total``,
 ``kombu_pgmq_publish_errors_total``, ``kombu_pgmq_handoffs_total`` (deliveries handed off
-at publish, without a read). In a Celery worker (prefork), deliveries, acks and
-leases happen in the main process: export from there, e.g. on ``worker_init``::
+at publish, without a read), ``kombu_pgmq_settled_in_transaction_total`` (messages an
+:class:`~kombu_pgmq.AtomicTask` archived in its transaction, whose ack sent nothing). In
+a Celery worker (prefork), deliveries, acks and leases happen in the main process: export
+from there, e.g. on ``worker_init``::
 
     from celery.signals import worker_init
 
@@ -347,6 +354,11 @@ class QueueCollector(Collector):
             "Dead row versions in a queue's tables, not vacuumed yet (server statistics)",
             labels=["queue"],
         )
+        settled = CounterMetricFamily(
+            "kombu_pgmq_queue_settled_in_transaction",
+            "Messages of a queue archived by their task's own transaction (AtomicTask)",
+            labels=["queue"],
+        )
         for q in snapshot.stats:
             for state in _STATES:
                 messages.add_metric([q.name, state], getattr(q, state))
@@ -362,7 +374,9 @@ class QueueCollector(Collector):
             paused.add_metric([q.name], 1 if q.paused else 0)
             if q.dead_tuples is not None:
                 dead_tuples.add_metric([q.name], q.dead_tuples)
-        yield from (messages, bands, age, dead, archive, consumers, paused, dead_tuples)
+            if q.settled_in_transaction is not None:
+                settled.add_metric([q.name], q.settled_in_transaction)
+        yield from (messages, bands, age, dead, archive, consumers, paused, dead_tuples, settled)
         yield from _horizon_families(snapshot.horizon)
         yield from limit_families(snapshot.stats)
         results = GaugeMetricFamily(

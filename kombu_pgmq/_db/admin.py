@@ -78,6 +78,11 @@ class _Cancelled(NamedTuple):
     msg_id: int
 
 
+class _Settled(NamedTuple):
+    pgmq_queue: str
+    settled: int
+
+
 class _QueueTable(NamedTuple):
     queue: str
     archived: bool
@@ -157,6 +162,24 @@ class Admin:
             "exact_archive_below": exact_archive_below,
         }
         return self.db.fetch("queue_stats", params, BandStats)
+
+    def settled_in_transaction_installed(self) -> bool:
+        """``kombu_pgmq.settled_in_transaction()`` is in this database (schema version
+        32)."""
+        return bool(self.db.scalar("settled_in_transaction_installed"))
+
+    def settled_in_transaction(self) -> dict[str, int]:
+        """Messages settled inside an application's transaction
+        (:class:`~kombu_pgmq.AtomicTask`, committed ones), per PGMQ queue that has any.
+
+        Raises:
+            PermissionDenied: the role is not granted ``producer`` or ``worker``.
+            StatementError: the function is missing (see
+                :meth:`settled_in_transaction_installed`).
+        """
+        return {
+            r.pgmq_queue: r.settled for r in self.db.fetch("settled_in_transaction", None, _Settled)
+        }
 
     def pause(self, queue: str) -> list[str]:
         """Pause Kombu queue ``queue``; its PGMQ queues.

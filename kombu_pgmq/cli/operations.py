@@ -87,15 +87,18 @@ def _table(title: str, columns: list[tuple[str, str]]) -> Table:
 @json_option
 def queues(url: str | None, dlq_name: str, everything: bool, as_json: bool) -> None:
     """Every queue: ready, in flight, delayed, oldest age, consumers, archive, DLQ,
-    dead rows, limits.
+    settled in a transaction, dead rows, limits.
 
     ready: visible now; in flight: delivered, held by a consumer's visibility timeout;
     delayed: countdown/ETA not due yet. Oldest: age since publish of the oldest ready or
     in-flight message. Archive: acked messages (an estimate above 100,000, marked ~).
-    DLQ: dead letters that came from the queue. Dead rows (shown when a queue has 1,000
-    or more): row versions deliveries and acks left in its tables, not vacuumed yet;
-    when an old transaction holds the database's xmin horizon (VACUUM can remove none
-    of them), it is named below the table (JSON: dead_tuples, dead_tuples_held_by).
+    DLQ: dead letters that came from the queue. In tx (shown when a queue has some):
+    messages archived by their task's own transaction (AtomicTask; JSON:
+    settled_in_transaction, null when the database or role cannot count them). Dead
+    rows (shown when a queue has 1,000 or more): row versions deliveries and acks left
+    in its tables, not vacuumed yet; when an old transaction holds the database's xmin
+    horizon (VACUUM can remove none of them), it is named below the table (JSON:
+    dead_tuples, dead_tuples_held_by).
     Limits (shown when a queue has some):
     conc 3/5 = 3 in flight of a concurrency limit of 5, a rate (100/s), key 2 = 2 per key,
     fifo = a FIFO queue (see kombu-pgmq queue limit QUEUE).
@@ -116,6 +119,7 @@ def queues(url: str | None, dlq_name: str, everything: bool, as_json: bool) -> N
         return
     limited = any(q.limits is not None for q in stats)
     dead = any((q.dead_tuples or 0) >= HELD_DEAD_ROWS for q in stats)
+    atomic = any(q.settled_in_transaction for q in stats)
     table = _table(
         "queues",
         [
@@ -127,6 +131,7 @@ def queues(url: str | None, dlq_name: str, everything: bool, as_json: bool) -> N
             ("consumers", "right"),
             ("archive", "right"),
             ("DLQ", "right"),
+            *([("in tx", "right")] if atomic else []),
             *([("dead rows", "right")] if dead else []),
             ("state", "left"),
             *([("limits", "left")] if limited else []),
@@ -145,6 +150,7 @@ def queues(url: str | None, dlq_name: str, everything: bool, as_json: bool) -> N
             str(q.consumers),
             archive,
             f"{q.dead_letters:,}",
+            *([f"{q.settled_in_transaction or 0:,}"] if atomic else []),
             *([f"{q.dead_tuples or 0:,}"] if dead else []),
             "[yellow]paused[/yellow]" if q.paused else "",
             *([limit_summary(q.limits)] if limited else []),

@@ -13,6 +13,10 @@ SELECT queue, pgmq_queue, band, ready, in_flight, delayed, oldest_age_seconds, a
        archived_estimated, consumers, dead_letters, paused
 FROM kombu_pgmq.queue_stats(%(dead_letter_queue)s, %(exact_archive_below)s::bigint)
 
+-- name: settled_in_transaction_installed
+-- The count of messages settled inside an application's transaction is installed.
+SELECT to_regprocedure('kombu_pgmq.settled_in_transaction()') IS NOT NULL AS installed
+
 -- name: settled_in_transaction
 -- Messages settled inside an application's transaction (AtomicTask), per PGMQ queue.
 SELECT pgmq_queue, settled FROM kombu_pgmq.settled_in_transaction()
