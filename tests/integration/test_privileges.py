@@ -1,5 +1,6 @@
 """Least privilege: an owner role that is no superuser installs the schema; a
-producer role may only publish; a worker role may consume, ack, reject and declare its
+producer role may only publish (and read the statistics); a worker role may consume,
+ack (also inside its own transaction, as an AtomicTask does), reject and declare its
 own queues, nothing else (``install_schema=False``). Each refusal is checked on a real
 server, as the role itself, through Kombu and in plain SQL.
 """
@@ -18,6 +19,7 @@ from kombu.exceptions import OperationalError
 import kombu_pgmq  # noqa: F401
 from kombu_pgmq import errors, schema
 from kombu_pgmq.dlq import DeadLetterQueue
+from kombu_pgmq.management import Management
 from tests.conftest import LeastPrivilegeDb
 
 from .helpers import WaitingConsumer, sql
@@ -440,3 +442,47 @@ def test_in_the_event_loop_a_worker_without_table_rights_polls_by_reading(least_
         poller.unregister_from_event_loop()
     assert [m.decode() for m in got] == [{"n": 7}]
     assert _owner_count(db, "q_orders") == 0
+
+
+def _ack_in_transaction(message: Any) -> str:
+    """The statement an AtomicTask's transaction runs to ack ``message`` (its receipt)."""
+    info = message.delivery_info
+    enqueued = info["pgmq_enqueued_at"].isoformat()
+    return (
+        f"SELECT kombu_pgmq.ack_in_transaction('{info['pgmq_queue']}', {info['pgmq_msg_id']},"
+        f" {info['pgmq_read_ct']}, '{enqueued}')"
+    )
+
+
+def test_a_worker_acks_in_its_transaction_a_producer_may_not_and_reads_the_count(
+    least_privilege_db,
+):
+    db = least_privilege_db
+    _declare_as_worker(db)
+    with _connection(db.producer_url) as conn:
+        producer = Producer(conn.default_channel)
+        for n in range(2):
+            producer.publish({"n": n}, exchange=EXCHANGE, routing_key="orders")
+    with _connection(db.worker_url) as conn:
+        channel = conn.channel()
+        held = [channel.basic_get("orders", no_ack=False) for _ in range(2)]
+        assert all(message is not None for message in held)
+        first, second = (_ack_in_transaction(message) for message in held)
+        assert "function ack_in_transaction" in _sql_refused(db.producer_url, first)
+        with psycopg.connect(db.worker_url) as pg:  # the application's transaction
+            pg.execute(first)
+            pg.commit()
+            pg.execute(second)
+            pg.rollback()  # rolled back: the message stays held, nothing counted
+            with pytest.raises(psycopg.Error) as stale:
+                pg.execute(first)  # the fence: that delivery's message is archived
+            assert stale.value.sqlstate == "KP001"
+    assert _owner_count(db, "a_orders") == 1
+    with psycopg.connect(db.producer_url, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT pgmq_queue, settled FROM kombu_pgmq.settled_in_transaction()"
+        ).fetchall()
+    assert rows == [(held[0].delivery_info["pgmq_queue"], 1)]
+    with Management(db.producer_url) as management:
+        stats = {q.name: q for q in management.queues()}
+    assert stats["orders"].settled_in_transaction == 1
