@@ -94,19 +94,6 @@ def test_retry_rolls_back_and_sends_the_retry(start_worker, app, counters):
     assert len(archived(counters, result.id)) == 2
 
 
-def test_acks_late_false_is_refused(app):
-    from kombu_pgmq import AtomicTask
-    from kombu_pgmq.errors import ConfigurationError
-
-    def early() -> None:  # pragma: no cover - never runs
-        pass
-
-    with pytest.raises(ConfigurationError, match="acks_late=False"):
-        app.task(base=AtomicTask, acks_late=False, name="e2e.early", shared=False, lazy=False)(
-            early
-        )
-
-
 def test_fencing_the_delivery_that_lost_its_message_commits_nothing(start_worker, app, counters):
     # no lease renewal: the first run's visibility timeout (2 s) passes while it sleeps,
     # the second worker receives the message again and commits first
