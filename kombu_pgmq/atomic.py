@@ -60,6 +60,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import importlib
+import inspect
 import logging
 import os
 import threading
@@ -387,8 +388,9 @@ def _own(target: Any) -> bool:
     return target is None or isinstance(target, str)
 
 
-def _open(target: Any, broker_url: str) -> _Transaction:
-    """The transaction a task runs in, on ``target`` (an ``atomic_db``).
+def _open(target: Any, broker_url: str, *, made: bool = False) -> _Transaction:
+    """The transaction a task runs in, on ``target`` (an ``atomic_db``; ``made``: it was
+    returned by the task's factory, so a Session of it is closed after the task).
 
     Raises:
         ConfigurationError: ``target`` is none of the accepted kinds.
@@ -398,9 +400,8 @@ def _open(target: Any, broker_url: str) -> _Transaction:
     if isinstance(target, str):
         conn = _connection(_dsn(target))
         return _Transaction(conn, conn.transaction())
-    made = False
-    if callable(target) and not isinstance(target, psycopg.Connection):
-        target, made = target(), True
+    if isinstance(target, psycopg.Connection):
+        return _Transaction(target, target.transaction())
     module = type(target).__module__
     if module.startswith("sqlalchemy."):
         if hasattr(target, "dispose"):  # an Engine: a Session per task
@@ -408,17 +409,27 @@ def _open(target: Any, broker_url: str) -> _Transaction:
             return _Transaction(session, session.begin(), session.close)
         if hasattr(target, "get_bind"):  # a Session
             return _Transaction(target, target.begin(), target.close if made else None)
-        return _Transaction(target, target.begin())  # a Connection
-    if getattr(target, "vendor", None) is not None and hasattr(target, "ensure_connection"):
+        if hasattr(target, "in_transaction") and not callable(target):  # a Connection
+            return _Transaction(target, target.begin())
+    elif getattr(target, "vendor", None) is not None and hasattr(target, "ensure_connection"):
         transaction = _application_module("django.db.transaction")
         return _Transaction(target, transaction.atomic(using=target.alias))
-    if isinstance(target, psycopg.Connection):
-        return _Transaction(target, target.transaction())
+    if not made and _is_factory(target, module):
+        return _open(target(), broker_url, made=True)
     raise errors.ConfigurationError(
-        f"AtomicTask.atomic_db: {type(target).__module__}.{type(target).__name__} is not "
-        "a libpq URL, a psycopg 3 Connection, a SQLAlchemy Engine, sessionmaker, Session "
-        "or Connection, or a Django connection (or a callable returning one)"
+        f"AtomicTask.atomic_db: {module}.{type(target).__name__} is not a libpq URL, a "
+        "psycopg 3 Connection, a SQLAlchemy Engine, sessionmaker, Session or Connection, "
+        "a Django connection, or a function returning one of those"
     )
+
+
+def _is_factory(target: Any, module: str) -> bool:
+    """Whether ``target`` is meant to be called for a connection: a function, method or
+    partial, or SQLAlchemy's ``sessionmaker``/``scoped_session`` (not any object with a
+    ``__call__``, such as a DB-API connection of another driver)."""
+    if inspect.isroutine(target) or isinstance(target, functools.partial):
+        return True
+    return module.startswith("sqlalchemy.") and callable(target)
 
 
 @functools.lru_cache(maxsize=64)

@@ -6,6 +6,7 @@ errors of ``self.db`` outside a task body and of a message without kombu_pgmq's 
 
 from __future__ import annotations
 
+import sqlite3
 from types import SimpleNamespace
 from typing import Any
 
@@ -118,8 +119,9 @@ class Unsupported:
         (Unsupported(), "tests.unit.test_atomic.Unsupported"),
         (42, "builtins.int"),
         (lambda: Unsupported(), "tests.unit.test_atomic.Unsupported"),  # a factory's result
+        (sqlite3.connect(":memory:"), "sqlite3.Connection"),  # callable, yet not a factory
     ],
-    ids=["object", "int", "callable"],
+    ids=["object", "int", "callable", "another-driver"],
 )
 def test_an_unsupported_atomic_db_is_refused_naming_its_type(target: Any, named: str) -> None:
     with pytest.raises(errors.ConfigurationError, match=r"AtomicTask\.atomic_db") as info:
