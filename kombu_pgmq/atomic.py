@@ -105,12 +105,14 @@ class _Transaction:
     Arguments:
         handle: what ``self.db`` returns (a psycopg ``Connection``, a SQLAlchemy
             ``Session``/``Connection``, a Django connection).
-        manager: the driver's transaction context manager: commits on a clean exit,
-            rolls back on one with an exception.
+        manager: the driver's transaction context manager (commits on a clean exit, rolls
+            back on one with an exception); None: ``handle`` is a connection of
+            kombu_pgmq's own, in autocommit, whose transaction is begun with ``BEGIN`` and
+            committed in the same round trip as the ack.
         close: called once the transaction ended (a Session made for the task), or None.
     """
 
-    def __init__(self, handle: Any, manager: Any, close: Any = None) -> None:
+    def __init__(self, handle: Any, manager: Any = None, close: Any = None) -> None:
         self.handle = handle
         self.manager = manager
         self.close = close
@@ -118,14 +120,28 @@ class _Transaction:
         self.open = False
         self._tokens: list[tuple[contextvars.ContextVar[Any], contextvars.Token[Any]]] = []
 
+    @property
+    def own(self) -> bool:
+        """Whether the connection is kombu_pgmq's own (see ``manager``)."""
+        return self.manager is None
+
     def begin(self, broker_url: str) -> None:
         """Begin, and bind this context's kombu_pgmq publishes and result writes to it.
 
         Raises:
             ConfigurationError: the connection is not to the broker's database.
         """
-        self.manager.__enter__()
-        self.open = True
+        if self.own:
+            self._bind(broker_url)
+            assert self.bound is not None
+            self.bound.binding.external.execute("begin")
+            self.open = True
+        else:
+            self.manager.__enter__()
+            self.open = True
+            self._bind(broker_url)
+
+    def _bind(self, broker_url: str) -> None:
         self.bound = using(driver_connection(self.handle), broker_url=broker_url)
         self.bound.binding.check_broker(_dsn(broker_url), "the Celery app's broker_url")
         self.bound.__enter__()
@@ -142,9 +158,38 @@ class _Transaction:
             self._tokens = []
             self.bound.__exit__(None, None, None)
 
-    def commit(self) -> None:
+    def settle(self, held: Receipt) -> None:
+        """Ack ``held`` in the transaction; on kombu_pgmq's own connection, commit it in
+        the same round trip.
+
+        Raises:
+            StaleDelivery: the receipt is no longer held (the transaction is aborted).
+            ConfigurationError: the task body committed or rolled back the transaction
+                itself.
+        """
+        assert self.bound is not None
+        broker = self.bound.binding.broker
+        if not self.own:
+            broker.ack_in_transaction(held)
+            return
+        if self.handle.info.transaction_status != psycopg.pq.TransactionStatus.INTRANS:
+            raise errors.ConfigurationError(
+                "an AtomicTask's body ended its transaction itself (commit() or "
+                "rollback() on self.db): its writes were not applied with the ack; let "
+                "the task commit"
+            )
+        broker.ack_in_transaction(held, commit=True)
         self.open = False
-        self.manager.__exit__(None, None, None)
+
+    def commit(self) -> None:
+        if not self.open:
+            return
+        self.open = False
+        if self.own:
+            assert self.bound is not None
+            self.bound.binding.external.execute("commit")
+        else:
+            self.manager.__exit__(None, None, None)
 
     def rollback(self) -> None:
         """Roll back (a failure to, on a lost connection, is logged: the server rolls
@@ -152,6 +197,13 @@ class _Transaction:
         if not self.open:
             return
         self.open = False
+        if self.own:
+            try:
+                assert self.bound is not None
+                self.bound.binding.external.execute("rollback")
+            except errors.KombuPgmqError as failure:
+                logger.debug("rollback failed (the server rolls it back): %r", failure)
+            return
         exc = _RolledBack()
         try:
             self.manager.__exit__(_RolledBack, exc, None)
@@ -210,7 +262,7 @@ class AtomicTask(Task):
         broker_url = self._broker_url()
         tx: _Transaction | None = None
         try:
-            tx = _begin(self.atomic_db, broker_url)
+            tx = _begin(self._atomic_db(), broker_url)
             retval = self.run(*args, **kwargs)
             if held is not None:
                 self._complete(tx, held, retval, request)
@@ -259,7 +311,14 @@ class AtomicTask(Task):
             # Celery's tracer calls mark_as_done again after the body: nothing left to do
             request.ignore_result = True
             request.chord = None
-        tx.bound.binding.broker.ack_in_transaction(held)
+        tx.settle(held)
+
+    def _atomic_db(self) -> Any:
+        """``atomic_db`` as given: a function set on the class is not bound as a method."""
+        target = inspect.getattr_static(type(self), "atomic_db", None)
+        if isinstance(target, classmethod):
+            return type(self).atomic_db
+        return target.__func__ if isinstance(target, staticmethod) else target
 
     def _receipt(self, request: Any) -> Receipt:
         info = (request.properties or {}).get("delivery_info") or {}
@@ -398,8 +457,7 @@ def _open(target: Any, broker_url: str, *, made: bool = False) -> _Transaction:
     if target is None:
         target = broker_url
     if isinstance(target, str):
-        conn = _connection(_dsn(target))
-        return _Transaction(conn, conn.transaction())
+        return _Transaction(_connection(_dsn(target)))
     if isinstance(target, psycopg.Connection):
         return _Transaction(target, target.transaction())
     module = type(target).__module__

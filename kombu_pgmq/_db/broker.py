@@ -418,24 +418,28 @@ class Broker:
         )
         return {(r.queue, int(r.msg_id)) for r in rows}
 
-    def ack_in_transaction(self, held: Receipt) -> None:
+    def ack_in_transaction(self, held: Receipt, *, commit: bool = False) -> None:
         """Archive the message ``held`` (a receipt) in this connector's open transaction
         (an application's connection: :class:`~kombu_pgmq._db.external.ExternalConnector`),
         counted as settled in a transaction; it commits or rolls back with that
-        transaction.
+        transaction. ``commit``: then commit the transaction, in the same round trip (on
+        a connection kombu_pgmq began the transaction of itself, with ``BEGIN``).
 
         Raises:
             StaleDelivery: the receipt is no longer held; the server has aborted the
-                transaction.
-            TransactionError: the statement failed on the application's connection.
+                transaction (with ``commit``: it stays open, aborted; roll it back).
+            TransactionError: the statement, or the commit, failed on that connection.
         """
-        params = {
+        values = {
             "queue": held.queue,
             "msg_id": held.msg_id,
             "read_ct": held.read_ct,
             "enqueued": held.enqueued_at,
         }
-        self.db.execute("ack_in_transaction", params)
+        if commit:
+            self.db.execute_literals("ack_in_transaction_commit", **values)
+        else:
+            self.db.execute("ack_in_transaction", values)
 
     def ack_nowait(
         self,

@@ -400,6 +400,22 @@ class Connector:
         rows: list[Any] = self.fetch(query, params)
         return [r[0] for r in rows]
 
+    def execute_literals(self, name: str, **values: Any) -> None:
+        """Run named statement ``name`` with its ``{placeholders}`` filled by quoted
+        literals (psycopg's quoting, never string formatting), sent without parameters:
+        the simple query protocol, so its text may hold several statements, one round
+        trip for all."""
+        statement = sql.SQL(self._q[name]).format(
+            **{key: sql.Literal(value) for key, value in values.items()}
+        )
+        try:
+            conn = self.connection
+            if self._pending is not None:
+                self._collect(conn)
+            conn.execute(statement, prepare=False)
+        except psycopg.Error as exc:
+            raise self._fail(exc) from exc
+
     def script(self, text: str) -> None:
         """Run a multi-statement SQL script without parameters (a migration file)."""
         try:

@@ -34,3 +34,14 @@ SELECT name FROM pg_prepared_statements WHERE statement = current_query()
 -- name: round_trip
 -- Nothing but a round trip: notifications committed before it are read before its result.
 SELECT 1
+
+-- name: begin
+-- A transaction on a connection of kombu_pgmq's own (autocommit) that an AtomicTask runs
+-- in (kombu_pgmq/atomic.py): it ends with ack_in_transaction_commit, commit or rollback.
+BEGIN
+
+-- name: commit
+COMMIT
+
+-- name: rollback
+ROLLBACK

@@ -140,6 +140,15 @@ FROM kombu_pgmq.ack(%(queues)s::text[], %(msg_ids)s::bigint[], %(read_cts)s::int
 SELECT kombu_pgmq.ack_in_transaction(%(queue)s, %(msg_id)s::bigint, %(read_ct)s::integer,
                                      %(enqueued)s::timestamptz)
 
+-- name: ack_in_transaction_commit
+-- ack_in_transaction, then the COMMIT of its transaction, in one round trip, on a
+-- connection of kombu_pgmq's own (an AtomicTask's default): {placeholders} are literals
+-- quoted by psycopg, and the text goes without parameters (the simple query protocol,
+-- which takes two statements). A stale receipt (SQLSTATE KP001) stops it before the
+-- COMMIT: the transaction is left aborted, to be rolled back.
+SELECT kombu_pgmq.ack_in_transaction({queue}, {msg_id}, {read_ct}, {enqueued});
+COMMIT
+
 -- name: ack_async
 -- The same with an asynchronous commit (durable_acks=False).
 SELECT queue, msg_id, set_config('synchronous_commit', 'off', true) AS synchronous_commit

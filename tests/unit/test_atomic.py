@@ -181,3 +181,19 @@ def test_a_message_without_a_kombu_pgmq_receipt_is_refused(app: Celery) -> None:
     }
     held = task._receipt(SimpleNamespace(properties={"delivery_info": info}))
     assert (held.queue, held.msg_id, held.read_ct) == ("celery", 7, 2)
+
+
+def test_a_function_given_as_atomic_db_is_called_without_the_task(app: Celery) -> None:
+    # a function set on the task class is not bound as a method: called with no argument
+    def factory() -> Any:
+        return Unsupported()
+
+    def body() -> None:  # pragma: no cover - never runs
+        pass
+
+    task = app.task(
+        base=AtomicTask, atomic_db=factory, name="unit.factory", shared=False, lazy=False
+    )(body)
+    assert task._atomic_db() is factory
+    with pytest.raises(errors.ConfigurationError, match=r"Unsupported is not a libpq URL"):
+        _open(task._atomic_db(), BROKER_URL)
