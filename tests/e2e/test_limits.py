@@ -177,14 +177,19 @@ def test_rate_holds_across_two_workers(
     # Where the limit is enforced: the reads (PGMQ 1.11+ keeps each one's time).
     archive = f"pgmq.a_{pgmq_queue_name(QUEUE)}"
     if has_column(db, archive, "last_read_at"):
-        read_at = dict(
-            db.execute(
-                f"SELECT headers ->> 'id', extract(epoch FROM last_read_at)::float8"
-                f" FROM {archive} WHERE headers ->> 'task' = %s",
-                (TASK,),
-            ).fetchall()
-        )
-        assert len(read_at) == tasks
+
+        def archived() -> dict[str, float]:
+            return dict(
+                db.execute(
+                    f"SELECT headers ->> 'id', extract(epoch FROM last_read_at)::float8"
+                    f" FROM {archive} WHERE headers ->> 'task' = %s",
+                    (TASK,),
+                ).fetchall()
+            )
+
+        # a task's ack reaches the archive after its body recorded its end
+        wait_for(lambda: len(archived()) == tasks, 30, f"the acks of {tasks} runs")
+        read_at = archived()
         lags = sorted(r.start - read_at[r.task_id] for r in runs)
         reads_densest = densest_second(sorted(read_at.values()))
         print(
