@@ -13,6 +13,7 @@ from the ack until the task ends): tests/e2e/test_limits_early_ack.py.
 from __future__ import annotations
 
 import json
+import math
 import time
 from bisect import bisect_right
 from collections.abc import Callable, Iterable
@@ -171,9 +172,10 @@ def test_rate_holds_across_two_workers(
     )
     assert abs(elapsed - implied) <= 0.05 * implied
     # The bucket bounds the reads of any second to rate + burst (checked below). A start
-    # follows its read by a lag that varies (measured: 2 to 70 ms); a variation above one
-    # token's interval (50 ms) lets a second of starts hold one more than its reads.
-    assert densest <= rate + burst + 1
+    # follows its read by a lag that varies (measured: 2 to 70 ms, more on a loaded
+    # machine); a second of starts can hold one more than its reads per token interval
+    # (50 ms) of that variation: at least one.
+    slack = 1
     # Where the limit is enforced: the reads (PGMQ 1.11+ keeps each one's time).
     archive = f"pgmq.a_{pgmq_queue_name(QUEUE)}"
     if has_column(db, archive, "last_read_at"):
@@ -197,6 +199,8 @@ def test_rate_holds_across_two_workers(
             f" median {lags[tasks // 2]:.3f} s, max {lags[-1]:.3f} s"
         )
         assert reads_densest <= rate + burst
+        slack = max(slack, math.ceil((lags[-1] - lags[0]) * rate))
+    assert densest <= rate + burst + slack, f"lag spread allows {slack} more"
 
 
 def densest_second(times: list[float]) -> int:

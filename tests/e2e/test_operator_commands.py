@@ -43,6 +43,7 @@ RESULT_TIMEOUT_S = 30.0
 CLI_REPLY_TIMEOUT_S = "20"
 E2E_TASKS = [
     "e2e.add",
+    "e2e.atomic_add",
     "e2e.beat_tick",
     "e2e.big",
     "e2e.chord_part",
