@@ -95,14 +95,12 @@ def test_retry_rolls_back_and_sends_the_retry(start_worker, app, counters):
 
 
 def test_fencing_the_delivery_that_lost_its_message_commits_nothing(start_worker, app, counters):
-    # no lease renewal: the first run's visibility timeout (2 s) passes while it sleeps,
-    # the second worker receives the message again and commits first
-    env = {
-        "KPT_VISIBILITY_TIMEOUT": "2",
-        "KPT_LEASE_RENEWAL_INTERVAL": "0",
-        "KPT_PREFETCH_MULTIPLIER": "1",
-    }
-    first = start_worker(concurrency=1, **env)
+    # The first worker renews no lease: its run's visibility timeout (2 s) passes while it
+    # sleeps, and the second worker receives the message again. The second run's write
+    # waits for the first run's uncommitted one (the same row) and renews its own lease
+    # meanwhile; the first run's ack is fenced, it rolls back, the second run commits.
+    env = {"KPT_VISIBILITY_TIMEOUT": "2", "KPT_PREFETCH_MULTIPLIER": "1"}
+    first = start_worker(concurrency=1, **env, KPT_LEASE_RENEWAL_INTERVAL="0")
     result = app.tasks["e2e.atomic_add"].delay("fenced", sleep_seconds=6)
     wait_for(lambda: len(runs(counters, result.id)) == 1, timeout=60, what="the first run")
     second = start_worker(concurrency=1, **env)
