@@ -28,14 +28,16 @@ _DIRECTORY_MARKERS = {"integration": "integration", "e2e": "e2e", "spark": "spar
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:
-    """The ``spark`` tests (tests/spark, and those marked ``spark``) form one
+    """The tests that take both cores, the ``spark`` tests (tests/spark, and those marked
+    ``spark``) and those marked ``heavy`` (the fault-injection runs), form one
     ``xdist_group`` (``--dist loadgroup``): they run one after another on one test
-    process, since each starts JVMs that take the two cores, and a Spark job started beside
-    another missed its time limits. Marked as each is collected: pytest-xdist reads the
-    group in its own pytest_collection_modifyitems."""
+    process, since each keeps the two cores busy (JVMs, or eight pool processes), a
+    Spark job started beside another missed its time limits, and timed tests beside a
+    fault-injection run missed theirs. Marked as each is collected: pytest-xdist reads
+    the group in its own pytest_collection_modifyitems."""
     in_spark_dir = item.path.is_relative_to(_TESTS_DIR / "spark")
-    if in_spark_dir or item.get_closest_marker("spark"):
-        item.add_marker(pytest.mark.xdist_group("spark"))
+    if in_spark_dir or item.get_closest_marker("spark") or item.get_closest_marker("heavy"):
+        item.add_marker(pytest.mark.xdist_group("heavy"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

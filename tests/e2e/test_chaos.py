@@ -29,6 +29,7 @@ def crashable_server() -> Any:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_no_task_lost_when_workers_are_killed_and_postgresql_crashes(
     crashable_server: pgserver.LocalServer, tmp_path: Path
 ) -> None:
@@ -69,6 +70,7 @@ def test_no_task_lost_when_workers_are_killed_and_postgresql_crashes(
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_no_task_lost_when_workers_are_killed_behind_a_held_snapshot(
     crashable_server: pgserver.LocalServer, tmp_path: Path
 ) -> None:

@@ -68,10 +68,11 @@ def test_cancel_is_durable_and_revokes_a_delivered_task(start_worker, app, db, d
     cancelled = kombu_pgmq(db_dsn, "task", "cancel", queued.id)
     assert cancelled.returncode == 0 and "reason cancelled" in cancelled.stdout, cancelled.stderr
 
-    start_worker(KPT_ETA_LEAD_SECONDS="3", KPT_POLLING_INTERVAL="0.5")
-    # Delivered 3 s before its ETA, then held by the worker: revoked through Celery.
-    delivered = record.apply_async(("revoked while held",), countdown=6)
-    past_both_etas = max(queued_eta, time.monotonic() + 6) + 2  # the later ETA, 2 s to run
+    start_worker(KPT_ETA_LEAD_SECONDS="8", KPT_POLLING_INTERVAL="0.5")
+    # Delivered 8 s before its ETA, then held by the worker: revoked through Celery (the
+    # command and the broadcast have those 8 s, on a loaded machine too).
+    delivered = record.apply_async(("revoked while held",), countdown=11)
+    past_both_etas = max(queued_eta, time.monotonic() + 11) + 2  # the later ETA, 2 s to run
     wait_for(
         lambda: [f["state"] for f in find(db_dsn, delivered.id)] == ["in_flight"],
         20,
