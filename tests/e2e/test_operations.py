@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from tests.e2e import celery_app
 from tests.e2e.helpers import REPO_ROOT, celery_cli, runs, wait_for
 
 
@@ -58,7 +59,7 @@ def test_pause_stops_delivery_and_resume_delivers(start_worker, app, db, db_dsn,
 
 
 @pytest.mark.slow
-def test_cancel_is_durable_and_revokes_a_delivered_task(start_worker, app, db, db_dsn):
+def test_cancel_is_durable_and_revokes_a_delivered_task(start_worker, app, db, db_dsn, e2e_env):
     record = app.tasks["e2e.record"]
     # Queued with a countdown, no worker yet: cancelled in the table, so a worker started
     # afterwards never receives it (Celery's revoke lives in workers' memory only).
@@ -68,10 +69,16 @@ def test_cancel_is_durable_and_revokes_a_delivered_task(start_worker, app, db, d
     cancelled = kombu_pgmq(db_dsn, "task", "cancel", queued.id)
     assert cancelled.returncode == 0 and "reason cancelled" in cancelled.stdout, cancelled.stderr
 
-    start_worker(KPT_ETA_LEAD_SECONDS="8", KPT_POLLING_INTERVAL="0.5")
-    # Delivered 8 s before its ETA, then held by the worker: revoked through Celery (the
-    # command and the broadcast have those 8 s, on a loaded machine too).
-    delivered = record.apply_async(("revoked while held",), countdown=11)
+    start_worker(KPT_POLLING_INTERVAL="0.5")
+    # Delivered 8 s before its ETA (the publisher's eta_lead_seconds), then held by the
+    # worker: revoked through Celery (the command and the broadcast have those 8 s, on a
+    # loaded machine too).
+    publisher = celery_app.create_app({**e2e_env, "KPT_ETA_LEAD_SECONDS": "8"})
+    try:
+        sent = publisher.tasks["e2e.record"].apply_async(("revoked while held",), countdown=11)
+    finally:
+        publisher.close()
+    delivered = app.AsyncResult(sent.id)
     past_both_etas = max(queued_eta, time.monotonic() + 11) + 2  # the later ETA, 2 s to run
     wait_for(
         lambda: [f["state"] for f in find(db_dsn, delivered.id)] == ["in_flight"],

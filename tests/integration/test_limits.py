@@ -153,9 +153,10 @@ def test_rate_is_a_token_bucket_over_sql_reads(db_dsn):
     comes (1/20 s), then about 20 a second, never more than the bucket allows."""
     with connect(db_dsn) as conn:
         publish(conn, "rated", list(range(120)))
-    set_limits(db_dsn, "rated", {"rate": "20/s", "burst": 5})
-    # the bucket starts refilling at the first read, somewhere between these two times
+    # the bucket refills from when the limit is set (tokens that come before the first
+    # read count too), at most from here
     before = time.monotonic()
+    set_limits(db_dsn, "rated", {"rate": "20/s", "burst": 5})
     first = sql_read(db_dsn, ["rated"], 50)
     started = time.monotonic()
     assert len(first.messages) == 5
